@@ -1,0 +1,48 @@
+"""Dataset: raw ``X`` binned once (bin edges + ``X_binned``), with labels and weights.
+
+Build it once and reuse it: ``jb.train`` takes a Dataset in place of ``X, y``, eval sets and
+test sets are binned with the training set's edges (pass ``reference=``), and a model keeps the
+edges so it predicts on raw ``X``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .binning import BinEdges, apply_bins, fit_bin_edges
+from .validation import check_base_margin, check_features, check_labels, check_sample_weight
+
+
+class Dataset:
+    """Binned features with optional labels, sample weights and base margins.
+
+    Args:
+      X: (n, d) numeric array or DataFrame; NaN marks missing values.
+      y: labels (n,), or None for data only predicted on.
+      sample_weight: non-negative per-row weights.
+      max_bin: codes per feature, the missing-value code included (at most 256).
+      reference: a Dataset whose bin edges to reuse (eval and test sets).
+      base_margin: per-row offsets of the raw prediction, (n,) or (n, K).
+    """
+
+    def __init__(self, X, y=None, sample_weight=None, max_bin: int = 256, *, reference: "Dataset | None" = None,
+                 bin_edges: BinEdges | None = None, base_margin=None):
+        features, self.feature_names = check_features(
+            X, n_features=None if reference is None else reference.n_features)
+        self.n_rows, self.n_features = features.shape
+        self.y = None if y is None else check_labels(y, self.n_rows)
+        self.sample_weight = check_sample_weight(sample_weight, self.n_rows)
+        self.base_margin = None if base_margin is None else np.asarray(base_margin, dtype=np.float32)
+        if self.base_margin is not None:
+            check_base_margin(self.base_margin, self.n_rows, 1 if self.base_margin.ndim == 1 else
+                              self.base_margin.shape[1])
+        if reference is not None:
+            bin_edges = reference.bin_edges
+        if bin_edges is None:
+            bin_edges = fit_bin_edges(features, max_bin=max_bin, sample_weight=sample_weight)
+        self.bin_edges = bin_edges
+        self.max_bin = bin_edges.max_bin
+        self.X_binned = apply_bins(features, bin_edges)
+
+    def __repr__(self) -> str:
+        return f"Dataset(n_rows={self.n_rows}, n_features={self.n_features}, max_bin={self.max_bin})"

@@ -1,0 +1,48 @@
+"""Per-round gradients and Hessian diagonals of a per-example loss, by autodiff.
+
+The loss is ``loss(raw_prediction, y) -> scalar`` for ONE example, the optax convention;
+``raw_prediction`` is a scalar for single-output losses and a length-K vector otherwise. The
+gradient comes from ``jax.grad`` and the Hessian diagonal from forward-over-reverse
+(``jax.jvp`` of the gradient), both in one pass; rows are batched with ``jax.vmap``. Nobody
+writes a derivative by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def _example_gradient_and_hessian_diagonal(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
+    def gradient(f):
+        return jax.grad(loss)(f, y)
+
+    if raw_prediction.ndim == 0:
+        return jax.jvp(gradient, (raw_prediction,), (jnp.ones_like(raw_prediction),))
+
+    # One Hessian-vector product per output, keeping the diagonal entry of each.
+    basis = jnp.eye(raw_prediction.shape[0], dtype=raw_prediction.dtype)
+    g, hessian_columns = jax.vmap(lambda e: jax.jvp(gradient, (raw_prediction,), (e,)))(basis)
+    return g[0], jnp.diagonal(hessian_columns)
+
+
+def gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
+    """Row-wise ``(g, h)`` of ``loss`` at ``raw_prediction``.
+
+    Args:
+      loss: per-example loss.
+      raw_prediction: ``(n,)`` for single-output losses or ``(n, K)``.
+      y: ``(n,)`` labels.
+
+    Returns:
+      ``(g, h)`` shaped like ``raw_prediction``; ``h`` is the Hessian diagonal.
+    """
+    return jax.vmap(lambda f, label: _example_gradient_and_hessian_diagonal(loss, f, label))(raw_prediction, y)
+
+
+def output_gradient(loss: Callable, raw_prediction: jax.Array, y: jax.Array, output: int | None) -> jax.Array:
+    """Row-wise ``d loss / d raw_prediction[output]`` (the whole gradient when ``output`` is None)."""
+    g = jax.vmap(jax.grad(loss))(raw_prediction, y)
+    return g if output is None else g[:, output]

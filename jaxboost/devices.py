@@ -1,0 +1,77 @@
+"""Devices: one host device per CPU core, and the mesh that rows are sharded over.
+
+XLA's CPU backend runs a scatter on one core; the only way to use every core for the
+histogram kernel is to give JAX one host device per core and shard the rows over them
+(``shard_map`` + ``psum``). That must be configured before JAX initialises its backends, so
+importing jaxboost does it when it still can and the user has not configured devices.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+ROW_AXIS = "rows"
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _backends_initialized() -> bool:
+    try:
+        from jax._src import xla_bridge
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # a JAX without the probe: assume the worst
+        return True
+
+
+def use_cpu_cores(n: int | None = None) -> None:
+    """Give JAX ``n`` host CPU devices (default: one per core). Call before JAX starts.
+
+    Raises RuntimeError if JAX's backends are already initialised (then set
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before starting Python instead).
+    """
+    n = n or os.cpu_count() or 1
+    if _backends_initialized():
+        raise RuntimeError("jaxboost.use_cpu_cores must be called before JAX initialises its backends "
+                           "(before any JAX computation); set XLA_FLAGS=--xla_force_host_platform_device_count="
+                           f"{n} in the environment instead")
+    jax.config.update("jax_num_cpu_devices", int(n))
+
+
+def configure_default_cpu_devices() -> None:
+    """At import: one CPU device per core unless the user has already chosen, or JAX has started."""
+    user_chose = _DEVICE_FLAG in os.environ.get("XLA_FLAGS", "") or jax.config.jax_num_cpu_devices not in (-1, None)
+    if user_chose or _backends_initialized() or os.environ.get("JAXBOOST_NO_DEVICE_SETUP"):
+        return
+    cores = os.cpu_count() or 1
+    if cores > 1:
+        jax.config.update("jax_num_cpu_devices", cores)
+
+
+_warned_single_device = False
+
+
+def row_mesh() -> Mesh:
+    """A 1-D mesh over the default backend's local devices; rows are sharded along it."""
+    global _warned_single_device
+    devices = jax.local_devices()
+    if (len(devices) == 1 and devices[0].platform == "cpu" and (os.cpu_count() or 1) > 1
+            and not _warned_single_device):
+        _warned_single_device = True
+        warnings.warn("jaxboost is training on one CPU device of a multi-core machine, so the histogram "
+                      "kernel uses one core; call jaxboost.use_cpu_cores() before JAX starts (or import "
+                      "jaxboost first) to use them all", RuntimeWarning, stacklevel=3)
+    return Mesh(np.array(devices), (ROW_AXIS,))
+
+
+def row_sharding(mesh: Mesh, ndim: int, row_axis: int = 0) -> NamedSharding:
+    spec = [None] * ndim
+    spec[row_axis] = ROW_AXIS
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

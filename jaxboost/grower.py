@@ -1,0 +1,205 @@
+"""Grower: one depth-wise tree from per-row gradients and Hessians, as one traced unit.
+
+Every level is handled for all its nodes at once with static shapes: build histograms, scan
+them for each node's best split, route rows to children. Only the smaller child of each split
+gets a fresh histogram; its sibling's is the parent's minus it. Nodes that cannot split are
+masked, never branched on. Afterwards, splits whose two children are leaves and whose
+``loss_chg`` is below ``gamma`` are pruned bottom-up (XGBoost's ``min_split_loss``).
+
+Rows may be sharded over devices: pass the mapped ``axis_name`` and every sum over rows
+(histograms, row counts) is completed with ``psum``; everything else is row-local or replicated.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .histogram import build_histogram
+from .line_search import all_sum
+from .regularizer import Regularization, leaf_value
+from .split import find_best_splits
+from .tree import Tree, num_heap_nodes
+
+# XGBoost's kRtEps: a split must improve the objective by more than this.
+MIN_LOSS_CHANGE = 1e-6
+
+
+class GrowthParams(NamedTuple):
+    """Traced per-tree hyperparameters (changing them does not recompile)."""
+
+    reg: Regularization
+    learning_rate: jax.Array
+    gamma: jax.Array
+    min_child_weight: jax.Array
+    colsample_bylevel: jax.Array
+    colsample_bynode: jax.Array
+
+
+def sample_features(key: jax.Array, allowed: jax.Array, fraction: jax.Array) -> jax.Array:
+    """Keep ``max(1, floor(fraction * #allowed))`` of the allowed features (last axis), uniformly."""
+    scores = jnp.where(allowed, jax.random.uniform(key, allowed.shape), 2.0)
+    rank = jnp.argsort(jnp.argsort(scores, axis=-1), axis=-1)
+    count = jnp.sum(allowed, axis=-1, keepdims=True)
+    keep = jnp.maximum(1, jnp.floor(fraction * count).astype(jnp.int32))
+    return allowed & (rank < keep)
+
+
+def empty_tree(num_nodes: int) -> Tree:
+    zeros_f = jnp.zeros(num_nodes, jnp.float32)
+    zeros_i = jnp.zeros(num_nodes, jnp.int32)
+    zeros_b = jnp.zeros(num_nodes, bool)
+    return Tree(zeros_i, zeros_i, zeros_b, zeros_b, zeros_f, zeros_f, zeros_f)
+
+
+def _children(nodes: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
+    return jnp.minimum(2 * nodes + 1, num_nodes - 1), jnp.minimum(2 * nodes + 2, num_nodes - 1)
+
+
+def prune_by_gamma(tree: Tree, max_depth: int, gamma: jax.Array) -> tuple[Tree, jax.Array]:
+    """Turn into leaves, bottom-up, the splits whose children are leaves and whose loss_chg < gamma.
+
+    Returns the pruned tree and ``surviving_leaf`` (num_nodes,): for every former leaf, the leaf
+    that now holds its rows. Each pass looks at all nodes at once; ``max_depth`` passes reach
+    the root.
+    """
+    num_nodes = tree.is_leaf.shape[0]
+    nodes = jnp.arange(num_nodes)
+    left, right = _children(nodes, num_nodes)
+    is_split = ~tree.is_leaf & (tree.loss_change > 0)
+
+    def prune_pass(_, is_leaf):
+        prune = is_split & ~is_leaf & is_leaf[left] & is_leaf[right] & (tree.loss_change < gamma)
+        pruned_parent = prune[(nodes - 1) // 2] & (nodes > 0)
+        return (is_leaf | prune) & ~pruned_parent
+
+    is_leaf = jax.lax.fori_loop(0, max_depth, prune_pass, tree.is_leaf)
+
+    def hand_down(_, state):
+        # A node below a (new) leaf hands its rows to that leaf.
+        surviving_leaf, closed = state
+        parent = jnp.maximum((nodes - 1) // 2, 0)
+        inherit = closed[parent] & (nodes > 0)
+        return jnp.where(inherit, surviving_leaf[parent], surviving_leaf), closed | inherit
+
+    surviving_leaf, _ = jax.lax.fori_loop(0, max_depth, hand_down, (nodes, is_leaf))
+    pruned = tree._replace(is_leaf=is_leaf, loss_change=jnp.where(is_leaf, 0.0, tree.loss_change))
+    return pruned, surviving_leaf
+
+
+class _LevelState(NamedTuple):
+    tree: Tree
+    node_of_row: jax.Array  # (n,) position of each row's node within the current level
+    row_leaf: jax.Array  # (n,) heap index of the leaf a row stopped in (valid once it stopped)
+    active: jax.Array  # (2^D,) the level's nodes that exist and may split
+    level_gradients: jax.Array  # (2^D,)
+    level_hessians: jax.Array  # (2^D,)
+    histograms: jax.Array  # (2^(D-1), d, bins, 2) of the level's nodes
+
+
+def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, feature_allowed: jax.Array,
+              key: jax.Array, params: GrowthParams, max_depth: int, max_bin: int,
+              axis_name: str | None = None) -> tuple[Tree, jax.Array]:
+    """Grow one tree.
+
+    Args:
+      X_binned_T: uint8 ``(n_features, n_rows)``.
+      gradients, hessians: float32 ``(n_rows,)``, sample weights already applied; rows out of
+        the sample (or padding) carry zeros.
+      feature_allowed: bool ``(n_features,)``, the features sampled for this tree.
+      key: PRNG key for per-level and per-node column sampling.
+
+    Returns:
+      ``(tree, row_leaf)``: the tree's node arrays (values times the learning rate) and the
+      heap index of the leaf holding each row.
+
+    The levels run in a ``fori_loop`` over buffers sized for the deepest level, so the compiled
+    program does not grow with ``max_depth``.
+    """
+    n_features, n_rows = X_binned_T.shape
+    missing_bin = max_bin - 1
+    num_nodes = num_heap_nodes(max_depth)
+    leaf_capacity = 2 ** max_depth  # nodes of the deepest level
+    split_capacity = leaf_capacity // 2  # nodes of the deepest level that may split
+    row_ids = jnp.arange(n_rows)
+
+    def record_values(tree, depth, active, level_gradients, level_hessians):
+        capacity = active.shape[0]
+        positions = jnp.arange(capacity)
+        heap_index = jnp.where(positions < 2 ** depth, 2 ** depth - 1 + positions, num_nodes)
+        values = params.learning_rate * leaf_value(level_gradients, level_hessians, params.reg)
+        return tree._replace(
+            value=tree.value.at[heap_index].set(jnp.where(active, values, 0.0), mode="drop"),
+            sum_hessians=tree.sum_hessians.at[heap_index].set(jnp.where(active, level_hessians, 0.0), mode="drop"),
+        ), heap_index
+
+    def split_level(depth, state: _LevelState) -> _LevelState:
+        active = state.active[:split_capacity]
+        tree, heap_index = record_values(state.tree, depth, active, state.level_gradients[:split_capacity],
+                                         state.level_hessians[:split_capacity])
+        level_key = jax.random.fold_in(key, depth)
+        level_features = sample_features(jax.random.fold_in(level_key, 0), feature_allowed, params.colsample_bylevel)
+        node_features = sample_features(jax.random.fold_in(level_key, 1),
+                                        jnp.broadcast_to(level_features, (split_capacity, n_features)),
+                                        params.colsample_bynode)
+        split = find_best_splits(state.histograms, node_features, params.reg, params.min_child_weight)
+        splits = active & (split.loss_change > MIN_LOSS_CHANGE)
+        tree = tree._replace(
+            feature=tree.feature.at[heap_index].set(jnp.where(splits, split.feature, 0), mode="drop"),
+            threshold_bin=tree.threshold_bin.at[heap_index].set(jnp.where(splits, split.threshold_bin, 0),
+                                                                mode="drop"),
+            default_left=tree.default_left.at[heap_index].set(splits & split.default_left, mode="drop"),
+            is_leaf=tree.is_leaf.at[heap_index].set(active & ~splits, mode="drop"),
+            loss_change=tree.loss_change.at[heap_index].set(jnp.where(splits, split.loss_change, 0.0), mode="drop"),
+        )
+
+        node_of_row = state.node_of_row
+        row_splits = splits[node_of_row]
+        row_leaf = jnp.where(active[node_of_row] & ~row_splits, heap_index[node_of_row], state.row_leaf)
+        code = X_binned_T[split.feature[node_of_row], row_ids]
+        goes_right = jnp.where(code == missing_bin, ~split.default_left[node_of_row],
+                               code > split.threshold_bin[node_of_row])
+        child_of_row = 2 * node_of_row + goes_right.astype(jnp.int32)
+
+        def children_histograms():
+            # Histogram only the child with fewer rows; the sibling's is the parent's minus it.
+            child_rows = all_sum(jax.ops.segment_sum(row_splits.astype(jnp.float32), child_of_row,
+                                                     2 * split_capacity), axis_name)
+            left_is_smaller = child_rows[0::2] <= child_rows[1::2]
+            in_smaller_child = row_splits & (goes_right != left_is_smaller[node_of_row])
+            smaller = all_sum(build_histogram(X_binned_T, node_of_row, jnp.where(in_smaller_child, gradients, 0.0),
+                                              jnp.where(in_smaller_child, hessians, 0.0), split_capacity, max_bin),
+                              axis_name)
+            larger = state.histograms - smaller
+            choose = left_is_smaller[:, None, None, None]
+            pairs = jnp.stack([jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller)], axis=1)
+            # Children of the level's nodes fit in the first split_capacity slots whenever they
+            # are split next; the deepest level needs no histograms.
+            return pairs.reshape(2 * split_capacity, n_features, max_bin, 2)[:split_capacity]
+
+        histograms = jax.lax.cond(depth + 1 < max_depth, children_histograms, lambda: state.histograms)
+        return _LevelState(
+            tree=tree, node_of_row=child_of_row, row_leaf=row_leaf, active=jnp.repeat(splits, 2),
+            level_gradients=jnp.stack([split.left_gradients, split.right_gradients], axis=1).reshape(-1),
+            level_hessians=jnp.stack([split.left_hessians, split.right_hessians], axis=1).reshape(-1),
+        histograms=histograms)
+
+    root_index = jnp.zeros(n_rows, jnp.int32)
+    state = _LevelState(
+        tree=empty_tree(num_nodes),
+        node_of_row=root_index,
+        row_leaf=root_index,
+        active=jnp.zeros(leaf_capacity, bool).at[0].set(True),
+        level_gradients=jnp.zeros(leaf_capacity).at[0].set(all_sum(jnp.sum(gradients), axis_name)),
+        level_hessians=jnp.zeros(leaf_capacity).at[0].set(all_sum(jnp.sum(hessians), axis_name)),
+        histograms=all_sum(build_histogram(X_binned_T, root_index, gradients, hessians, split_capacity, max_bin),
+                           axis_name),
+    )
+    state = jax.lax.fori_loop(0, max_depth, split_level, state)
+    tree, heap_index = record_values(state.tree, max_depth, state.active, state.level_gradients, state.level_hessians)
+    tree = tree._replace(is_leaf=tree.is_leaf.at[heap_index].set(state.active, mode="drop"))
+    row_leaf = jnp.where(state.active[state.node_of_row], heap_index[state.node_of_row], state.row_leaf)
+    tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
+    return tree, surviving_leaf[row_leaf]

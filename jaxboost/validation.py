@@ -1,0 +1,90 @@
+"""Validation: host-side checks of user input, raised before any work starts.
+
+Every error names the argument and the problem (NaN labels, a wrong feature count, ...), so
+bad input never turns into a silent constant model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def check_features(X, n_features: int | None = None, what: str = "X") -> tuple[np.ndarray, tuple[str, ...] | None]:
+    """``X`` as a C-contiguous float32 (n, d) array, plus its column names if it had any.
+
+    NaN marks a missing value; infinite values and non-numeric columns are errors.
+    """
+    columns = getattr(X, "columns", None)
+    feature_names = None if columns is None else tuple(str(c) for c in columns)
+    try:
+        array = np.asarray(X)
+    except Exception as error:  # pandas extension types and ragged input
+        raise TypeError(f"{what} could not be converted to a numeric array: {error}") from error
+    if array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+        where = ""
+        if feature_names is not None and hasattr(X, "dtypes"):
+            bad = [name for name, dtype in zip(feature_names, X.dtypes) if getattr(dtype, "kind", "O") not in "biuf"]
+            where = f" (columns {bad[:5]})"
+        raise TypeError(f"{what} must be numeric; got dtype {array.dtype}{where}. Categorical features are not "
+                        "supported yet: encode them as numbers")
+    if array.ndim != 2:
+        raise ValueError(f"{what} must be 2-D (rows, features); got shape {array.shape}")
+    if array.shape[0] == 0 or array.shape[1] == 0:
+        raise ValueError(f"{what} is empty: shape {array.shape}")
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if np.isinf(array).any():
+        row, col = np.argwhere(np.isinf(array))[0]
+        raise ValueError(f"{what} contains infinite values (first at row {row}, feature {col}); "
+                         "use NaN for missing values")
+    if n_features is not None and array.shape[1] != n_features:
+        raise ValueError(f"{what} has {array.shape[1]} features but the model was trained on {n_features}")
+    return array, feature_names
+
+
+def check_labels(y, n_rows: int, what: str = "y") -> np.ndarray:
+    """Labels as float64 (n,): finite and one per row."""
+    try:
+        labels = np.asarray(y, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{what} must be numeric labels: {error}") from error
+    if labels.ndim == 2 and labels.shape[1] == 1:
+        labels = labels[:, 0]
+    if labels.ndim != 1:
+        raise ValueError(f"{what} must be 1-D; got shape {labels.shape}")
+    if labels.shape[0] != n_rows:
+        raise ValueError(f"{what} has {labels.shape[0]} labels but X has {n_rows} rows")
+    bad = ~np.isfinite(labels)
+    if bad.any():
+        raise ValueError(f"{what} contains {int(bad.sum())} NaN or infinite label(s) (first at row "
+                         f"{int(np.argmax(bad))}); labels must be finite")
+    return labels
+
+
+def check_sample_weight(sample_weight, n_rows: int, what: str = "sample_weight") -> np.ndarray:
+    """Weights as float32 (n,): finite, non-negative, not all zero (ones if None)."""
+    if sample_weight is None:
+        return np.ones(n_rows, dtype=np.float32)
+    weights = np.asarray(sample_weight, dtype=np.float64)
+    if weights.ndim != 1 or weights.shape[0] != n_rows:
+        raise ValueError(f"{what} must have shape ({n_rows},); got {weights.shape}")
+    if not np.isfinite(weights).all():
+        raise ValueError(f"{what} contains NaN or infinite values")
+    if (weights < 0).any():
+        raise ValueError(f"{what} contains negative values (min {weights.min()})")
+    if not (weights > 0).any():
+        raise ValueError(f"{what} is zero for every row: there is nothing to fit")
+    return weights.astype(np.float32)
+
+
+def check_base_margin(base_margin, n_rows: int, num_outputs: int, what: str = "base_margin") -> np.ndarray | None:
+    """Per-row raw-prediction offsets as float32 (n, K), or None."""
+    if base_margin is None:
+        return None
+    margin = np.asarray(base_margin, dtype=np.float64)
+    if margin.ndim == 1:
+        margin = margin[:, None]
+    if margin.shape != (n_rows, num_outputs):
+        raise ValueError(f"{what} must have shape ({n_rows},) or ({n_rows}, {num_outputs}); got {np.shape(base_margin)}")
+    if not np.isfinite(margin).all():
+        raise ValueError(f"{what} contains NaN or infinite values")
+    return margin.astype(np.float32)

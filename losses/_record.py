@@ -1,0 +1,25 @@
+"""The record describing one built-in objective."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+
+class BuiltinLoss(NamedTuple):
+    """A built-in objective: the per-example loss and what the library needs to know about it."""
+
+    name: str
+    # function(raw_prediction, y, **params) -> scalar, for ONE example; the library gets
+    # gradients and Hessians from it by autodiff.
+    function: Callable
+    # Inverse link used by predict: "identity", "sigmoid", "softmax", "exp",
+    # "sigmoid_2x" (AdaBoost: sigmoid(2F)) or "step" (hinge: 1 if F > 0 else 0).
+    link: str
+    # check_labels(y: np.ndarray) -> None; raises ValueError naming the loss and the
+    # offending value(s).
+    check_labels: Callable
+    # True when the Hessian is zero or undefined on a set of positive measure, so Newton
+    # leaf values are meaningless: leaves are refit by exact 1-D minimisation instead.
+    leaf_refit: bool
+    # True for softmax: K raw outputs per row, labels 0..K-1.
+    multiclass: bool
