@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from .derivatives import gradients_and_hessians, output_gradient
+from .derivatives import output_gradient, values_gradients_and_hessians
 from .devices import ROW_AXIS
 from .grower import GrowthParams, grow_tree, sample_features
 from .line_search import all_sum, minimise_segment_offsets
@@ -58,18 +58,19 @@ class RoundShape(NamedTuple):
 
 
 class RoundHealth(NamedTuple):
-    """Counts of rows whose derivatives a custom loss got wrong this round."""
+    """Counts of rows whose loss value or derivatives a custom loss got wrong this round."""
 
     non_finite: jax.Array
     negative_hessian: jax.Array
 
 
 def loss_derivatives(objective: Objective, raw_prediction: jax.Array, y: jax.Array):
-    """``(g, h)`` as ``(n, K)`` arrays, whether the loss takes a scalar or a vector."""
+    """Loss values ``(n,)`` and ``(g, h)`` as ``(n, K)`` arrays, whether the loss takes a scalar
+    or a vector."""
     if objective.vector_output:
-        return gradients_and_hessians(objective.loss, raw_prediction, y)
-    g, h = gradients_and_hessians(objective.loss, raw_prediction[:, 0], y)
-    return g[:, None], h[:, None]
+        return values_gradients_and_hessians(objective.loss, raw_prediction, y)
+    values, g, h = values_gradients_and_hessians(objective.loss, raw_prediction[:, 0], y)
+    return values, g[:, None], h[:, None]
 
 
 def minimise_offsets(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
@@ -109,10 +110,11 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row
                       feature_allowed, tree_key):
     """Row-local body of a round (inside ``shard_map``): derivatives, K trees, refits, update."""
     objective = shape.objective
-    g, h = loss_derivatives(objective, raw_prediction, y)
+    values, g, h = loss_derivatives(objective, raw_prediction, y)
     counted = (row_weight > 0)[:, None]
+    finite = jnp.isfinite(values)[:, None] & jnp.isfinite(g) & jnp.isfinite(h)
     health = RoundHealth(
-        non_finite=all_sum(jnp.sum(counted & ~(jnp.isfinite(g) & jnp.isfinite(h))), ROW_AXIS),
+        non_finite=all_sum(jnp.sum(counted & ~finite), ROW_AXIS),
         negative_hessian=all_sum(jnp.sum(counted & (h < -NEGATIVE_HESSIAN_TOLERANCE)), ROW_AXIS),
     )
     gradients = jnp.where(counted, g * row_weight[:, None], 0.0)

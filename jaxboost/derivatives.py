@@ -15,21 +15,22 @@ import jax
 import jax.numpy as jnp
 
 
-def _example_gradient_and_hessian_diagonal(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
-    def gradient(f):
-        return jax.grad(loss)(f, y)
+def _example_value_gradient_and_hessian_diagonal(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
+    def value_and_gradient(f):
+        return jax.value_and_grad(loss)(f, y)
 
     if raw_prediction.ndim == 0:
-        return jax.jvp(gradient, (raw_prediction,), (jnp.ones_like(raw_prediction),))
+        (value, g), (_, h) = jax.jvp(value_and_gradient, (raw_prediction,), (jnp.ones_like(raw_prediction),))
+        return value, g, h
 
     # One Hessian-vector product per output, keeping the diagonal entry of each.
     basis = jnp.eye(raw_prediction.shape[0], dtype=raw_prediction.dtype)
-    g, hessian_columns = jax.vmap(lambda e: jax.jvp(gradient, (raw_prediction,), (e,)))(basis)
-    return g[0], jnp.diagonal(hessian_columns)
+    (value, g), (_, hessian_columns) = jax.vmap(lambda e: jax.jvp(value_and_gradient, (raw_prediction,), (e,)))(basis)
+    return value[0], g[0], jnp.diagonal(hessian_columns)
 
 
-def gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
-    """Row-wise ``(g, h)`` of ``loss`` at ``raw_prediction``.
+def values_gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
+    """Row-wise ``(loss value, g, h)`` of ``loss`` at ``raw_prediction``.
 
     Args:
       loss: per-example loss.
@@ -37,9 +38,16 @@ def gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: jax.Arr
       y: ``(n,)`` labels.
 
     Returns:
-      ``(g, h)`` shaped like ``raw_prediction``; ``h`` is the Hessian diagonal.
+      values ``(n,)``, and ``(g, h)`` shaped like ``raw_prediction``; ``h`` is the Hessian
+      diagonal.
     """
-    return jax.vmap(lambda f, label: _example_gradient_and_hessian_diagonal(loss, f, label))(raw_prediction, y)
+    return jax.vmap(lambda f, label: _example_value_gradient_and_hessian_diagonal(loss, f, label))(raw_prediction, y)
+
+
+def gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
+    """Row-wise ``(g, h)``, as :func:`values_gradients_and_hessians` without the values."""
+    _, g, h = values_gradients_and_hessians(loss, raw_prediction, y)
+    return g, h
 
 
 def output_gradient(loss: Callable, raw_prediction: jax.Array, y: jax.Array, output: int | None) -> jax.Array:

@@ -106,7 +106,7 @@ def _as_dataset(data, y, sample_weight, max_bin, base_margin, reference=None) ->
 
 def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:
     """Custom losses: refit leaves when some weighted row has an exactly zero Hessian at the start."""
-    _, h = jax.jit(loss_derivatives, static_argnums=0)(resolved.objective, rows.raw_prediction, rows.y_device)
+    _, _, h = jax.jit(loss_derivatives, static_argnums=0)(resolved.objective, rows.raw_prediction, rows.y_device)
     counted = np.asarray(rows.sample_weight) > 0
     return bool((np.asarray(h)[counted] == 0).any())
 
@@ -114,7 +114,7 @@ def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:
 def _raise_if_unhealthy(health, loss_name: str, round_index: int):
     non_finite, negative = int(health.non_finite), int(health.negative_hessian)
     if non_finite:
-        raise FloatingPointError(f"loss {loss_name!r} produced non-finite gradients or Hessians for {non_finite} "
+        raise FloatingPointError(f"loss {loss_name!r} produced non-finite values, gradients or Hessians for {non_finite} "
                                  f"row(s) at round {round_index}; check the loss for overflow, log(0) or 0/0 at "
                                  "the raw predictions reached")
     if negative:

@@ -1,0 +1,310 @@
+"""End-to-end behaviour of jb.train / Model: custom and optax losses, zero-Hessian losses,
+reproducibility, compilation reuse, early stopping, weights and margins, and bad input."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from sklearn.metrics import roc_auc_score
+
+import jaxboost as jb
+from jaxboost import boosting
+from jaxboost.derivatives import gradients_and_hessians
+
+# Most tests share one shape (1000 rows -> one padded bucket, 5 features, depth 4) so the
+# compiled round is reused across them.
+N_ROWS, N_FEATURES, DEPTH = 1000, 5, 4
+COMMON = dict(num_rounds=20, max_depth=DEPTH, learning_rate=0.3)
+
+
+def _regression_data(seed=0, n=N_ROWS):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, N_FEATURES)).astype(np.float32)
+    y = 2.0 * X[:, 0] + np.sin(3 * X[:, 1]) + 0.5 * X[:, 2] * X[:, 3] + rng.normal(scale=0.3, size=n)
+    return X, y
+
+
+def _binary_data(seed=0, n=N_ROWS):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, N_FEATURES)).astype(np.float32)
+    logits = 1.5 * X[:, 0] - X[:, 1] + 0.8 * X[:, 2] * X[:, 3]
+    y = (rng.random(n) < 1 / (1 + np.exp(-logits))).astype(np.float32)
+    return X, y
+
+
+def focal_loss(raw_prediction, y, gamma=2.0):
+    """Binary focal loss on a logit (Lin et al. 2017), written as a user would."""
+    p = jax.nn.sigmoid(raw_prediction)
+    p_true = y * p + (1 - y) * (1 - p)
+    log_p_true = -optax.losses.sigmoid_binary_cross_entropy(raw_prediction, y)
+    return -((1 - p_true) ** gamma) * log_p_true
+
+
+def test_regression_learns_and_predict_shapes():
+    X, y = _regression_data()
+    model = jb.train(X, y, **COMMON)
+    prediction = model.predict(X)
+    assert prediction.shape == (N_ROWS,)
+    assert np.sqrt(np.mean((prediction - y) ** 2)) < 0.5 * np.std(y)
+    np.testing.assert_array_equal(model.predict_raw(X), prediction)
+    assert model.num_rounds == 20 and model.num_outputs == 1
+
+
+@pytest.mark.parametrize("loss, link", [
+    (focal_loss, "sigmoid"),
+    (optax.losses.sigmoid_binary_cross_entropy, "sigmoid"),
+])
+def test_custom_and_optax_classification_losses_train(loss, link):
+    X, y = _binary_data()
+    X_test, y_test = _binary_data(seed=1)
+    builtin = jb.train(X, y, loss="logistic", **COMMON)
+    custom = jb.train(X, y, loss=loss, link=link, **COMMON)
+    builtin_auc = roc_auc_score(y_test, builtin.predict(X_test))
+    custom_auc = roc_auc_score(y_test, custom.predict(X_test))
+    assert custom_auc > 0.8, custom_auc
+    assert abs(custom_auc - builtin_auc) < 0.03, (custom_auc, builtin_auc)
+    prediction = custom.predict(X_test)
+    assert ((prediction > 0) & (prediction < 1)).all()
+
+
+def test_optax_sigmoid_cross_entropy_matches_builtin_logistic():
+    X, y = _binary_data()
+    raw_prediction = jnp.linspace(-4.0, 4.0, N_ROWS)
+    optax_g, optax_h = gradients_and_hessians(optax.losses.sigmoid_binary_cross_entropy, raw_prediction, y)
+    builtin_g, builtin_h = gradients_and_hessians(jb.losses.logistic, raw_prediction, y)
+    np.testing.assert_allclose(optax_g, builtin_g, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(optax_h, builtin_h, rtol=1e-5, atol=1e-6)
+    # One round: the same tree. (Over many rounds float32 rounding differences can flip
+    # near-tied splits in small nodes, so later rounds are compared by quality above.)
+    one_round = dict(num_rounds=1, max_depth=DEPTH, learning_rate=0.3)
+    builtin = jb.train(X, y, loss="logistic", **one_round)
+    optax_model = jb.train(X, y, loss=optax.losses.sigmoid_binary_cross_entropy, link="sigmoid", **one_round)
+    same = np.isclose(optax_model.predict_raw(X), builtin.predict_raw(X), rtol=1e-4, atol=1e-5)
+    assert same.mean() > 0.97, same.mean()
+
+
+def test_optax_huber_trains_with_zero_hessian_tails():
+    X, y = _regression_data()
+    y_outliers = y.copy()
+    y_outliers[::50] += 30.0
+    model = jb.train(X, y_outliers, loss=optax.losses.huber_loss, **COMMON)
+    assert model.params["leaf_refit"], "huber's zero-Hessian tails should switch on the exact leaf refit"
+    squared = jb.train(X, y_outliers, **COMMON)
+    clean_rows = np.arange(N_ROWS) % 50 != 0
+    huber_error = np.median(np.abs(model.predict(X) - y)[clean_rows])
+    squared_error = np.median(np.abs(squared.predict(X) - y)[clean_rows])
+    assert huber_error < squared_error, (huber_error, squared_error)
+
+
+@pytest.fixture(scope="module")
+def heteroscedastic_data():
+    rng = np.random.default_rng(3)
+    n_train, n_test = 20_000, 10_000
+    X = rng.uniform(-2, 2, size=(n_train + n_test, N_FEATURES)).astype(np.float32)
+    scale = 0.5 + np.abs(X[:, 1])
+    y = np.sin(2 * X[:, 0]) + X[:, 2] + scale * rng.standard_normal(n_train + n_test)
+    return X[:n_train], y[:n_train], X[n_train:], y[n_train:]
+
+
+@pytest.mark.parametrize("tau", [0.9])
+def test_quantile_coverage_on_held_out_data(heteroscedastic_data, tau):
+    X, y, X_test, y_test = heteroscedastic_data
+    model = jb.train(X, y, loss=functools.partial(jb.losses.quantile, tau=tau), num_rounds=100, max_depth=4,
+                     learning_rate=0.1)
+    coverage = np.mean(y_test <= model.predict(X_test))
+    assert abs(coverage - tau) <= 0.02, coverage
+
+
+def test_absolute_error_leaves_half_below(heteroscedastic_data):
+    X, y, X_test, y_test = heteroscedastic_data
+    model = jb.train(X, y, loss="absolute_error", num_rounds=100, max_depth=4, learning_rate=0.1)
+    below = np.mean(y_test < model.predict(X_test))
+    assert abs(below - 0.5) <= 0.02, below
+
+
+def test_hinge_trains_a_classifier():
+    X, y = _binary_data()
+    X_test, y_test = _binary_data(seed=1)
+    hinge = jb.train(X, y, loss="hinge", **COMMON).predict(X_test)
+    assert set(np.unique(hinge)) <= {0.0, 1.0}
+    logistic = jb.train(X, y, loss="logistic", **COMMON).predict(X_test) > 0.5
+    assert np.mean(hinge == y_test) > np.mean(logistic == y_test) - 0.03
+
+
+def test_softmax_predicts_class_probabilities():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(N_ROWS, N_FEATURES)).astype(np.float32)
+    y = np.argmax(X[:, :3] + 0.3 * rng.normal(size=(N_ROWS, 3)), axis=1)
+    model = jb.train(X, y, loss="softmax", **COMMON)
+    probabilities = model.predict(X)
+    assert probabilities.shape == (N_ROWS, 3)
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+    assert np.mean(probabilities.argmax(axis=1) == y) > 0.85
+    assert model.predict_raw(X).shape == (N_ROWS, 3)
+
+
+def test_second_round_and_new_hyperparameters_do_not_recompile():
+    X, y = _regression_data(seed=5)
+    traces = []
+    original = boosting._grow_round_trees
+
+    def counting(*args, **kwargs):
+        traces.append(1)
+        return original(*args, **kwargs)
+
+    boosting.compiled_round.cache_clear()
+    boosting._grow_round_trees = counting
+    try:
+        jb.train(X, y, num_rounds=4, max_depth=3, learning_rate=0.3)
+        assert len(traces) == 1, "the round was traced more than once for one shape"
+        jb.train(X, y, num_rounds=3, max_depth=3, learning_rate=0.05, reg_lambda=5.0, reg_alpha=0.5, gamma=0.1,
+                 min_child_weight=3.0, subsample=0.8, colsample_bytree=0.6, colsample_bynode=0.7, seed=3)
+        assert len(traces) == 1, "new hyperparameter values recompiled the round"
+        jb.train(X, y, num_rounds=2, max_depth=2)
+        assert len(traces) == 2, "a new depth must trace a new round"
+    finally:
+        boosting._grow_round_trees = original
+        boosting.compiled_round.cache_clear()
+
+
+def test_same_seed_identical_and_other_seed_different():
+    X, y = _regression_data()
+    sampled = dict(COMMON, subsample=0.7, colsample_bytree=0.8, colsample_bylevel=0.8, colsample_bynode=0.8)
+    first = jb.train(X, y, seed=7, **sampled).predict(X)
+    second = jb.train(X, y, seed=7, **sampled).predict(X)
+    other = jb.train(X, y, seed=8, **sampled).predict(X)
+    np.testing.assert_array_equal(first, second)
+    assert not np.allclose(first, other)
+
+
+def test_zero_weight_rows_are_the_same_as_absent_rows():
+    X, y = _regression_data()
+    kept = 980  # 980 and 1000 rows fall in the same padded bucket
+    weights = np.r_[np.ones(kept), np.zeros(N_ROWS - kept)]
+    weighted = jb.train(X, y, sample_weight=weights, **COMMON)
+    subset = jb.train(X[:kept], y[:kept], **COMMON)
+    np.testing.assert_allclose(weighted.predict(X), subset.predict(X), rtol=1e-5, atol=1e-5)
+
+
+def test_integer_weights_equal_duplicated_rows():
+    rng = np.random.default_rng(2)
+    X = rng.integers(0, 40, size=(500, N_FEATURES)).astype(np.float32)  # few distinct values: same edges
+    y = X[:, 0] - 0.5 * X[:, 1] + rng.normal(size=500)
+    weights = rng.integers(1, 3, size=500).astype(np.float32)
+    weighted = jb.train(X, y, sample_weight=weights, **COMMON)
+    repeats = weights.astype(int)
+    duplicated = jb.train(np.repeat(X, repeats, axis=0), np.repeat(y, repeats), **COMMON)
+    np.testing.assert_allclose(weighted.predict(X), duplicated.predict(X), rtol=1e-4, atol=1e-4)
+
+
+def test_dataset_reuse_equals_raw_arrays():
+    X, y = _regression_data()
+    dataset = jb.Dataset(X, y)
+    np.testing.assert_array_equal(jb.train(dataset, **COMMON).predict(X), jb.train(X, y, **COMMON).predict(X))
+
+
+def test_early_stopping_uses_best_iteration():
+    X, y = _regression_data()
+    X_val, y_val = _regression_data(seed=1)
+    model = jb.train(X, y, num_rounds=200, max_depth=DEPTH, learning_rate=0.8, eval_set=[(X_val, y_val)],
+                     early_stopping_rounds=5)
+    history = model.evals_result["validation_0"]["rmse"]
+    assert model.best_iteration == int(np.argmin(history))
+    assert len(history) == model.best_iteration + 6 < 200
+    best_rmse = np.sqrt(np.mean((model.predict(X_val) - y_val) ** 2))
+    np.testing.assert_allclose(best_rmse, history[model.best_iteration], rtol=1e-4)
+    all_rounds = model.predict(X_val, iteration_range=(0, model.num_rounds))
+    assert not np.allclose(all_rounds, model.predict(X_val))
+
+
+def test_base_margin_offsets_the_raw_prediction():
+    X, y = _binary_data()
+    margin = np.full(N_ROWS, 0.7, np.float32)
+    model = jb.train(X, y, loss="logistic", base_margin=margin, **COMMON)
+    np.testing.assert_array_equal(model.base_score, [0.0])
+    shifted = model.predict_raw(X, base_margin=margin + 1.0)
+    np.testing.assert_allclose(shifted - model.predict_raw(X, base_margin=margin), 1.0, rtol=1e-5)
+
+
+def test_starting_value_is_the_loss_minimiser_not_a_constant():
+    X, y = _binary_data()
+    model = jb.train(X, y, loss="logistic", num_rounds=0, max_depth=DEPTH)
+    mean = np.mean(y)
+    np.testing.assert_allclose(model.base_score[0], np.log(mean / (1 - mean)), rtol=1e-4)
+    np.testing.assert_allclose(model.predict(X), mean, rtol=1e-4)
+
+
+def test_scale_pos_weight_moves_predictions_up():
+    X, y = _binary_data()
+    plain = jb.train(X, y, loss="logistic", **COMMON).predict(X).mean()
+    upweighted = jb.train(X, y, loss="logistic", scale_pos_weight=3.0, **COMMON).predict(X).mean()
+    assert upweighted > plain + 0.05
+
+
+def test_max_delta_step_bounds_every_leaf():
+    X, y = _regression_data()
+    model = jb.train(X, 100 * y, max_delta_step=0.5, num_rounds=3, max_depth=DEPTH, learning_rate=1.0)
+    leaves = model.trees.value[model.trees.is_leaf]
+    assert np.abs(leaves).max() <= 0.5 + 1e-6
+
+
+# ---------------------------------------------------------------- bad input -> clear errors
+@pytest.mark.parametrize("bad, message", [(np.nan, "NaN or infinite label"), (np.inf, "NaN or infinite label")])
+def test_non_finite_labels_are_rejected(bad, message):
+    X, y = _regression_data()
+    y = y.copy()
+    y[3] = bad
+    with pytest.raises(ValueError, match=message):
+        jb.train(X, y, **COMMON)
+
+
+@pytest.mark.parametrize("loss, label", [("logistic", 2.0), ("poisson", -1.0), ("softmax", 1.5), ("gamma", 0.0)])
+def test_labels_outside_a_loss_range_are_rejected(loss, label):
+    X, y = _binary_data()
+    y = y.copy()
+    y[0] = label
+    with pytest.raises(ValueError, match=loss):
+        jb.train(X, y, loss=loss, **COMMON)
+
+
+def test_length_mismatch_and_feature_count_and_non_numeric():
+    X, y = _regression_data()
+    with pytest.raises(ValueError, match="labels but X has"):
+        jb.train(X, y[:-1], **COMMON)
+    model = jb.train(X, y, num_rounds=1, max_depth=DEPTH)
+    with pytest.raises(ValueError, match="has 4 features but the model was trained on 5"):
+        model.predict(X[:, :4])
+    with pytest.raises(TypeError, match="numeric"):
+        jb.train(np.array([["a", "b"], ["c", "d"]]), [0.0, 1.0])
+    with pytest.raises(ValueError, match="sample_weight"):
+        jb.train(X, y, sample_weight=np.zeros(N_ROWS), **COMMON)
+    with pytest.raises(ValueError, match="learning_rate"):
+        jb.train(X, y, learning_rate=-0.1)
+    with pytest.raises(ValueError, match="infinite"):
+        jb.train(np.where(X > 2, np.inf, X), y)
+
+
+def test_custom_loss_with_non_finite_gradients_names_loss_and_round():
+    X, y = _regression_data()
+
+    def barrier_loss(raw_prediction, y):
+        # A user's bug: the loss is NaN once a raw prediction passes 4, which later rounds reach.
+        return jnp.where(raw_prediction > 4.0, jnp.nan, 0.5 * (raw_prediction - y) ** 2)
+
+    with pytest.raises(FloatingPointError, match=r"barrier_loss.*round [1-9]"):
+        jb.train(X, 5.0 * y, loss=barrier_loss, **COMMON)
+
+
+def test_custom_loss_with_negative_hessian_is_rejected():
+    X, y = _regression_data()
+
+    def concave(raw_prediction, y):
+        return -((raw_prediction - y) ** 2)
+
+    with pytest.raises(ValueError, match=r"concave.*negative Hessians.*round 0"):
+        jb.train(X, y, loss=concave, **COMMON)
