@@ -91,9 +91,16 @@ def minimise_offsets(objective: Objective, raw_prediction: jax.Array, y: jax.Arr
     return minimise_segment_offsets(weighted_derivative, segment_ids, num_segments, segment_weights, reg, axis_name)
 
 
+# Coordinate sweeps for multi-output starting values: outputs interact (softmax), so one
+# exact 1-D minimisation per output is repeated until a sweep moves no output by more than this.
+SWEEP_TOLERANCE = 1e-5
+MAX_SWEEPS = 50
+
+
 @partial(jax.jit, static_argnames="objective")
 def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array) -> jax.Array:
-    """The constant per output minimising the weighted loss (one coordinate sweep over outputs)."""
+    """The constant per output minimising the weighted loss (coordinate descent over outputs,
+    each step an exact 1-D minimisation)."""
     no_penalty = Regularization(jnp.float32(0), jnp.float32(0), jnp.float32(0))
     segment_ids = jnp.zeros(y.shape[0], jnp.int32)
 
@@ -102,8 +109,18 @@ def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array
                                   no_penalty)
         return constant.at[output].add(offset[0])
 
-    return jax.lax.fori_loop(0, objective.num_outputs, solve_output,
-                             jnp.zeros(objective.num_outputs, raw_prediction.dtype))
+    def sweep(state):
+        constant, _, sweeps = state
+        updated = jax.lax.fori_loop(0, objective.num_outputs, solve_output, constant)
+        return updated, jnp.max(jnp.abs(updated - constant)), sweeps + 1
+
+    def unsettled(state):
+        _, change, sweeps = state
+        return (change > SWEEP_TOLERANCE) & (sweeps < (1 if objective.num_outputs == 1 else MAX_SWEEPS))
+
+    start = jnp.zeros(objective.num_outputs, raw_prediction.dtype)
+    constant, _, _ = jax.lax.while_loop(unsettled, sweep, (start, jnp.float32(jnp.inf), 0))
+    return constant
 
 
 def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row_weight, raw_prediction,

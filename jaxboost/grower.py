@@ -84,8 +84,12 @@ def prune_by_gamma(tree: Tree, max_depth: int, gamma: jax.Array) -> tuple[Tree, 
         inherit = closed[parent] & (nodes > 0)
         return jnp.where(inherit, surviving_leaf[parent], surviving_leaf), closed | inherit
 
-    surviving_leaf, _ = jax.lax.fori_loop(0, max_depth, hand_down, (nodes, is_leaf))
+    surviving_leaf, closed = jax.lax.fori_loop(0, max_depth, hand_down, (nodes, is_leaf))
+    # Nodes below a leaf are never reached again: clear them, so that sums over nodes (gain
+    # importance, split counts) see only the tree that predicts.
+    unreachable = closed & ~is_leaf
     pruned = tree._replace(is_leaf=is_leaf, loss_change=jnp.where(is_leaf, 0.0, tree.loss_change))
+    pruned = Tree(*(jnp.where(unreachable, jnp.zeros_like(field), field) for field in pruned))
     return pruned, surviving_leaf
 
 

@@ -1,0 +1,229 @@
+"""Tests of the host-side binning (``fit_bin_edges`` / ``apply_bins``) against NumPy expectations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxboost.binning import BinEdges, apply_bins, fit_bin_edges
+
+
+def _column(X: np.ndarray) -> np.ndarray:
+    return np.asarray(X, dtype=np.float32).reshape(-1, 1)
+
+
+def _real_edges(bin_edges: BinEdges, feature: int = 0) -> np.ndarray:
+    return bin_edges.edges[feature, : bin_edges.n_edges[feature]]
+
+
+def _check_edge_layout(bin_edges: BinEdges, max_bin: int, n_features: int) -> None:
+    assert bin_edges.edges.dtype == np.float32, f"edges dtype {bin_edges.edges.dtype}, expected float32"
+    assert bin_edges.edges.shape == (n_features, max_bin - 1), f"edges shape {bin_edges.edges.shape}"
+    assert bin_edges.max_bin == max_bin and bin_edges.missing_bin == max_bin - 1
+    for feature in range(n_features):
+        count = int(bin_edges.n_edges[feature])
+        real = bin_edges.edges[feature, :count]
+        assert np.all(np.isfinite(real)), f"feature {feature}: non-finite real edges {real}"
+        assert np.all(np.diff(real) > 0), f"feature {feature}: edges not strictly increasing: {real}"
+        assert np.all(np.isposinf(bin_edges.edges[feature, count:])), f"feature {feature}: padding is not +inf"
+
+
+@pytest.mark.parametrize("max_bin", [8, 64, 256])
+def test_few_distinct_values_get_one_bin_each(max_bin):
+    rng = np.random.default_rng(0)
+    distinct = np.sort(rng.normal(size=max_bin - 1).astype(np.float32) * 10)  # exactly max_bin - 1 values
+    values = rng.choice(distinct, size=3000)
+    values[:len(distinct)] = distinct  # every value occurs
+    bin_edges = fit_bin_edges(_column(values), max_bin=max_bin)
+    _check_edge_layout(bin_edges, max_bin, 1)
+    assert bin_edges.n_edges[0] == len(distinct) - 1, (
+        f"{len(distinct)} distinct values need {len(distinct) - 1} edges, got {bin_edges.n_edges[0]}")
+    codes = apply_bins(_column(values), bin_edges)[:, 0]
+    expected = np.searchsorted(distinct, values)  # the rank of the value among the distinct values
+    np.testing.assert_array_equal(codes, expected, err_msg="each distinct value should have its own bin (its rank)")
+    edges = _real_edges(bin_edges)
+    assert np.all((distinct[:-1] < edges) & (edges <= distinct[1:])), "an edge is not between its neighbours"
+
+
+@pytest.mark.parametrize("max_bin", [2, 5, 17, 256])
+def test_many_distinct_values_give_equal_count_bins(max_bin):
+    rng = np.random.default_rng(1)
+    n = 20_000
+    values = rng.standard_normal(n).astype(np.float32) ** 3  # skewed, all distinct in practice
+    bin_edges = fit_bin_edges(_column(values), max_bin=max_bin)
+    _check_edge_layout(bin_edges, max_bin, 1)
+    n_value_bins = max_bin - 1
+    assert bin_edges.n_edges[0] == n_value_bins - 1, f"expected {n_value_bins - 1} edges, got {bin_edges.n_edges[0]}"
+    codes = apply_bins(_column(values), bin_edges)[:, 0]
+    counts = np.bincount(codes, minlength=max_bin)
+    assert counts[max_bin - 1] == 0 or max_bin == 2, "no value is missing, the missing bin must be empty"
+    target = n / n_value_bins
+    worst = np.max(np.abs(counts[:n_value_bins] - target)) / target
+    assert worst < 0.05, f"bin counts {counts[:n_value_bins]} deviate from {target:.1f} by {worst:.2%}"
+
+
+def test_sample_weights_move_the_quantile_edges():
+    rng = np.random.default_rng(2)
+    n, max_bin = 4000, 21
+    values = rng.uniform(0.0, 1.0, n).astype(np.float32)
+    heavy = values < 0.2
+    weights = np.where(heavy, 20.0, 1.0)
+    unweighted = _real_edges(fit_bin_edges(_column(values), max_bin=max_bin))
+    weighted_edges = fit_bin_edges(_column(values), max_bin=max_bin, sample_weight=weights)
+    _check_edge_layout(weighted_edges, max_bin, 1)
+    weighted = _real_edges(weighted_edges)
+    heavy_share = weights[heavy].sum() / weights.sum()
+    n_value_bins = max_bin - 1
+    bins_in_heavy_unweighted = np.sum(unweighted < 0.2) + 1
+    bins_in_heavy_weighted = np.sum(weighted < 0.2) + 1
+    assert bins_in_heavy_weighted > bins_in_heavy_unweighted + 5, (
+        f"the heavy region [0, 0.2) holds {heavy_share:.0%} of the weight but gets {bins_in_heavy_weighted} bins "
+        f"(unweighted: {bins_in_heavy_unweighted})")
+    assert abs(bins_in_heavy_weighted - heavy_share * n_value_bins) <= 2, (
+        f"expected about {heavy_share * n_value_bins:.1f} bins in the heavy region, got {bins_in_heavy_weighted}")
+    # Every bin carries about the same weight.
+    codes = apply_bins(_column(values), weighted_edges)[:, 0]
+    bin_weight = np.bincount(codes, weights=weights, minlength=n_value_bins)[:n_value_bins]
+    target = weights.sum() / n_value_bins
+    worst = np.max(np.abs(bin_weight - target)) / target
+    assert worst < 0.1, f"weighted bin masses {np.round(bin_weight)} deviate from {target:.1f} by {worst:.1%}"
+
+
+def test_zero_weight_rows_do_not_place_edges():
+    rng = np.random.default_rng(3)
+    values = rng.uniform(0.0, 1.0, 2000).astype(np.float32)
+    weights = np.where(values < 0.5, 0.0, 1.0)
+    edges = _real_edges(fit_bin_edges(_column(values), max_bin=16, sample_weight=weights))
+    assert np.all(edges > 0.49), f"edges placed among zero-weight rows: {edges}"
+
+
+def test_nan_goes_to_the_missing_code():
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(500, 3)).astype(np.float32)
+    X[rng.uniform(size=X.shape) < 0.1] = np.nan
+    X[:, 2] = np.nan  # a feature with no values at all
+    for max_bin in (2, 16, 256):
+        bin_edges = fit_bin_edges(X, max_bin=max_bin)
+        _check_edge_layout(bin_edges, max_bin, 3)
+        codes = apply_bins(X, bin_edges)
+        assert codes.dtype == np.uint8, f"codes dtype {codes.dtype}, expected uint8"
+        nan = np.isnan(X)
+        assert np.all(codes[nan] == max_bin - 1), f"max_bin={max_bin}: NaN must map to {max_bin - 1}"
+        assert np.all(codes[~nan] < max_bin - 1), f"max_bin={max_bin}: a present value got the missing code"
+        assert bin_edges.n_edges[2] == 0, "an all-NaN feature should get no edges"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("max_bin", [3, 16, 256])
+def test_bin_convention_holds_for_every_value_and_edge(seed, max_bin):
+    rng = np.random.default_rng(seed)
+    n = 3000
+    X = np.stack([
+        rng.normal(size=n),
+        np.round(rng.normal(size=n) * 4) / 4,  # many repeats, more distinct values than bins for small max_bin
+        rng.integers(0, 5, size=n),  # few distinct values
+        rng.exponential(size=n) * 1e6,
+        rng.normal(size=n) * 1e-6 + 1.0,  # tightly clustered around 1
+    ], axis=1).astype(np.float32)
+    X[rng.uniform(size=X.shape) < 0.05] = np.nan
+    # A second, unseen sample binned with the same edges (values between and beyond the fitted ones).
+    X_new = (X + rng.normal(size=X.shape).astype(np.float32) * np.nanstd(X, axis=0)).astype(np.float32)
+    weights = rng.uniform(0.1, 3.0, size=n)
+    bin_edges = fit_bin_edges(X, max_bin=max_bin, sample_weight=weights)
+    _check_edge_layout(bin_edges, max_bin, X.shape[1])
+    for data in (X, X_new):
+        codes = apply_bins(data, bin_edges).astype(np.int64)
+        for feature in range(X.shape[1]):
+            present = ~np.isnan(data[:, feature])
+            x = data[present, feature]
+            code = codes[present, feature]
+            edges = bin_edges.edges[feature]  # padded with +inf: a padded edge sends every value left
+            bins = np.arange(max_bin - 1)
+            goes_left = code[:, None] <= bins[None, :]
+            below_edge = x[:, None] < edges[None, :]
+            mismatch = np.argwhere(goes_left != below_edge)
+            assert mismatch.size == 0, (
+                f"feature {feature}: bin <= b <=> x < edges[b] fails for x={x[mismatch[0, 0]]!r}, "
+                f"code={code[mismatch[0, 0]]}, b={mismatch[0, 1]}, edge={edges[mismatch[0, 1]]!r}")
+            assert np.all(code <= bin_edges.n_edges[feature]), f"feature {feature}: code beyond the real edges"
+
+
+@pytest.mark.parametrize("max_bin", [4, 32])
+def test_equal_values_never_straddle_an_edge(max_bin):
+    rng = np.random.default_rng(5)
+    # Heavily repeated values, including a value holding half of the rows, and adjacent float32 numbers.
+    base = np.float32(1.0)
+    neighbours = np.array([base, np.nextafter(base, np.float32(2)), np.nextafter(np.nextafter(base, np.float32(2)),
+                                                                                 np.float32(2))], np.float32)
+    values = np.concatenate([
+        np.full(2000, 0.5, np.float32),
+        rng.choice(neighbours, 600),
+        np.round(rng.normal(size=1400), 1).astype(np.float32),
+    ])
+    rng.shuffle(values)
+    bin_edges = fit_bin_edges(_column(values), max_bin=max_bin)
+    _check_edge_layout(bin_edges, max_bin, 1)
+    codes = apply_bins(_column(values), bin_edges)[:, 0]
+    distinct = np.unique(values)
+    for value in distinct:
+        value_codes = np.unique(codes[values == value])
+        assert len(value_codes) == 1, f"value {value!r} is spread over bins {value_codes}"
+    # Bins are ordered like the values.
+    per_value = np.array([codes[values == value][0] for value in distinct])
+    assert np.all(np.diff(per_value.astype(int)) >= 0), "codes are not monotone in the value"
+    edges = _real_edges(bin_edges)
+    # No edge equals a value's lower neighbour: x < edge for the value below, x >= edge for the one above.
+    for edge in edges:
+        below, above = distinct[distinct < edge], distinct[distinct >= edge]
+        assert len(below) and len(above), f"edge {edge!r} does not separate two present values"
+
+
+def test_adjacent_float32_values_are_separated():
+    a = np.float32(1.0)
+    b = np.nextafter(a, np.float32(2))
+    c = np.nextafter(b, np.float32(2))
+    values = np.array([a, b, c] * 10, np.float32)
+    bin_edges = fit_bin_edges(_column(values), max_bin=8)
+    _check_edge_layout(bin_edges, 8, 1)
+    assert bin_edges.n_edges[0] == 2, f"three adjacent float32 values need two edges, got {_real_edges(bin_edges)}"
+    codes = apply_bins(_column(values), bin_edges)[:, 0]
+    np.testing.assert_array_equal(codes[:3], [0, 1, 2], err_msg="adjacent float32 values should get their own bins")
+
+
+@pytest.mark.parametrize("max_bin", [-1, 0, 1, 257, 1000])
+def test_max_bin_out_of_range_raises(max_bin):
+    X = np.arange(10, dtype=np.float32).reshape(-1, 1)
+    with pytest.raises(ValueError, match="max_bin"):
+        fit_bin_edges(X, max_bin=max_bin)
+
+
+@pytest.mark.parametrize("max_bin", [2, 256])
+def test_max_bin_limits_are_accepted(max_bin):
+    X = np.arange(1000, dtype=np.float32).reshape(-1, 1)
+    bin_edges = fit_bin_edges(X, max_bin=max_bin)
+    _check_edge_layout(bin_edges, max_bin, 1)
+    codes = apply_bins(X, bin_edges)
+    assert codes.max() <= max_bin - 2, "a present value got the missing code"
+    assert len(np.unique(codes)) == max_bin - 1, f"expected {max_bin - 1} value bins used, got {np.unique(codes)}"
+
+
+def test_constant_feature_gets_no_edges():
+    X = np.full((100, 2), 3.25, np.float32)
+    X[::7, 1] = np.nan
+    bin_edges = fit_bin_edges(X, max_bin=16)
+    _check_edge_layout(bin_edges, 16, 2)
+    np.testing.assert_array_equal(bin_edges.n_edges, [0, 0], err_msg="a constant feature should get zero edges")
+    assert np.all(np.isposinf(bin_edges.edges)), "a constant feature's edges should all be +inf padding"
+    codes = apply_bins(X, bin_edges)
+    assert np.all(codes[:, 0] == 0), "every row of a constant feature should be in bin 0"
+    nan = np.isnan(X[:, 1])
+    assert np.all(codes[~nan, 1] == 0) and np.all(codes[nan, 1] == 15), "constant + NaN: bin 0 and missing code"
+    # Values not seen at fit time still fall in bin 0.
+    new = np.array([[-1e30, 1e30], [0.0, 3.25]], np.float32)
+    assert np.all(apply_bins(new, bin_edges) == 0)
+
+
+def test_apply_bins_rejects_a_different_feature_count():
+    bin_edges = fit_bin_edges(np.zeros((5, 3), np.float32), max_bin=4)
+    with pytest.raises(ValueError):
+        apply_bins(np.zeros((5, 2), np.float32), bin_edges)

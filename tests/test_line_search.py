@@ -1,0 +1,238 @@
+"""Tests of the segment line search and the starting value against exact NumPy minimisers.
+
+``minimise_segment_offsets`` is driven through ``boosting.minimise_offsets`` (the way leaf refits
+call it); NumPy computes exact weighted medians / quantiles by sorting and accumulating weights,
+and the closed forms of the penalised squared error.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxboost.boosting import Objective, minimise_offsets, starting_value
+from jaxboost.regularizer import Regularization
+
+F32 = jnp.float32
+# One shape for every call: 4 segments of rows plus a fifth segment that holds no rows.
+SEGMENT_SIZES = (61, 60, 47, 72)
+N_ROWS = sum(SEGMENT_SIZES)
+NUM_SEGMENTS = len(SEGMENT_SIZES) + 1
+SEGMENT_IDS = np.repeat(np.arange(len(SEGMENT_SIZES)), SEGMENT_SIZES).astype(np.int32)
+EMPTY_SEGMENT = NUM_SEGMENTS - 1
+SCALES = [1e-3, 1e-1, 1.0, 1e2, 1e4]
+
+
+def identity(raw_prediction):
+    return raw_prediction
+
+
+def absolute_error(f, y):
+    return jnp.abs(y - f)
+
+
+def squared_error(f, y):
+    return 0.5 * jnp.square(y - f)
+
+
+def make_pinball(tau):
+    def pinball(f, y):
+        residual = y - f
+        return jnp.maximum(tau * residual, (tau - 1.0) * residual)
+    return pinball
+
+
+def logistic(f, y):
+    return jax.nn.softplus(f) - y * f
+
+
+def softmax_loss(f, y):
+    return jax.nn.logsumexp(f) - f[y]
+
+
+ABSOLUTE = Objective(absolute_error, vector_output=False, num_outputs=1, link=identity)
+SQUARED = Objective(squared_error, vector_output=False, num_outputs=1, link=identity)
+PINBALL = {tau: Objective(make_pinball(tau), vector_output=False, num_outputs=1, link=identity)
+           for tau in (0.1, 0.5, 0.9)}
+LOGISTIC = Objective(logistic, vector_output=False, num_outputs=1, link=identity)
+SOFTMAX = Objective(softmax_loss, vector_output=True, num_outputs=3, link=jax.nn.softmax)
+
+
+@partial(jax.jit, static_argnames=("objective", "num_segments"))
+def _jit_offsets(objective, raw_prediction, y, weights, segment_ids, num_segments, reg):
+    return minimise_offsets(objective, raw_prediction, y, weights, segment_ids, num_segments, 0, reg)
+
+
+def offsets(objective, F, y, weights, reg_lambda=0.0, reg_alpha=0.0):
+    reg = Regularization(F32(reg_lambda), F32(reg_alpha), F32(0.0))
+    result = _jit_offsets(objective, jnp.asarray(F, jnp.float32)[:, None], jnp.asarray(y, jnp.float32),
+                          jnp.asarray(weights, jnp.float32), jnp.asarray(SEGMENT_IDS), NUM_SEGMENTS, reg)
+    assert result.shape == (NUM_SEGMENTS,) and result.dtype == jnp.float32
+    return np.asarray(result, np.float64)
+
+
+def make_rows(seed, scale, integer_weights=False):
+    """Raw predictions F, labels y, weights (float32) and the exact residuals y - F (float64)."""
+    rng = np.random.default_rng(seed)
+    segment_shift = np.array([1.0, -0.4, 0.05, 2.5])[SEGMENT_IDS]
+    F = (scale * rng.normal(size=N_ROWS)).astype(np.float32)
+    y = (F + scale * (segment_shift + rng.standard_t(3, size=N_ROWS))).astype(np.float32)
+    if integer_weights:
+        weights = np.ones(N_ROWS, np.float32)
+    else:
+        weights = rng.uniform(0.1, 3.0, size=N_ROWS).astype(np.float32)
+    residuals = y.astype(np.float64) - F.astype(np.float64)
+    return F, y, weights, residuals
+
+
+def weighted_quantile_interval(residuals, weights, tau):
+    """The interval of minimisers of sum w rho_tau(r - c) (a point unless the weights split exactly)."""
+    order = np.argsort(residuals, kind="stable")
+    r, cumulative = residuals[order], np.cumsum(weights[order].astype(np.float64))
+    target = tau * cumulative[-1]
+    slack = 1e-9 * cumulative[-1]
+    lower = r[np.argmax(cumulative >= target - slack)]
+    upper = r[np.argmax(cumulative > target + slack)]
+    return lower, upper
+
+
+def pinball_objective(c, residuals, weights, tau):
+    e = residuals - c
+    return np.sum(weights * np.maximum(tau * e, (tau - 1.0) * e))
+
+
+def check_quantile_offsets(result, residuals, weights, tau, context):
+    for segment in range(len(SEGMENT_SIZES)):
+        rows = SEGMENT_IDS == segment
+        r, w = residuals[rows], weights[rows].astype(np.float64)
+        lower, upper = weighted_quantile_interval(r, w, tau)
+        tolerance = 1e-5 * np.max(np.abs(r))
+        c = result[segment]
+        assert lower - tolerance <= c <= upper + tolerance, (
+            f"segment {segment}: offset {c!r} outside the minimiser interval [{lower!r}, {upper!r}] {context}")
+        best = pinball_objective(lower, r, w, tau)
+        assert pinball_objective(c, r, w, tau) <= best * (1 + 1e-5) + 1e-12, (
+            f"segment {segment}: objective {pinball_objective(c, r, w, tau)} above the minimum {best} {context}")
+        if lower == upper:  # a unique minimiser: the offset is that residual
+            np.testing.assert_allclose(c, lower, rtol=1e-5, atol=tolerance,
+                                       err_msg=f"segment {segment}: not the weighted {tau}-quantile {context}")
+    assert result[EMPTY_SEGMENT] == 0.0, f"a segment with no rows must get 0, got {result[EMPTY_SEGMENT]} {context}"
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_absolute_error_offset_is_the_weighted_median(scale, seed):
+    F, y, weights, residuals = make_rows(seed, scale)
+    result = offsets(ABSOLUTE, F, y, weights)
+    check_quantile_offsets(result, residuals, weights, 0.5, f"(scale={scale}, seed={seed})")
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
+def test_absolute_error_offset_with_an_interval_of_medians(scale):
+    # Unit weights: segments of even size (60, 72) have a whole interval of medians.
+    F, y, weights, residuals = make_rows(5, scale, integer_weights=True)
+    for segment in (1, 3):
+        rows = SEGMENT_IDS == segment
+        lower, upper = weighted_quantile_interval(residuals[rows], weights[rows], 0.5)
+        assert upper > lower, "the test needs a segment whose median is an interval"
+    result = offsets(ABSOLUTE, F, y, weights)
+    check_quantile_offsets(result, residuals, weights, 0.5, f"(unit weights, scale={scale})")
+
+
+@pytest.mark.parametrize("tau", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
+@pytest.mark.parametrize("integer_weights", [False, True])
+def test_pinball_offset_is_the_weighted_quantile(tau, scale, integer_weights):
+    F, y, weights, residuals = make_rows(2, scale, integer_weights=integer_weights)
+    result = offsets(PINBALL[tau], F, y, weights)
+    check_quantile_offsets(result, residuals, weights, tau, f"(tau={tau}, scale={scale}, unit={integer_weights})")
+
+
+def test_absolute_error_offsets_with_mixed_scales_in_one_call():
+    rng = np.random.default_rng(3)
+    segment_scale = np.array([1e-3, 1e4, 1.0, 30.0])[SEGMENT_IDS]
+    F = (segment_scale * rng.normal(size=N_ROWS)).astype(np.float32)
+    y = (F + segment_scale * (1.0 + rng.normal(size=N_ROWS))).astype(np.float32)
+    weights = rng.uniform(0.1, 3.0, size=N_ROWS).astype(np.float32)
+    residuals = y.astype(np.float64) - F.astype(np.float64)
+    check_quantile_offsets(offsets(ABSOLUTE, F, y, weights), residuals, weights, 0.5, "(mixed scales)")
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("reg_lambda", [0.0, 1.0, 10.0])
+@pytest.mark.parametrize("alpha_factor", [0.0, 20.0])
+def test_squared_error_offset_is_the_penalised_closed_form(scale, reg_lambda, alpha_factor):
+    F, y, weights, residuals = make_rows(4, scale)
+    reg_alpha = alpha_factor * scale
+    result = offsets(SQUARED, F, y, weights, reg_lambda, reg_alpha)
+    context = f"(scale={scale}, lambda={reg_lambda}, alpha={reg_alpha})"
+    thresholded = 0
+    for segment in range(len(SEGMENT_SIZES)):
+        rows = SEGMENT_IDS == segment
+        r, w = residuals[rows], weights[rows].astype(np.float64)
+        total = np.sum(w * r)
+        soft = np.sign(total) * max(abs(total) - reg_alpha, 0.0)
+        expected = soft / (np.sum(w) + reg_lambda)
+        thresholded += expected == 0
+        np.testing.assert_allclose(result[segment], expected, rtol=1e-5, atol=1e-5 * scale,
+                                   err_msg=f"segment {segment}: not T_alpha(sum w r) / (sum w + lambda) {context}")
+    assert result[EMPTY_SEGMENT] == 0.0, f"a segment with no rows must get 0 {context}"
+    if alpha_factor > 0:
+        assert thresholded >= 1, "the test data should have a segment soft-thresholded to 0"
+
+
+# --------------------------------------------------------------------------------------------
+# starting_value
+# --------------------------------------------------------------------------------------------
+
+
+def _weights(seed, n=N_ROWS):
+    return np.random.default_rng(seed + 100).uniform(0.1, 3.0, size=n).astype(np.float32)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
+def test_starting_value_squared_error_is_the_weighted_mean(scale):
+    y = (scale * (3.0 + np.random.default_rng(0).normal(size=N_ROWS))).astype(np.float32)
+    weights = _weights(0)
+    start = np.asarray(starting_value(SQUARED, jnp.zeros((N_ROWS, 1)), jnp.asarray(y), jnp.asarray(weights)))
+    expected = np.average(y.astype(np.float64), weights=weights.astype(np.float64))
+    assert start.shape == (1,)
+    np.testing.assert_allclose(start[0], expected, rtol=1e-5, err_msg=f"not the weighted mean (scale={scale})")
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
+def test_starting_value_absolute_error_is_the_weighted_median(scale):
+    y = (scale * (-2.0 + np.random.default_rng(1).standard_t(2, size=N_ROWS))).astype(np.float32)
+    weights = _weights(1)
+    start = np.asarray(starting_value(ABSOLUTE, jnp.zeros((N_ROWS, 1)), jnp.asarray(y), jnp.asarray(weights)))
+    lower, upper = weighted_quantile_interval(y.astype(np.float64), weights.astype(np.float64), 0.5)
+    assert lower == upper, "random weights should give a unique median"
+    np.testing.assert_allclose(start[0], lower, rtol=1e-5, err_msg=f"not the weighted median (scale={scale})")
+
+
+@pytest.mark.parametrize("positive_share", [0.03, 0.4, 0.9])
+def test_starting_value_logistic_is_the_log_odds(positive_share):
+    rng = np.random.default_rng(2)
+    y = (rng.uniform(size=N_ROWS) < positive_share).astype(np.float32)
+    weights = _weights(2)
+    start = np.asarray(starting_value(LOGISTIC, jnp.zeros((N_ROWS, 1)), jnp.asarray(y), jnp.asarray(weights)))
+    p = np.average(y.astype(np.float64), weights=weights.astype(np.float64))
+    np.testing.assert_allclose(start[0], np.log(p / (1 - p)), rtol=1e-5, atol=1e-5,
+                               err_msg=f"not the log-odds of the weighted mean label {p:.4f}")
+
+
+@pytest.mark.parametrize("frequencies", [(1 / 3, 1 / 3, 1 / 3), (0.5, 0.3, 0.2), (0.1, 0.2, 0.7), (0.05, 0.9, 0.05)])
+def test_starting_value_softmax_gives_the_class_frequencies(frequencies):
+    rng = np.random.default_rng(3)
+    y = rng.choice(3, size=N_ROWS, p=frequencies).astype(np.int32)
+    weights = _weights(3)
+    start = starting_value(SOFTMAX, jnp.zeros((N_ROWS, 3)), jnp.asarray(y), jnp.asarray(weights))
+    probabilities = np.asarray(jax.nn.softmax(start), np.float64)
+    expected = np.bincount(y, weights=weights.astype(np.float64), minlength=3) / weights.astype(np.float64).sum()
+    np.testing.assert_allclose(probabilities, expected, atol=1e-3,
+                               err_msg=f"softmax(starting value) {probabilities} is not the weighted class "
+                                       f"frequencies {expected} (start={np.asarray(start)})")

@@ -1,0 +1,496 @@
+"""Tests of the split scan, the leaf regularizer and gamma pruning against brute force in NumPy.
+
+``find_best_splits`` is checked against an enumeration of every candidate (feature, threshold
+bin, missing direction) whose children are summed straight from the rows; the regularizer
+against a dense grid search of the leaf objective; ``prune_by_gamma`` against XGBoost's
+``min_split_loss`` rule applied to the unpruned tree in NumPy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxboost.grower import GrowthParams, grow_tree, prune_by_gamma
+from jaxboost.regularizer import Regularization, leaf_value, node_score
+from jaxboost.split import find_best_splits
+from jaxboost.tree import Tree, num_heap_nodes
+
+F32 = jnp.float32
+NUM_NODES, N_FEATURES, MAX_BIN = 4, 3, 8
+MISSING_BIN = MAX_BIN - 1
+
+
+def make_reg(reg_lambda, reg_alpha=0.0, max_delta_step=0.0):
+    return Regularization(F32(reg_lambda), F32(reg_alpha), F32(max_delta_step))
+
+
+# --------------------------------------------------------------------------------------------
+# NumPy reference of the regularised leaf objective
+# --------------------------------------------------------------------------------------------
+
+
+def np_leaf_objective(w, G, H, reg_lambda, reg_alpha):
+    return G * w + 0.5 * (H + reg_lambda) * w * w + reg_alpha * np.abs(w)
+
+
+def np_leaf_value(G, H, reg_lambda, reg_alpha, max_delta_step):
+    if H + reg_lambda <= 0:
+        return 0.0
+    w = -np.sign(G) * max(abs(G) - reg_alpha, 0.0) / (H + reg_lambda)
+    return float(np.clip(w, -max_delta_step, max_delta_step)) if max_delta_step > 0 else w
+
+
+def np_score(G, H, reg_lambda, reg_alpha, max_delta_step):
+    """-2 x the objective at the optimal (clipped) leaf value."""
+    w = np_leaf_value(G, H, reg_lambda, reg_alpha, max_delta_step)
+    return -2.0 * np_leaf_objective(w, G, H, reg_lambda, reg_alpha)
+
+
+# --------------------------------------------------------------------------------------------
+# find_best_splits vs brute force over the rows
+# --------------------------------------------------------------------------------------------
+
+
+def np_histogram(X_binned, node_index, g, h):
+    histogram = np.zeros((NUM_NODES, N_FEATURES, MAX_BIN, 2))
+    for feature in range(N_FEATURES):
+        np.add.at(histogram[:, feature, :, 0], (node_index, X_binned[:, feature]), g)
+        np.add.at(histogram[:, feature, :, 1], (node_index, X_binned[:, feature]), h)
+    return histogram.astype(np.float32)
+
+
+def brute_force_candidates(X_binned, g, h, rows, allowed, reg_lambda, reg_alpha, max_delta_step, min_child_weight):
+    """Every candidate of one node in the library's tie order, as (gain, choice, left_mask, sums)."""
+    codes_all = X_binned[rows].astype(np.int64)
+    g_node, h_node = g[rows], h[rows]
+    parent = np_score(g_node.sum(), h_node.sum(), reg_lambda, reg_alpha, max_delta_step)
+    candidates = []
+    for feature in range(N_FEATURES):
+        codes = codes_all[:, feature]
+        missing = codes == MISSING_BIN
+        for default_left in (True, False):
+            for threshold in range(MAX_BIN - 1):
+                left = (~missing & (codes <= threshold)) | (missing & default_left)
+                GL, HL = g_node[left].sum(), h_node[left].sum()
+                GR, HR = g_node[~left].sum(), h_node[~left].sum()
+                valid = allowed[feature] and HL >= min_child_weight and HR >= min_child_weight and HL > 0 and HR > 0
+                gain = (np_score(GL, HL, reg_lambda, reg_alpha, max_delta_step)
+                        + np_score(GR, HR, reg_lambda, reg_alpha, max_delta_step) - parent) if valid else -np.inf
+                candidates.append((gain, (feature, threshold, default_left), left, (GL, HL, GR, HR)))
+    return candidates
+
+
+def first_best(candidates):
+    best = candidates[0]
+    for candidate in candidates[1:]:
+        if candidate[0] > best[0]:
+            best = candidate
+    return best
+
+
+@jax.jit
+def _jit_find_best_splits(histograms, feature_allowed, reg, min_child_weight):
+    return find_best_splits(histograms, feature_allowed, reg, min_child_weight)
+
+
+def make_split_data(seed):
+    rng = np.random.default_rng(seed)
+    # Nodes of different sizes; node 3 is small so that large min_child_weight leaves it unsplittable.
+    sizes = [220, 150, 90, 15]
+    node_index = np.repeat(np.arange(NUM_NODES), sizes).astype(np.int32)
+    n = len(node_index)
+    X_binned = rng.integers(0, MAX_BIN - 1, size=(n, N_FEATURES))
+    X_binned[rng.uniform(size=X_binned.shape) < 0.08] = MISSING_BIN
+    X_binned = X_binned.astype(np.uint8)
+    g = (rng.normal(size=n) + 0.8 * (X_binned[:, seed % N_FEATURES] >= 3)
+         + 1.2 * (X_binned[:, 1] == MISSING_BIN)).astype(np.float32)
+    h = rng.uniform(0.1, 2.0, size=n).astype(np.float32)
+    return X_binned, node_index, g, h
+
+
+SPLIT_CASES = list(itertools.product([0.5, 1.0, 5.0], [0.0, 0.5], [0.0, 1.0, 10.0], [0.0, 0.3]))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("reg_lambda,reg_alpha,min_child_weight,max_delta_step", SPLIT_CASES)
+def test_find_best_splits_matches_brute_force(seed, reg_lambda, reg_alpha, min_child_weight, max_delta_step):
+    X_binned, node_index, g, h = make_split_data(seed)
+    g64, h64 = g.astype(np.float64), h.astype(np.float64)
+    allowed = np.ones((NUM_NODES, N_FEATURES), bool)
+    split = _jit_find_best_splits(jnp.asarray(np_histogram(X_binned, node_index, g64, h64)), jnp.asarray(allowed),
+                                  make_reg(reg_lambda, reg_alpha, max_delta_step), F32(min_child_weight))
+    split = jax.tree.map(np.asarray, split)
+    context = f"(lambda={reg_lambda}, alpha={reg_alpha}, mcw={min_child_weight}, mds={max_delta_step}, seed={seed})"
+    for node in range(NUM_NODES):
+        rows = np.flatnonzero(node_index == node)
+        candidates = brute_force_candidates(X_binned, g64, h64, rows, allowed[node], reg_lambda, reg_alpha,
+                                            max_delta_step, min_child_weight)
+        best = first_best(candidates)
+        best_gain = best[0]
+        if best_gain == -np.inf:
+            assert split.loss_change[node] == -np.inf, (
+                f"node {node}: no valid candidate, expected -inf, got {split.loss_change[node]} {context}")
+            continue
+        tolerance = 1e-4 * max(1.0, abs(best_gain))
+        assert abs(split.loss_change[node] - best_gain) <= tolerance, (
+            f"node {node}: loss_change {split.loss_change[node]}, brute-force maximum {best_gain} {context}")
+        choice = (int(split.feature[node]), int(split.threshold_bin[node]), bool(split.default_left[node]))
+        chosen = next(candidate for candidate in candidates if candidate[1] == choice)
+        assert abs(chosen[0] - best_gain) <= tolerance, (
+            f"node {node}: chosen {choice} has brute-force gain {chosen[0]}, the maximum is {best_gain} at {best[1]} "
+            f"{context}")
+        np.testing.assert_allclose(
+            [split.left_gradients[node], split.left_hessians[node], split.right_gradients[node],
+             split.right_hessians[node]], chosen[3], rtol=1e-5, atol=1e-4,
+            err_msg=f"node {node}: children sums of {choice} differ from the rows' sums {context}")
+        # Where no other cut of the rows comes close, the choice is exactly the first best in tie order.
+        other_cuts = [c[0] for c in candidates if not np.array_equal(c[2], best[2])]
+        runner_up = max(other_cuts, default=-np.inf)
+        if best_gain - runner_up > 10 * tolerance:
+            assert choice == best[1], f"node {node}: chose {choice}, expected {best[1]} {context}"
+
+
+def _exact_histogram_case():
+    """Histograms (NUM_NODES, d, bins, 2) built from hand-placed rows, for the tie and validity checks."""
+    histograms = np.zeros((NUM_NODES, N_FEATURES, MAX_BIN, 2), np.float32)
+    # Node 0: feature 0 has rows only in bins 1 and 5 (bins 2..4 empty), no missing values;
+    # feature 1 is identical to feature 0 (an exact duplicate); feature 2 puts every row in bin 3.
+    for feature in (0, 1):
+        histograms[0, feature, 1] = [-4.0, 3.0]
+        histograms[0, feature, 5] = [5.0, 2.0]
+    histograms[0, 2, 3] = [1.0, 5.0]
+    # Node 1: every feature holds all rows in one bin, no missing: no split has two non-empty children.
+    histograms[1, :, 2] = [3.0, 4.0]
+    # Node 2: a good split exists, but the total Hessian (2.0) is below 2 x min_child_weight.
+    histograms[2, :, 0] = [-3.0, 1.0]
+    histograms[2, :, 4] = [3.0, 1.0]
+    # Node 3: only missing values and one value bin; the cut is "missing vs present".
+    histograms[3, :, 0] = [2.0, 3.0]
+    histograms[3, :, MISSING_BIN] = [-2.0, 3.0]
+    return histograms
+
+
+def test_find_best_splits_tie_rules_and_invalid_nodes():
+    histograms = _exact_histogram_case()
+    allowed = np.ones((NUM_NODES, N_FEATURES), bool)
+    split = jax.tree.map(np.asarray, _jit_find_best_splits(jnp.asarray(histograms), jnp.asarray(allowed),
+                                                           make_reg(1.0), F32(1.5)))
+    # Node 0: thresholds 1..4 cut alike, both directions are equal (no missing values), features
+    # 0 and 1 are identical: the lowest feature, missing-left, the lowest bin.
+    assert (split.feature[0], split.threshold_bin[0], bool(split.default_left[0])) == (0, 1, True), (
+        f"tie order violated: got feature={split.feature[0]}, bin={split.threshold_bin[0]}, "
+        f"default_left={split.default_left[0]}; expected (0, 1, True)")
+    expected_gain = np_score(-4, 3, 1, 0, 0) + np_score(5, 2, 1, 0, 0) - np_score(1, 5, 1, 0, 0)
+    np.testing.assert_allclose(split.loss_change[0], expected_gain, rtol=1e-6)
+    np.testing.assert_allclose([split.left_gradients[0], split.left_hessians[0], split.right_gradients[0],
+                                split.right_hessians[0]], [-4, 3, 5, 2], rtol=1e-6)
+    assert split.loss_change[1] == -np.inf, f"a node with one occupied bin must give -inf, got {split.loss_change[1]}"
+    assert split.loss_change[2] == -np.inf, (
+        f"children below min_child_weight must give -inf, got {split.loss_change[2]}")
+    # Node 3: the only cut is "present left, missing right".
+    np.testing.assert_allclose(split.loss_change[3], np_score(2, 3, 1, 0, 0) + np_score(-2, 3, 1, 0, 0)
+                               - np_score(0, 6, 1, 0, 0), rtol=1e-6)
+    # min_child_weight = 0: node 2 becomes splittable, node 1 still is not (empty children).
+    split = jax.tree.map(np.asarray, _jit_find_best_splits(jnp.asarray(histograms), jnp.asarray(allowed),
+                                                           make_reg(1.0), F32(0.0)))
+    assert np.isfinite(split.loss_change[2]) and split.loss_change[2] > 0
+    assert split.loss_change[1] == -np.inf, "an empty child is invalid even with min_child_weight = 0"
+
+
+def test_missing_versus_present_cut_takes_the_first_equivalent_candidate():
+    histograms = _exact_histogram_case()
+    allowed = np.ones((NUM_NODES, N_FEATURES), bool)
+    split = jax.tree.map(np.asarray, _jit_find_best_splits(jnp.asarray(histograms), jnp.asarray(allowed),
+                                                           make_reg(1.0), F32(0.0)))
+    # Node 3 holds rows in value bin 0 and missing rows. Sending missing values left puts every row
+    # left (bin 0 is always on the left), so no missing-left candidate is valid; every missing-right
+    # candidate of every feature cuts alike: the lowest feature and bin win.
+    assert (split.feature[3], split.threshold_bin[3], bool(split.default_left[3])) == (0, 0, False), (
+        f"got ({split.feature[3]}, {split.threshold_bin[3]}, {split.default_left[3]}), expected (0, 0, False)")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_masked_feature_is_never_chosen(seed):
+    X_binned, node_index, g, h = make_split_data(seed)
+    g64, h64 = g.astype(np.float64), h.astype(np.float64)
+    histograms = jnp.asarray(np_histogram(X_binned, node_index, g64, h64))
+    reg = make_reg(1.0)
+    all_allowed = np.ones((NUM_NODES, N_FEATURES), bool)
+    unmasked = jax.tree.map(np.asarray, _jit_find_best_splits(histograms, jnp.asarray(all_allowed), reg, F32(1.0)))
+    allowed = all_allowed.copy()
+    allowed[np.arange(NUM_NODES), unmasked.feature] = False  # mask each node's favourite feature
+    allowed[3, :] = False  # and every feature of node 3
+    split = jax.tree.map(np.asarray, _jit_find_best_splits(histograms, jnp.asarray(allowed), reg, F32(1.0)))
+    for node in range(NUM_NODES):
+        rows = np.flatnonzero(node_index == node)
+        best = first_best(brute_force_candidates(X_binned, g64, h64, rows, allowed[node], 1.0, 0.0, 0.0, 1.0))
+        if not allowed[node].any():
+            assert split.loss_change[node] == -np.inf, f"node {node}: every feature masked, expected -inf"
+            continue
+        assert allowed[node, split.feature[node]], (
+            f"node {node}: chose masked feature {split.feature[node]} (allowed {allowed[node]})")
+        assert abs(split.loss_change[node] - best[0]) <= 1e-4 * max(1.0, abs(best[0])), (
+            f"node {node}: loss_change {split.loss_change[node]}, best over allowed features {best[0]}")
+
+
+# --------------------------------------------------------------------------------------------
+# leaf_value and node_score
+# --------------------------------------------------------------------------------------------
+
+GRID_G = np.array([-10.0, -2.0, -0.3, 0.0, 0.2, 0.45, 0.7, 5.0, 40.0])
+GRID_H = np.array([0.0, 0.5, 3.0, 20.0])
+LEAF_G, LEAF_H = (a.ravel().astype(np.float32) for a in np.meshgrid(GRID_G, GRID_H, indexing="ij"))
+
+
+@jax.jit
+def _jit_leaf(G, H, reg):
+    return leaf_value(G, H, reg), node_score(G, H, reg)
+
+
+@pytest.mark.parametrize("reg_lambda", [0.0, 0.5, 1.0, 5.0])
+@pytest.mark.parametrize("reg_alpha", [0.0, 0.5])
+@pytest.mark.parametrize("max_delta_step", [0.0, 0.3])
+def test_leaf_value_minimises_the_penalised_objective(reg_lambda, reg_alpha, max_delta_step):
+    values, scores = (np.asarray(a, np.float64) for a in _jit_leaf(jnp.asarray(LEAF_G), jnp.asarray(LEAF_H),
+                                                                    make_reg(reg_lambda, reg_alpha, max_delta_step)))
+    for G, H, w, score in zip(LEAF_G.astype(np.float64), LEAF_H.astype(np.float64), values, scores):
+        context = f"(G={G}, H={H}, lambda={reg_lambda}, alpha={reg_alpha}, max_delta_step={max_delta_step})"
+        if H + reg_lambda == 0:
+            assert w == 0.0 and score == 0.0, f"no curvature: expected value 0 and score 0, got {w}, {score} {context}"
+            continue
+        unclipped = -np.sign(G) * max(abs(G) - reg_alpha, 0.0) / (H + reg_lambda)
+        bound = max_delta_step if max_delta_step > 0 else 2 * abs(unclipped) + 1.0
+        # Dense grid over the feasible interval (step ~ bound / 1e5), plus its end points.
+        grid = np.concatenate([np.linspace(-bound, bound, 200_001), [0.0]])
+        objective = np_leaf_objective(grid, G, H, reg_lambda, reg_alpha)
+        grid_min = objective.min()
+        step = 2 * bound / 200_000
+        assert abs(w - grid[np.argmin(objective)]) <= step + 1e-6 * max(1.0, abs(w)), (
+            f"leaf value {w}, grid minimiser {grid[np.argmin(objective)]} {context}")
+        value_objective = np_leaf_objective(w, G, H, reg_lambda, reg_alpha)
+        assert value_objective <= grid_min + 1e-6 * max(1.0, abs(grid_min)), (
+            f"objective at the leaf value {value_objective} exceeds the grid minimum {grid_min} {context}")
+        if max_delta_step > 0:
+            assert abs(w) <= max_delta_step * (1 + 1e-7), f"leaf value {w} exceeds max_delta_step {context}"
+        np.testing.assert_allclose(w, np.clip(unclipped, -bound, bound), rtol=1e-6, atol=1e-9, err_msg=context)
+        if max_delta_step == 0 or abs(unclipped) < max_delta_step:
+            # The subdifferential G + (H + lambda) w + alpha d|w| contains 0.
+            residual = G + (H + reg_lambda) * w
+            if w == 0:
+                assert abs(G) <= reg_alpha + 1e-6, f"w = 0 but |G| > alpha {context}"
+            else:
+                assert abs(residual + reg_alpha * np.sign(w)) <= 1e-5 * max(1.0, abs(G)), (
+                    f"the subgradient at {w} does not contain 0: {residual + reg_alpha * np.sign(w)} {context}")
+        else:
+            # Clipped at the bound: the objective still decreases towards the unclipped minimiser.
+            direction = np.sign(unclipped)
+            assert w == pytest.approx(direction * max_delta_step, rel=1e-6), f"value not clipped {context}"
+            slope_outward = direction * (G + (H + reg_lambda) * w + reg_alpha * np.sign(w))
+            assert slope_outward <= 1e-6, f"clipped value is not a constrained minimum {context}"
+        np.testing.assert_allclose(score, -2.0 * value_objective, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"node_score is not -2 x the objective at the leaf value {context}")
+        if max_delta_step == 0:
+            soft = max(abs(G) - reg_alpha, 0.0)
+            np.testing.assert_allclose(score, soft ** 2 / (H + reg_lambda), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"node_score != T_alpha(G)^2 / (H + lambda) {context}")
+
+
+# --------------------------------------------------------------------------------------------
+# gamma pruning
+# --------------------------------------------------------------------------------------------
+
+
+def growth_params(gamma, reg_lambda=1.0, min_child_weight=0.0, learning_rate=1.0):
+    return GrowthParams(reg=make_reg(reg_lambda), learning_rate=F32(learning_rate), gamma=F32(gamma),
+                        min_child_weight=F32(min_child_weight), colsample_bylevel=F32(1.0),
+                        colsample_bynode=F32(1.0))
+
+
+@partial(jax.jit, static_argnames=("max_depth", "max_bin"))
+def _jit_grow(X_binned_T, gradients, hessians, params, max_depth, max_bin):
+    return grow_tree(X_binned_T, gradients, hessians, jnp.ones(X_binned_T.shape[0], bool), jax.random.PRNGKey(0),
+                     params, max_depth, max_bin, axis_name=None)
+
+
+PRUNE_ROWS, PRUNE_FEATURES, PRUNE_DEPTH, PRUNE_BINS = 400, 3, 4, 16  # one shape: one compile of the grower
+
+
+def xor_data():
+    """Four groups of 100 rows on two binary features (a third is constant), an XOR-like target
+    with asymmetric sides and a constant gradient per group.
+
+    The root's best split (on feature 1) gains little, but both its children gain a lot (left
+    about 218, right about 208); the four groups are pure, so nothing below them splits.
+    """
+    f0 = np.repeat([0, 0, 1, 1], 100)
+    f1 = np.repeat([0, 1, 0, 1], 100)
+    g = np.repeat([1.0, -1.0, -1.1, 1.05], 100).astype(np.float32)
+    X_binned = np.stack([f0, f1, np.zeros_like(f0)], axis=1).astype(np.uint8)
+    return X_binned, g, np.ones_like(g)
+
+
+def np_prune(tree, gamma):
+    """XGBoost's rule on the unpruned tree: repeatedly turn a split whose children are both leaves
+    and whose loss_chg < gamma into a leaf."""
+    is_leaf = np.asarray(tree.is_leaf).copy()
+    loss_change = np.asarray(tree.loss_change)
+    num_nodes = len(is_leaf)
+    reached = np.zeros(num_nodes, bool)
+    reached[0] = True
+    for node in range(num_nodes):
+        if reached[node] and not is_leaf[node] and 2 * node + 2 < num_nodes:
+            reached[2 * node + 1] = reached[2 * node + 2] = True
+    changed = True
+    while changed:
+        changed = False
+        for node in range(num_nodes):
+            if (reached[node] and not is_leaf[node] and is_leaf[2 * node + 1] and is_leaf[2 * node + 2]
+                    and loss_change[node] < gamma):
+                is_leaf[node] = True
+                changed = True
+                # Its former children are no longer part of the tree.
+                stack = [2 * node + 1, 2 * node + 2]
+                while stack:
+                    child = stack.pop()
+                    reached[child] = False
+                    is_leaf[child] = False
+                    if 2 * child + 2 < num_nodes:
+                        stack += [2 * child + 1, 2 * child + 2]
+    return is_leaf & reached, reached
+
+
+def np_surviving_leaf(row_leaf, is_leaf):
+    """For each row, the topmost leaf of the pruned tree on its path to its unpruned leaf."""
+    result = np.empty_like(row_leaf)
+    for i, leaf in enumerate(row_leaf):
+        path = [int(leaf)]
+        while path[-1] > 0:
+            path.append((path[-1] - 1) // 2)
+        result[i] = next(node for node in reversed(path) if is_leaf[node])
+    return result
+
+
+def test_gamma_pruning_on_designed_tree():
+    X_binned, g, h = xor_data()
+    args = (jnp.asarray(X_binned.T), jnp.asarray(g), jnp.asarray(h))
+    grow = partial(_jit_grow, max_depth=PRUNE_DEPTH, max_bin=PRUNE_BINS)
+    tree, row_leaf = jax.tree.map(np.asarray, grow(*args, growth_params(0.0)))
+    full = np.zeros(num_heap_nodes(PRUNE_DEPTH), bool)
+    full[3:7] = True
+    np.testing.assert_array_equal(tree.is_leaf, full, err_msg="expected a full depth-2 tree (pure groups below)")
+    assert tree.feature[0] == 1 and tree.feature[1] == 0 and tree.feature[2] == 0, f"features {tree.feature[:3]}"
+    g64 = g.astype(np.float64)
+    G = {f"{a}{b}": g64[(X_binned[:, 0] == a) & (X_binned[:, 1] == b)].sum() for a in (0, 1) for b in (0, 1)}
+
+    def score(G_, H_):
+        return np_score(G_, H_, 1, 0, 0)
+
+    left_G, right_G = G["00"] + G["10"], G["01"] + G["11"]
+    expected_gains = [score(left_G, 200) + score(right_G, 200) - score(left_G + right_G, 400),
+                      score(G["00"], 100) + score(G["10"], 100) - score(left_G, 200),
+                      score(G["01"], 100) + score(G["11"], 100) - score(right_G, 200)]
+    np.testing.assert_allclose(tree.loss_change[:3], expected_gains, rtol=1e-4)
+    assert expected_gains[0] < 1.0 < 200 < expected_gains[2] < 210 < expected_gains[1] < 300
+
+    # gamma = 1: the root gains less than gamma, but its children are splits, so it is kept.
+    pruned, pruned_row_leaf = jax.tree.map(np.asarray, grow(*args, growth_params(1.0)))
+    np.testing.assert_array_equal(pruned.is_leaf, tree.is_leaf, err_msg="gamma=1 must not prune anything")
+    np.testing.assert_array_equal(pruned_row_leaf, row_leaf)
+    np.testing.assert_allclose(pruned.loss_change, tree.loss_change, rtol=1e-6)
+
+    # gamma = 210: only the right child's split goes; its rows land in node 2.
+    pruned, pruned_row_leaf = jax.tree.map(np.asarray, grow(*args, growth_params(210.0)))
+    expected_is_leaf = np.zeros_like(full)
+    expected_is_leaf[[2, 3, 4]] = True
+    np.testing.assert_array_equal(pruned.is_leaf, expected_is_leaf,
+                                  err_msg="gamma=210: node 2 should become a leaf, nodes 5 and 6 disappear")
+    np.testing.assert_array_equal(pruned_row_leaf, np.where(X_binned[:, 1] == 1, 2, row_leaf),
+                                  err_msg="rows of the pruned children must land in node 2")
+    assert pruned.loss_change[2] == 0 and pruned.loss_change[0] == pytest.approx(expected_gains[0], rel=1e-4)
+    np.testing.assert_allclose(pruned.value[2], np_leaf_value(right_G, 200, 1, 0, 0), rtol=1e-4,
+                               err_msg="the surviving leaf's value is its own rows' leaf value")
+
+    # gamma = 300: both child splits go, then the root is a split over two leaves below gamma: it goes too.
+    pruned, pruned_row_leaf = jax.tree.map(np.asarray, grow(*args, growth_params(300.0)))
+    np.testing.assert_array_equal(pruned.is_leaf, np.arange(len(full)) == 0, err_msg="gamma=300 should leave the root")
+    np.testing.assert_array_equal(pruned_row_leaf, 0)
+    assert pruned.loss_change[0] == 0, "the root is a leaf now: no loss_change"
+    np.testing.assert_allclose(pruned.value[0], np_leaf_value(left_G + right_G, 400, 1, 0, 0), rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gamma_pruning_matches_numpy_rule_on_random_trees(seed):
+    rng = np.random.default_rng(seed)
+    n, max_depth, max_bin = PRUNE_ROWS, PRUNE_DEPTH, PRUNE_BINS
+    X_binned = rng.integers(0, max_bin, size=(n, PRUNE_FEATURES)).astype(np.uint8)
+    g = (rng.normal(size=n) + (X_binned[:, 0] > 7) - 0.7 * (X_binned[:, 2] < 4)).astype(np.float32)
+    h = rng.uniform(0.5, 1.5, size=n).astype(np.float32)
+    args = (jnp.asarray(X_binned.T), jnp.asarray(g), jnp.asarray(h))
+    tree, row_leaf = jax.tree.map(np.asarray, _jit_grow(*args, growth_params(0.0), max_depth=max_depth,
+                                                        max_bin=max_bin))
+    gains = np.sort(tree.loss_change[~tree.is_leaf & (tree.loss_change > 0)])
+    assert len(gains) >= 5, "the random tree should have several splits"
+    # Gammas between consecutive gains (never equal to one): prune more and more.
+    for gamma in [0.5 * (gains[i] + gains[i + 1]) for i in range(len(gains) - 1)] + [gains[-1] * 1.01]:
+        expected_is_leaf, reached = np_prune(tree, gamma)
+        pruned, pruned_row_leaf = jax.tree.map(np.asarray, _jit_grow(*args, growth_params(gamma), max_depth=max_depth,
+                                                                     max_bin=max_bin))
+        context = f"(seed={seed}, gamma={gamma:.4f})"
+        np.testing.assert_array_equal(pruned.is_leaf, expected_is_leaf, err_msg=f"is_leaf after pruning {context}")
+        kept_split = reached & ~expected_is_leaf
+        np.testing.assert_allclose(pruned.loss_change[kept_split], tree.loss_change[kept_split], rtol=1e-6)
+        assert np.all(pruned.loss_change[expected_is_leaf] == 0), f"new leaves keep a loss_change {context}"
+        assert np.all(pruned.loss_change[kept_split] >= 0)
+        np.testing.assert_array_equal(pruned_row_leaf, np_surviving_leaf(row_leaf, expected_is_leaf),
+                                      err_msg=f"rows must land in the surviving leaf {context}")
+        np.testing.assert_allclose(pruned.value[reached], tree.value[reached], rtol=1e-6,
+                                   err_msg=f"pruning must not change node values {context}")
+
+
+@partial(jax.jit, static_argnames="max_depth")
+def _jit_prune(tree, max_depth, gamma):
+    return prune_by_gamma(tree, max_depth, gamma)
+
+
+def test_prune_by_gamma_on_hand_built_tree():
+    # Depth 3 (15 nodes). Root splits; node 1 splits into leaves 3, 4 (gain 0.5); node 2 splits into
+    # node 5 (splits into leaves 11, 12 with gain 10) and leaf 6, with gain 0.2.
+    num_nodes = num_heap_nodes(3)
+    is_leaf = np.zeros(num_nodes, bool)
+    is_leaf[[3, 4, 6, 11, 12]] = True
+    loss_change = np.zeros(num_nodes, np.float32)
+    loss_change[[0, 1, 2, 5]] = [0.1, 0.5, 0.2, 10.0]
+    zeros_i = jnp.zeros(num_nodes, jnp.int32)
+    tree = Tree(zeros_i, zeros_i, jnp.zeros(num_nodes, bool), jnp.asarray(is_leaf),
+                jnp.arange(num_nodes, dtype=jnp.float32), jnp.asarray(loss_change), jnp.ones(num_nodes, jnp.float32))
+    row_leaves = np.array([3, 4, 6, 11, 12])
+
+    pruned, surviving = jax.tree.map(np.asarray, _jit_prune(tree, 3, F32(1.0)))
+    # Node 1 (gain 0.5 < 1, two leaf children) goes; node 5 (gain 10) stays, so node 2 and the root stay.
+    expected_is_leaf = np.zeros(num_nodes, bool)
+    expected_is_leaf[[1, 6, 11, 12]] = True
+    np.testing.assert_array_equal(pruned.is_leaf, expected_is_leaf, err_msg="gamma=1 on the hand-built tree")
+    np.testing.assert_array_equal(surviving[row_leaves], [1, 1, 6, 11, 12])
+    np.testing.assert_allclose(pruned.loss_change[[0, 1, 2, 5]], [0.1, 0.0, 0.2, 10.0])
+    reachable = np.isin(np.arange(num_nodes), [0, 1, 2, 5, 6, 11, 12])
+    np.testing.assert_array_equal(pruned.value[reachable], np.arange(num_nodes)[reachable],
+                                  err_msg="values of reachable nodes are untouched")
+    assert not pruned.value[~reachable].any() and not pruned.loss_change[~reachable].any(), \
+        "nodes below a leaf are cleared"
+
+    pruned, surviving = jax.tree.map(np.asarray, _jit_prune(tree, 3, F32(11.0)))
+    # Everything below gamma: node 5 goes, then node 2 and node 1, then the root.
+    np.testing.assert_array_equal(pruned.is_leaf, np.arange(num_nodes) == 0,
+                                  err_msg="gamma=11 should prune to the root")
+    np.testing.assert_array_equal(surviving[row_leaves], 0)
+    assert pruned.loss_change[0] == 0, "the root is a leaf now: no loss_change"
+
+    pruned, surviving = jax.tree.map(np.asarray, _jit_prune(tree, 3, F32(0.05)))
+    np.testing.assert_array_equal(pruned.is_leaf, is_leaf, err_msg="gamma below every gain prunes nothing")
+    np.testing.assert_array_equal(surviving[row_leaves], row_leaves)
