@@ -11,6 +11,7 @@ from . import devices as _devices
 
 # Must run before anything initialises JAX's backends: one host device per core.
 _devices.configure_default_cpu_devices()
+_devices.configure_compilation_cache()
 
 
 def _load_losses_folder():

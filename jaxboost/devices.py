@@ -51,6 +51,25 @@ def configure_default_cpu_devices() -> None:
         jax.config.update("jax_num_cpu_devices", cores)
 
 
+def configure_compilation_cache() -> None:
+    """Keep compiled rounds on disk between processes unless the user chose a cache already.
+
+    A boosting round takes seconds to compile; with the persistent cache a second process with
+    the same shapes loads it instead. ``JAXBOOST_CACHE_DIR`` sets the folder; an empty value
+    turns this off.
+    """
+    if jax.config.jax_compilation_cache_dir:
+        return
+    folder = os.environ.get("JAXBOOST_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxboost", "xla"))
+    if not folder:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return  # read-only home: compile every time rather than fail
+    jax.config.update("jax_compilation_cache_dir", folder)
+
+
 _warned_single_device = False
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .regularizer import Regularization, split_loss_change
+from .regularizer import Regularization, node_score, split_loss_change
 
 
 class SplitChoice(NamedTuple):
@@ -54,7 +54,8 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     valid = (feature_allowed[:, :, None, None]
              & (left_hessians >= min_child_weight) & (right_hessians >= min_child_weight)
              & (left_hessians > 0) & (right_hessians > 0))
-    loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg)
+    parent_score = node_score(node_total[..., 0], node_total[..., 1], reg)[:, :, None]  # (K, d, 1, 1)
+    loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg, parent_score)
     loss_change = jnp.where(valid, loss_change, -jnp.inf).reshape(num_nodes, -1)
 
     best = jnp.argmax(loss_change, axis=1)
