@@ -308,3 +308,20 @@ def test_custom_loss_with_negative_hessian_is_rejected():
 
     with pytest.raises(ValueError, match=r"concave.*negative Hessians.*round 0"):
         jb.train(X, y, loss=concave, **COMMON)
+
+
+def test_custom_vector_loss_with_num_outputs():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(N_ROWS, N_FEATURES)).astype(np.float32)
+    y = np.argmax(X[:, :3] + 0.3 * rng.normal(size=(N_ROWS, 3)), axis=1)
+
+    def my_softmax(raw_prediction, y):
+        return jax.nn.logsumexp(raw_prediction) - raw_prediction[y.astype(jnp.int32)]
+
+    custom = jb.train(X, y, loss=my_softmax, num_outputs=3, link="softmax", **COMMON)
+    builtin = jb.train(X, y, loss="softmax", **COMMON)
+    assert custom.predict(X).shape == (N_ROWS, 3)
+    agree = np.mean(custom.predict(X).argmax(axis=1) == builtin.predict(X).argmax(axis=1))
+    assert agree > 0.97, agree
+    np.testing.assert_allclose(custom.base_score - custom.base_score.mean(),
+                               builtin.base_score - builtin.base_score.mean(), atol=1e-3)
