@@ -73,17 +73,24 @@ def configure_compilation_cache() -> None:
 _warned_single_device = False
 
 
-def row_mesh() -> Mesh:
-    """A 1-D mesh over the default backend's local devices; rows are sharded along it."""
+# Below this many rows per device, the collectives of a sharded round cost more than the
+# histogram work they split (measured on a 2-core machine; see experiments/results).
+MIN_ROWS_PER_DEVICE = 100_000
+
+
+def row_mesh(n_rows: int) -> Mesh:
+    """A 1-D mesh that rows are sharded along: every local device of the default backend when
+    each gets at least ``MIN_ROWS_PER_DEVICE`` rows, fewer devices for smaller data."""
     global _warned_single_device
     devices = jax.local_devices()
     if (len(devices) == 1 and devices[0].platform == "cpu" and (os.cpu_count() or 1) > 1
-            and not _warned_single_device):
+            and n_rows >= 2 * MIN_ROWS_PER_DEVICE and not _warned_single_device):
         _warned_single_device = True
         warnings.warn("jaxboost is training on one CPU device of a multi-core machine, so the histogram "
                       "kernel uses one core; call jaxboost.use_cpu_cores() before JAX starts (or import "
                       "jaxboost first) to use them all", RuntimeWarning, stacklevel=3)
-    return Mesh(np.array(devices), (ROW_AXIS,))
+    used = max(1, min(len(devices), n_rows // MIN_ROWS_PER_DEVICE))
+    return Mesh(np.array(devices[:used]), (ROW_AXIS,))
 
 
 def row_sharding(mesh: Mesh, ndim: int, row_axis: int = 0) -> NamedSharding:

@@ -171,7 +171,7 @@ def train(data, y=None, *, loss="squared_error", num_rounds: int = 100, max_dept
     K = objective.num_outputs
     weights = np.where(dataset.y == 1, dataset.sample_weight * np.float32(scale_pos_weight), dataset.sample_weight)
 
-    mesh = row_mesh()
+    mesh = row_mesh(dataset.n_rows)
     margin = check_base_margin(dataset.base_margin, dataset.n_rows, K)
     train_rows = _DeviceRows(dataset, resolved, mesh, shard=True, margin=margin, base_score=None,
                              sample_weight=weights)
