@@ -93,14 +93,21 @@ def prune_by_gamma(tree: Tree, max_depth: int, gamma: jax.Array) -> tuple[Tree, 
     return pruned, surviving_leaf
 
 
+# Levels with at most this many nodes share one compiled loop body sized for this many nodes;
+# deeper levels get a body sized exactly, so a deep tree does not scan empty node slots.
+LOOPED_LEVEL_NODES = 32
+
+
 class _LevelState(NamedTuple):
+    """The nodes of one level; node arrays are sized for the level's node capacity."""
+
     tree: Tree
     node_of_row: jax.Array  # (n,) position of each row's node within the current level
     row_leaf: jax.Array  # (n,) heap index of the leaf a row stopped in (valid once it stopped)
-    active: jax.Array  # (2^D,) the level's nodes that exist and may split
-    level_gradients: jax.Array  # (2^D,)
-    level_hessians: jax.Array  # (2^D,)
-    histograms: jax.Array  # (2^(D-1), d, bins, 2) of the level's nodes
+    active: jax.Array  # (capacity,) the level's nodes that exist and may split
+    level_gradients: jax.Array  # (capacity,)
+    level_hessians: jax.Array  # (capacity,)
+    histograms: jax.Array | None  # (capacity, d, bins, 2); None on the leaf level
 
 
 def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, feature_allowed: jax.Array,
@@ -119,19 +126,16 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
       ``(tree, row_leaf)``: the tree's node arrays (values times the learning rate) and the
       heap index of the leaf holding each row.
 
-    The levels run in a ``fori_loop`` over buffers sized for the deepest level, so the compiled
-    program does not grow with ``max_depth``.
+    The shallow levels (up to ``LOOPED_LEVEL_NODES`` nodes) run in one ``fori_loop`` over
+    buffers of that size; each deeper level gets its own body with buffers of its exact size.
     """
     n_features, n_rows = X_binned_T.shape
     missing_bin = max_bin - 1
     num_nodes = num_heap_nodes(max_depth)
-    leaf_capacity = 2 ** max_depth  # nodes of the deepest level
-    split_capacity = leaf_capacity // 2  # nodes of the deepest level that may split
     row_ids = jnp.arange(n_rows)
 
     def record_values(tree, depth, active, level_gradients, level_hessians):
-        capacity = active.shape[0]
-        positions = jnp.arange(capacity)
+        positions = jnp.arange(active.shape[0])
         heap_index = jnp.where(positions < 2 ** depth, 2 ** depth - 1 + positions, num_nodes)
         values = params.learning_rate * leaf_value(level_gradients, level_hessians, params.reg)
         return tree._replace(
@@ -139,14 +143,15 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             sum_hessians=tree.sum_hessians.at[heap_index].set(jnp.where(active, level_hessians, 0.0), mode="drop"),
         ), heap_index
 
-    def split_level(depth, state: _LevelState) -> _LevelState:
-        active = state.active[:split_capacity]
-        tree, heap_index = record_values(state.tree, depth, active, state.level_gradients[:split_capacity],
-                                         state.level_hessians[:split_capacity])
+    def split_level(depth, state: _LevelState, next_capacity: int, children_split: bool) -> _LevelState:
+        """Split the level's nodes; children arrays come out sized ``next_capacity``."""
+        capacity = state.active.shape[0]
+        active = state.active
+        tree, heap_index = record_values(state.tree, depth, active, state.level_gradients, state.level_hessians)
         level_key = jax.random.fold_in(key, depth)
         level_features = sample_features(jax.random.fold_in(level_key, 0), feature_allowed, params.colsample_bylevel)
         node_features = sample_features(jax.random.fold_in(level_key, 1),
-                                        jnp.broadcast_to(level_features, (split_capacity, n_features)),
+                                        jnp.broadcast_to(level_features, (capacity, n_features)),
                                         params.colsample_bynode)
         split = find_best_splits(state.histograms, node_features, params.reg, params.min_child_weight)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
@@ -167,41 +172,46 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
                                code > split.threshold_bin[node_of_row])
         child_of_row = 2 * node_of_row + goes_right.astype(jnp.int32)
 
-        def children_histograms():
+        def children(left, right):
+            # The next level's nodes all sit in its first next_capacity positions.
+            return jnp.stack([left, right], axis=1).reshape((2 * capacity,) + left.shape[1:])[:next_capacity]
+
+        histograms = None
+        if children_split:
             # Histogram only the child with fewer rows; the sibling's is the parent's minus it.
-            child_rows = all_sum(jax.ops.segment_sum(row_splits.astype(jnp.float32), child_of_row,
-                                                     2 * split_capacity), axis_name)
+            child_rows = all_sum(jax.ops.segment_sum(row_splits.astype(jnp.float32), child_of_row, 2 * capacity),
+                                 axis_name)
             left_is_smaller = child_rows[0::2] <= child_rows[1::2]
             in_smaller_child = row_splits & (goes_right != left_is_smaller[node_of_row])
             smaller = all_sum(build_histogram(X_binned_T, node_of_row, jnp.where(in_smaller_child, gradients, 0.0),
-                                              jnp.where(in_smaller_child, hessians, 0.0), split_capacity, max_bin),
+                                              jnp.where(in_smaller_child, hessians, 0.0), capacity, max_bin),
                               axis_name)
             larger = state.histograms - smaller
             choose = left_is_smaller[:, None, None, None]
-            pairs = jnp.stack([jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller)], axis=1)
-            # Children of the level's nodes fit in the first split_capacity slots whenever they
-            # are split next; the deepest level needs no histograms.
-            return pairs.reshape(2 * split_capacity, n_features, max_bin, 2)[:split_capacity]
-
-        histograms = jax.lax.cond(depth + 1 < max_depth, children_histograms, lambda: state.histograms)
+            histograms = children(jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller))
         return _LevelState(
-            tree=tree, node_of_row=child_of_row, row_leaf=row_leaf, active=jnp.repeat(splits, 2),
-            level_gradients=jnp.stack([split.left_gradients, split.right_gradients], axis=1).reshape(-1),
-            level_hessians=jnp.stack([split.left_hessians, split.right_hessians], axis=1).reshape(-1),
-        histograms=histograms)
+            tree=tree, node_of_row=child_of_row, row_leaf=row_leaf, active=children(splits, splits),
+            level_gradients=children(split.left_gradients, split.right_gradients),
+            level_hessians=children(split.left_hessians, split.right_hessians), histograms=histograms)
 
+    looped_capacity = min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))
+    looped_levels = looped_capacity.bit_length() - 1  # levels whose children fit in looped_capacity
     root_index = jnp.zeros(n_rows, jnp.int32)
     state = _LevelState(
         tree=empty_tree(num_nodes),
         node_of_row=root_index,
         row_leaf=root_index,
-        active=jnp.zeros(leaf_capacity, bool).at[0].set(True),
-        level_gradients=jnp.zeros(leaf_capacity).at[0].set(all_sum(jnp.sum(gradients), axis_name)),
-        level_hessians=jnp.zeros(leaf_capacity).at[0].set(all_sum(jnp.sum(hessians), axis_name)),
-        histograms=all_sum(build_histogram(X_binned_T, root_index, gradients, hessians, split_capacity, max_bin),
+        active=jnp.zeros(looped_capacity, bool).at[0].set(True),
+        level_gradients=jnp.zeros(looped_capacity).at[0].set(all_sum(jnp.sum(gradients), axis_name)),
+        level_hessians=jnp.zeros(looped_capacity).at[0].set(all_sum(jnp.sum(hessians), axis_name)),
+        histograms=all_sum(build_histogram(X_binned_T, root_index, gradients, hessians, looped_capacity, max_bin),
                            axis_name),
     )
-    state = jax.lax.fori_loop(0, max_depth, split_level, state)
+    state = jax.lax.fori_loop(0, looped_levels,
+                              lambda depth, s: split_level(depth, s, looped_capacity, children_split=True), state)
+    for depth in range(looped_levels, max_depth):
+        state = split_level(depth, state, 2 ** (depth + 1), children_split=depth + 1 < max_depth)
+
     tree, heap_index = record_values(state.tree, max_depth, state.active, state.level_gradients, state.level_hessians)
     tree = tree._replace(is_leaf=tree.is_leaf.at[heap_index].set(state.active, mode="drop"))
     row_leaf = jnp.where(state.active[state.node_of_row], heap_index[state.node_of_row], state.row_leaf)
