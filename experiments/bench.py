@@ -1,0 +1,411 @@
+"""Side-by-side speed and memory benchmark: jaxboost vs XGBoost, LightGBM and scikit-learn.
+
+Run from the repository root: ``python experiments/bench.py`` (full size: many minutes; run it
+on a quiet machine). ``--rows 50000 --rounds 10 --repeats 1`` gives a quick smoke run.
+
+Tasks (data generated with a fixed seed, float32, 80/20 train/test split):
+
+* classification: ``make_classification(rows, 28 features, 14 informative, 4 redundant)``,
+  binary logistic loss, scored by test AUC;
+* regression: ``make_regression(rows // 2, 50 features, 20 informative, noise=10)``, squared
+  error, scored by test RMSE.
+
+Every library gets the same settings: ``--rounds`` trees of depth ``--depth`` (LightGBM and
+sklearn: at most 2^depth leaves), learning rate 0.1, L2 lambda 1, minimum leaf Hessian 1
+(sklearn has none; it gets min_samples_leaf=1), ``--max-bin`` bins (LightGBM and sklearn count
+the missing-value bin separately, so they get max_bin - 1), all cores, no early stopping.
+
+How it is measured (``bench_worker.py`` does one run):
+
+* Each library runs in its own subprocess, ``--repeats`` times; every table cell is the MEDIAN
+  over the repeats. Separate processes keep peak RSS per library and make every repeat pay
+  jaxboost's compilation again (JAX's persistent compilation cache is off in the children).
+* binning s: building the library's binned dataset (``jb.Dataset``, ``xgb.QuantileDMatrix``,
+  ``lgb.Dataset(...).construct()``; sklearn bins inside ``fit``: n/a).
+* compile s (jaxboost): a first 1-round ``jb.train`` minus a second one on the same Dataset.
+* boosting s: a ``--rounds``-round train in the warmed-up process (so without compilation).
+* ms/tree, the difference method, the same for every library:
+  (``--rounds``-round train - warm 1-round train) / (rounds - 1). Per-call overheads (data
+  placement, starting value, sklearn's binning inside ``fit``) cancel out.
+* predict s: predicting the test set, second (warm) call; XGBoost uses ``inplace_predict``.
+* peak RSS MB: the child's peak resident memory after data generation (the kernel's high-water
+  mark is reset once the data exist; it includes the float32 data and imported modules).
+* Quietness: load average and the CPU used by other processes are sampled before and after the
+  runs, and other processes' CPU is also measured during them (machine-wide CPU from
+  /proc/stat minus the children's own CPU).
+
+``--scaling`` adds jaxboost ms/tree vs rows (XGBoost alongside), vs depth and vs bins on the
+classification task; its row counts are 100k, 1M and 4M scaled by ``--rows`` / 1M.
+The tables are printed and written, with the command line, date and machine info, to ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EXPERIMENTS = Path(__file__).resolve().parent
+REPO_ROOT = EXPERIMENTS.parent
+WORKER = EXPERIMENTS / "bench_worker.py"
+RESULT_PREFIX = "BENCH_RESULT "
+LIBRARIES = ["jaxboost", "xgboost", "lightgbm", "sklearn"]
+TASKS = ["classification", "regression"]
+METRIC_NAME = {"classification": "test AUC", "regression": "test RMSE"}
+REFERENCE_LIBRARY = "xgboost"
+QUIET_LOAD = 0.5
+RUN_TIMEOUT_S = 3 * 3600
+FULL_ROWS = 1_000_000
+SCALING_ROWS = [100_000, 1_000_000, 4_000_000]
+SCALING_DEPTHS = [4, 6, 8, 10]
+SCALING_BINS = [64, 256]
+NUMERIC_FIELDS = ["binning_s", "compile_s", "boosting_s", "ms_per_tree", "predict_s", "metric", "peak_rss_mb",
+                  "first_round_s", "warm_round_s", "data_peak_rss_mb"]
+
+
+# ----------------------------------------------------------------------------- quietness
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds used by everything on the machine since boot (all cores), from /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children."""
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
+
+
+class OtherCpuMeter:
+    """Accumulates the CPU used by other processes (machine-wide CPU minus this process tree's)."""
+
+    def __init__(self):
+        self.other_cpu_s = 0.0
+        self.wall_s = 0.0
+
+    def start(self):
+        self._mark = (machine_busy_seconds(), own_cpu_seconds(), time.perf_counter())
+
+    def stop(self):
+        busy, own, wall = machine_busy_seconds(), own_cpu_seconds(), time.perf_counter()
+        if busy is not None and self._mark[0] is not None:
+            self.other_cpu_s += max((busy - self._mark[0]) - (own - self._mark[1]), 0.0)
+        self.wall_s += wall - self._mark[2]
+
+    @property
+    def other_cores(self) -> float:
+        return self.other_cpu_s / self.wall_s if self.wall_s else 0.0
+
+
+def quietness_sample(seconds: float = 2.0) -> dict:
+    """Load average and the cores used by other processes over ``seconds`` (this process sleeps)."""
+    meter = OtherCpuMeter()
+    meter.start()
+    time.sleep(seconds)
+    meter.stop()
+    return {"load1": os.getloadavg()[0], "other_cores": meter.other_cores}
+
+
+def describe_quietness(label: str, sample: dict) -> str:
+    return (f"{label}: load average (1 min) {sample['load1']:.2f}; other processes used "
+            f"{sample['other_cores']:.2f} of {os.cpu_count()} cores over 2 s")
+
+
+# ----------------------------------------------------------------------------- running the workers
+
+def child_environment() -> dict:
+    env = dict(os.environ)
+    env["JAXBOOST_CACHE_DIR"] = ""  # measure real compilation in every repeat
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_worker(worker_args: list[str], meter: OtherCpuMeter | None = None) -> dict:
+    """Run ``bench_worker.py`` once and return its JSON result (or a failure record)."""
+    meter and meter.start()
+    try:
+        completed = subprocess.run([sys.executable, str(WORKER), *worker_args], capture_output=True, text=True,
+                                   cwd=REPO_ROOT, env=child_environment(), timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"status": f"failed: timed out after {RUN_TIMEOUT_S} s"}
+    finally:
+        meter and meter.stop()
+    for line in reversed(completed.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    last_error = (completed.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"status": f"failed (exit {completed.returncode}): {last_error[:200]}"}
+
+
+class Runner:
+    """Runs (library, task, size) configurations ``repeats`` times each, remembering results so a
+    configuration shared by several tables runs once."""
+
+    def __init__(self, repeats: int, rounds: int):
+        self.repeats, self.rounds = repeats, rounds
+        self.meter = OtherCpuMeter()
+        self.results: dict[tuple, list[dict]] = {}
+
+    def run(self, library: str, task: str, rows: int, depth: int, max_bin: int, predict: bool = True) -> dict:
+        key = (library, task, rows, depth, max_bin)
+        runs = self.results.get(key, [])
+        if predict and runs and "predict_s" not in runs[0]:
+            runs = []  # earlier runs skipped predict; this table needs it
+        while len(runs) < self.repeats:
+            worker_args = ["--library", library, "--task", task, "--rows", str(rows), "--rounds", str(self.rounds),
+                           "--depth", str(depth), "--max-bin", str(max_bin)] + ([] if predict else ["--no-predict"])
+            started = time.perf_counter()
+            result = run_worker(worker_args, self.meter)
+            print(f"  {library:<9} {task:<14} rows={rows:<9} depth={depth:<3} bins={max_bin:<4} "
+                  f"run {len(runs) + 1}/{self.repeats}: {result['status']} ({time.perf_counter() - started:.1f} s)",
+                  file=sys.stderr, flush=True)
+            runs.append(result)
+            if result["status"] != "ok":
+                break  # not installed or failing: repeating will not help
+        self.results[key] = runs
+        return summarize(runs)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the successful runs; the first failure's status when none succeeded."""
+    ok = [run for run in runs if run["status"] == "ok"]
+    if not ok:
+        return {"status": runs[0]["status"] if runs else "not run"}
+    summary = {"status": "ok", "repeats": len(ok)}
+    for field in NUMERIC_FIELDS:
+        values = [run[field] for run in ok if run.get(field) is not None]
+        summary[field] = statistics.median(values) if values else None
+    return summary
+
+
+# ----------------------------------------------------------------------------- formatting
+
+def fmt_seconds(value) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def fmt_ms(value) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def fmt_ratio(value, reference) -> str:
+    if value is None or not reference:
+        return "n/a"
+    return f"{value / reference:.2f}x"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def task_table(task: str, summaries: dict[str, dict]) -> str:
+    """One row per library; failures and missing libraries get their status in the row."""
+    header = ["library", "binning s", "compile s", "boosting s", "ms/tree", "predict s", METRIC_NAME[task],
+              "peak RSS MB", f"ms/tree vs {REFERENCE_LIBRARY}"]
+    reference = summaries.get(REFERENCE_LIBRARY, {}).get("ms_per_tree")
+    rows = []
+    for library, summary in summaries.items():
+        if summary["status"] != "ok":
+            rows.append([library, summary["status"]] + [""] * (len(header) - 2))
+            continue
+        metric = summary["metric"]
+        rows.append([library, fmt_seconds(summary["binning_s"]),
+                     fmt_seconds(summary["compile_s"]) if library == "jaxboost" else "n/a",
+                     fmt_seconds(summary["boosting_s"]), fmt_ms(summary["ms_per_tree"]),
+                     fmt_seconds(summary["predict_s"]),
+                     "n/a" if metric is None else (f"{metric:.4f}" if task == "classification" else f"{metric:.3f}"),
+                     f"{summary['peak_rss_mb']:.0f}", fmt_ratio(summary["ms_per_tree"], reference)])
+    return markdown_table(header, rows)
+
+
+def ms_cell(summary: dict) -> str:
+    return fmt_ms(summary["ms_per_tree"]) if summary["status"] == "ok" else summary["status"]
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+def run_tasks(args, runner: Runner) -> list[str]:
+    sections = []
+    for task in args.tasks:
+        summaries = {library: runner.run(library, task, args.rows, args.depth, args.max_bin)
+                     for library in args.libraries}
+        n_samples = args.rows if task == "classification" else args.rows // 2
+        title = (f"## {task}: {n_samples:,} samples ({int(n_samples * 0.8):,} train), {args.rounds} rounds, "
+                 f"depth {args.depth}, {args.max_bin} bins")
+        section = f"{title}\n\n{task_table(task, summaries)}"
+        print("\n" + section + "\n", flush=True)
+        sections.append(section)
+    return sections
+
+
+def scaled(rows: int, args) -> int:
+    return max(int(round(rows * args.rows / FULL_ROWS)), 100)
+
+
+def run_scaling(args, runner: Runner) -> str:
+    """jaxboost ms/tree vs rows (with XGBoost), vs depth and vs bins, on the classification task."""
+    task, base_rows = "classification", scaled(FULL_ROWS, args)
+    with_reference = REFERENCE_LIBRARY in args.libraries
+
+    def ms(library, rows=base_rows, depth=args.depth, max_bin=args.max_bin):
+        return runner.run(library, task, rows, depth, max_bin, predict=False)
+
+    rows_table = []
+    for rows in [scaled(r, args) for r in SCALING_ROWS]:
+        ours = ms("jaxboost", rows=rows)
+        row = [f"{rows:,}", ms_cell(ours)]
+        if with_reference:
+            reference = ms(REFERENCE_LIBRARY, rows=rows)
+            row += [ms_cell(reference), fmt_ratio(ours.get("ms_per_tree"), reference.get("ms_per_tree"))]
+        rows_table.append(row)
+    rows_header = ["rows", "jaxboost ms/tree"] + (
+        [f"{REFERENCE_LIBRARY} ms/tree", f"jaxboost vs {REFERENCE_LIBRARY}"] if with_reference else [])
+    depth_table = [[str(depth), ms_cell(ms("jaxboost", depth=depth))] for depth in SCALING_DEPTHS]
+    bins_table = [[str(max_bin), ms_cell(ms("jaxboost", max_bin=max_bin))] for max_bin in SCALING_BINS]
+    section = "\n\n".join([
+        f"## Scaling (classification task, {args.rounds} rounds, median ms/tree of {args.repeats} repeat(s))",
+        f"### vs rows (depth {args.depth}, {args.max_bin} bins)\n\n" + markdown_table(rows_header, rows_table),
+        f"### vs depth ({base_rows:,} rows, {args.max_bin} bins)\n\n"
+        + markdown_table(["depth", "jaxboost ms/tree"], depth_table),
+        f"### vs bins ({base_rows:,} rows, depth {args.depth})\n\n"
+        + markdown_table(["max_bin", "jaxboost ms/tree"], bins_table),
+    ])
+    print("\n" + section + "\n", flush=True)
+    return section
+
+
+# ----------------------------------------------------------------------------- report
+
+def machine_section() -> str:
+    info = run_worker(["--info"])
+    versions = info.get("versions", {})
+    lines = [f"- CPU count: {os.cpu_count()}; processor: {platform.processor() or 'unknown'}; "
+             f"platform: {platform.platform()}; Python {platform.python_version()}",
+             "- versions: " + ", ".join(f"{name} {version}" for name, version in versions.items()),
+             "- JAX devices as seen by jaxboost: " + ", ".join(info.get("jax_devices", [info.get("status", "?")]))]
+    return "\n".join(lines)
+
+
+def method_notes(args) -> str:
+    return "\n".join([
+        f"- Every cell is the median of {args.repeats} run(s); each run is a fresh subprocess per library.",
+        f"- ms/tree uses the difference method for every library: (time of a {args.rounds}-round train - time "
+        f"of a 1-round train, both in a warmed-up process) / {args.rounds - 1}.",
+        "- boosting s: the full train in the warmed-up process (jaxboost's compilation is excluded and shown as "
+        "compile s = first 1-round train - second 1-round train; JAX's persistent compilation cache is off).",
+        "- binning s: jb.Dataset / xgb.QuantileDMatrix / lgb.Dataset(...).construct(); sklearn bins inside fit "
+        "(its boosting s includes binning, its ms/tree does not).",
+        "- predict s: the test set, second (warm) call; XGBoost: inplace_predict.",
+        "- peak RSS MB: the child's resident-memory high-water mark reset after data generation (includes the "
+        "float32 data and imported libraries).",
+        f"- Settings: learning rate 0.1, lambda 1, depth {args.depth} (LightGBM/sklearn: at most "
+        f"{2 ** args.depth} leaves), min leaf Hessian 1 (XGBoost min_child_weight, LightGBM "
+        f"min_sum_hessian_in_leaf + min_data_in_leaf=1, sklearn min_samples_leaf=1), bins: jaxboost/XGBoost "
+        f"{args.max_bin}, LightGBM/sklearn {args.max_bin - 1} + missing bin, {os.cpu_count()} threads.",
+    ])
+
+
+def write_report(path: Path, parts: list[str]):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(parts) + "\n")
+    print(f"results written to {path}", file=sys.stderr)
+
+
+def raw_runs_section(runner: Runner) -> str:
+    lines = []
+    for (library, task, rows, depth, max_bin), runs in runner.results.items():
+        for run in runs:
+            lines.append(json.dumps({"library": library, "task": task, "rows": rows, "depth": depth,
+                                     "max_bin": max_bin, **run}))
+    return "## Raw runs (one JSON object per subprocess)\n\n```\n" + "\n".join(lines) + "\n```"
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    comma_list = lambda text: [item.strip() for item in text.split(",") if item.strip()]  # noqa: E731
+    parser.add_argument("--rows", type=int, default=FULL_ROWS,
+                        help="classification rows (regression uses half); default %(default)s")
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per library; medians are reported")
+    parser.add_argument("--tasks", type=comma_list, default=TASKS)
+    parser.add_argument("--libraries", type=comma_list, default=LIBRARIES)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--max-bin", type=int, default=256)
+    parser.add_argument("--output", type=Path, default=EXPERIMENTS / "results" / "bench.md",
+                        help="markdown results file (default: experiments/results/bench.md)")
+    parser.add_argument("--scaling", action="store_true", help="add jaxboost ms/tree vs rows, depth and bins")
+    args = parser.parse_args(argv)
+    for name, chosen, allowed in [("--tasks", args.tasks, TASKS), ("--libraries", args.libraries, LIBRARIES)]:
+        unknown = sorted(set(chosen) - set(allowed))
+        if unknown:
+            parser.error(f"{name}: unknown {unknown}; choose from {allowed}")
+    if args.rounds < 2 or args.repeats < 1 or args.rows < 100:
+        parser.error("need --rounds >= 2, --repeats >= 1 and --rows >= 100")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    command = "python " + shlex.join(sys.argv if argv is None else ["experiments/bench.py", *argv])
+    started = datetime.datetime.now().astimezone()
+    before = quietness_sample()
+    print(describe_quietness("before", before), file=sys.stderr)
+    warning = (f"**machine was NOT quiet: load {before['load1']:.2f}** (1-minute load average at start > "
+               f"{QUIET_LOAD}); timings may be inflated" if before["load1"] > QUIET_LOAD else None)
+    if warning:
+        print(warning.replace("**", ""), file=sys.stderr)
+
+    runner = Runner(args.repeats, args.rounds)
+    sections = run_tasks(args, runner)
+    if args.scaling:
+        sections.append(run_scaling(args, runner))
+
+    after = quietness_sample()
+    print(describe_quietness("after", after), file=sys.stderr)
+    quiet_lines = [describe_quietness("- before", before),
+                   f"- during the runs: other processes used on average {runner.meter.other_cores:.2f} of "
+                   f"{os.cpu_count()} cores (machine CPU from /proc/stat minus the benchmark's own)",
+                   describe_quietness("- after", after)]
+    if warning:
+        quiet_lines.insert(0, f"- {warning}")
+    print(quiet_lines[-2].lstrip("- "), file=sys.stderr)
+    report = [
+        "# jaxboost benchmark",
+        f"- command: `{command}`\n- date: {started.isoformat(timespec='seconds')} "
+        f"(took {(datetime.datetime.now().astimezone() - started).total_seconds() / 60:.1f} min)",
+        "## Machine\n\n" + machine_section(),
+        "## Quietness\n\n" + "\n".join(quiet_lines),
+        "## Method\n\n" + method_notes(args),
+        *sections,
+        raw_runs_section(runner),
+    ]
+    write_report(args.output if args.output.is_absolute() else Path.cwd() / args.output, report)
+
+
+if __name__ == "__main__":
+    main()

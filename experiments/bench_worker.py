@@ -1,0 +1,277 @@
+"""One benchmark run of one library on one task, in its own process (driven by ``bench.py``).
+
+Usage: ``python experiments/bench_worker.py --library xgboost --task classification --rows N
+--rounds R --depth D --max-bin B [--no-predict]`` (or ``--info`` for machine/version info).
+
+It generates the task's data (fixed seed, not timed), resets the process's peak-RSS mark, then:
+
+1. builds the library's binned dataset (timed: "binning"; sklearn bins inside ``fit``: n/a);
+2. trains 1 round twice (the first call includes one-time costs such as JAX compilation;
+   compile = first - second, reported for jaxboost only);
+3. trains ``rounds`` rounds (timed: "boosting", a warmed-up process, so no compilation);
+4. predicts the test set twice and times the second (warmed-up) call;
+5. scores the test set (AUC or RMSE, with scikit-learn/NumPy).
+
+ms/tree = (time of the R-round train - time of the warm 1-round train) / (R - 1): per-call
+overhead (data placement, starting value, sklearn's binning inside ``fit``) cancels out.
+
+The result is one JSON line on stdout, prefixed with ``BENCH_RESULT``. A library that cannot
+be imported gives ``{"status": "not installed"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_PREFIX = "BENCH_RESULT "
+LEARNING_RATE = 0.1
+REG_LAMBDA = 1.0
+MIN_HESSIAN = 1.0  # XGBoost min_child_weight, LightGBM min_sum_hessian_in_leaf, jaxboost min_child_weight
+SEED = 0
+
+
+# ----------------------------------------------------------------------------- data
+
+def make_task(task: str, rows: int):
+    """The task's float32 train/test split (80/20), always with the same seed."""
+    import numpy as np
+    from sklearn.datasets import make_classification, make_regression
+    from sklearn.model_selection import train_test_split
+
+    if task == "classification":
+        X, y = make_classification(n_samples=rows, n_features=28, n_informative=14, n_redundant=4,
+                                   random_state=SEED)
+    elif task == "regression":
+        X, y = make_regression(n_samples=rows // 2, n_features=50, n_informative=20, noise=10,
+                               random_state=SEED)
+    else:
+        raise ValueError(f"unknown task {task!r}")
+    X, y = X.astype(np.float32), y.astype(np.float32)
+    return train_test_split(X, y, test_size=0.2, random_state=SEED)
+
+
+def score(task: str, y_true, prediction) -> float:
+    import numpy as np
+    from sklearn.metrics import roc_auc_score
+
+    if task == "classification":
+        return float(roc_auc_score(y_true, prediction))
+    return float(np.sqrt(np.mean((np.asarray(prediction, np.float64) - y_true) ** 2)))
+
+
+# ----------------------------------------------------------------------------- memory
+
+def _read_status_kb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as status:
+            match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+        return float(match.group(1)) if match else None
+    except OSError:
+        return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb(since_reset: bool) -> float:
+    """Peak RSS of this process: VmHWM after a reset, else ru_maxrss (lifetime peak)."""
+    hwm_kb = _read_status_kb("VmHWM") if since_reset else None
+    if hwm_kb is None:
+        hwm_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux
+    return hwm_kb / 1024
+
+
+def current_rss_mb() -> float | None:
+    rss_kb = _read_status_kb("VmRSS")
+    return None if rss_kb is None else rss_kb / 1024
+
+
+# ----------------------------------------------------------------------------- libraries
+# Each runner class: build(X, y) -> dataset; train(dataset, rounds) -> model; predict(model, X).
+
+class JaxboostRunner:
+    def __init__(self, task, depth, max_bin, threads):
+        if REPO_ROOT not in sys.path:
+            sys.path.insert(0, REPO_ROOT)
+        import jaxboost as jb
+        self.jb, self.max_bin = jb, max_bin
+        self.params = dict(loss="logistic" if task == "classification" else "squared_error", max_depth=depth,
+                           learning_rate=LEARNING_RATE, reg_lambda=REG_LAMBDA, min_child_weight=MIN_HESSIAN)
+
+    def build(self, X, y):
+        return self.jb.Dataset(X, y, max_bin=self.max_bin)
+
+    def train(self, dataset, rounds):
+        return self.jb.train(dataset, num_rounds=rounds, **self.params)
+
+    def predict(self, model, X):
+        return model.predict(X)
+
+
+class XGBoostRunner:
+    def __init__(self, task, depth, max_bin, threads):
+        import xgboost as xgb
+        self.xgb, self.max_bin = xgb, max_bin
+        self.params = dict(objective="binary:logistic" if task == "classification" else "reg:squarederror",
+                           tree_method="hist", max_depth=depth, eta=LEARNING_RATE, reg_lambda=REG_LAMBDA,
+                           min_child_weight=MIN_HESSIAN, max_bin=max_bin, nthread=threads, verbosity=0)
+
+    def build(self, X, y):
+        return self.xgb.QuantileDMatrix(X, y, max_bin=self.max_bin, nthread=self.params["nthread"])
+
+    def train(self, dataset, rounds):
+        return self.xgb.train(self.params, dataset, num_boost_round=rounds)
+
+    def predict(self, model, X):
+        return model.inplace_predict(X)
+
+
+class LightGBMRunner:
+    def __init__(self, task, depth, max_bin, threads):
+        import lightgbm as lgb
+        self.lgb = lgb
+        # LightGBM's max_bin excludes its missing-value bin: 255 here ~ 256 codes elsewhere.
+        self.params = dict(objective="binary" if task == "classification" else "regression",
+                           learning_rate=LEARNING_RATE, max_depth=depth, num_leaves=2 ** depth,
+                           max_bin=max_bin - 1, lambda_l2=REG_LAMBDA, min_sum_hessian_in_leaf=MIN_HESSIAN,
+                           min_data_in_leaf=1, num_threads=threads, verbose=-1, seed=SEED)
+
+    def build(self, X, y):
+        return self.lgb.Dataset(X, y, params=self.params, free_raw_data=False).construct()
+
+    def train(self, dataset, rounds):
+        return self.lgb.train(self.params, dataset, num_boost_round=rounds)
+
+    def predict(self, model, X):
+        return model.predict(X, num_threads=self.params["num_threads"])
+
+
+class SklearnRunner:
+    """HistGradientBoosting bins inside ``fit``, so its "dataset" is just the arrays."""
+
+    def __init__(self, task, depth, max_bin, threads):
+        from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
+        self.task = task
+        self.estimator = HistGradientBoostingClassifier if task == "classification" else HistGradientBoostingRegressor
+        # sklearn has no minimum-Hessian parameter (min_samples_leaf=1 is the loosest leaf limit).
+        self.params = dict(learning_rate=LEARNING_RATE, max_depth=depth, max_leaf_nodes=2 ** depth,
+                           max_bins=max_bin - 1, l2_regularization=REG_LAMBDA, min_samples_leaf=1,
+                           early_stopping=False, random_state=SEED)
+
+    def build(self, X, y):
+        return X, y
+
+    def train(self, dataset, rounds):
+        X, y = dataset
+        return self.estimator(max_iter=rounds, **self.params).fit(X, y)
+
+    def predict(self, model, X):
+        return model.predict_proba(X)[:, 1] if self.task == "classification" else model.predict(X)
+
+
+RUNNERS = {"jaxboost": JaxboostRunner, "xgboost": XGBoostRunner, "lightgbm": LightGBMRunner,
+           "sklearn": SklearnRunner}
+
+
+# ----------------------------------------------------------------------------- measurement
+
+def timed(function, *args):
+    start = time.perf_counter()
+    value = function(*args)
+    return value, time.perf_counter() - start
+
+
+def measure(args) -> dict:
+    threads = os.cpu_count() or 1
+    X_train, X_test, y_train, y_test = make_task(args.task, args.rows)
+    data_peak_mb = peak_rss_mb(since_reset=False)
+    try:
+        runner = RUNNERS[args.library](args.task, args.depth, args.max_bin, threads)
+    except ImportError as error:
+        return {"status": "not installed", "detail": str(error)}
+    since_reset = reset_peak_rss()
+    rss_start_mb = current_rss_mb()
+
+    dataset, binning_s = timed(runner.build, X_train, y_train)
+    _, first_round_s = timed(runner.train, dataset, 1)
+    _, warm_round_s = timed(runner.train, dataset, 1)
+    model, boosting_s = timed(runner.train, dataset, args.rounds)
+    result = {
+        "status": "ok",
+        "binning_s": None if args.library == "sklearn" else binning_s,
+        "first_round_s": first_round_s,
+        "warm_round_s": warm_round_s,
+        "compile_s": first_round_s - warm_round_s,
+        "boosting_s": boosting_s,
+        "ms_per_tree": 1000 * (boosting_s - warm_round_s) / (args.rounds - 1),
+    }
+    if not args.no_predict:
+        runner.predict(model, X_test)  # warm-up (jaxboost compiles its predictor here)
+        prediction, predict_s = timed(runner.predict, model, X_test)
+        result.update(predict_s=predict_s, metric=score(args.task, y_test, prediction))
+    result.update(peak_rss_mb=peak_rss_mb(since_reset), peak_rss_since_data=since_reset,
+                  rss_start_mb=rss_start_mb, data_peak_rss_mb=data_peak_mb, threads=threads)
+    return result
+
+
+def machine_info() -> dict:
+    """Versions and JAX devices as jaxboost sets them up (imports jaxboost first)."""
+    from importlib import metadata
+    versions = {}
+    for package in ["jax", "jaxlib", "xgboost", "lightgbm", "scikit-learn", "numpy"]:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    try:
+        if REPO_ROOT not in sys.path:
+            sys.path.insert(0, REPO_ROOT)
+        import jaxboost  # noqa: F401  (configures one CPU device per core before JAX starts)
+        import jax
+        devices = [str(device) for device in jax.devices()]
+    except ImportError as error:
+        devices = [f"jaxboost not importable: {error}"]
+    return {"status": "ok", "versions": versions, "jax_devices": devices}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--info", action="store_true", help="print versions and JAX devices, then exit")
+    parser.add_argument("--library", choices=sorted(RUNNERS))
+    parser.add_argument("--task", choices=["classification", "regression"])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--max-bin", type=int, default=256)
+    parser.add_argument("--no-predict", action="store_true", help="skip predict and scoring (scaling runs)")
+    args = parser.parse_args(argv)
+    if not args.info and (args.library is None or args.task is None):
+        parser.error("--library and --task are required")
+    if not args.info and args.rounds < 2:
+        parser.error("--rounds must be at least 2 (ms/tree is a difference of two trainings)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    result = machine_info() if args.info else measure(args)
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
