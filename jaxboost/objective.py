@@ -103,4 +103,5 @@ def resolve_metrics(eval_metric, resolved: ResolvedLoss) -> tuple[EvalMetric, ..
 
 
 def higher_is_better(metric: EvalMetric) -> bool:
-    return metric.function is not None and metrics.METRICS.get(metric.name, metrics.Metric("", None, False)).higher_is_better
+    known = metrics.METRICS.get(metric.name)
+    return metric.function is not None and known is not None and known.higher_is_better
