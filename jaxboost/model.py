@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .binning import BinEdges, apply_bins
+from .devices import replicated, row_mesh, row_sharding
 from .predictor import predict_leaf_binned, predict_raw_binned
 from .tree import Tree
 from .validation import check_base_margin, check_features
@@ -93,14 +94,17 @@ class Model:
         margin = check_base_margin(base_margin, n_rows, self.num_outputs)
         initial = np.broadcast_to(self.base_score, (n_rows, self.num_outputs)) if margin is None else margin
         start, stop = self._rounds(iteration_range)
-        size = padded_size(n_rows)
+        # Rows are sharded over the devices (every core on a CPU) like in training.
+        mesh = row_mesh(n_rows)
+        size = padded_size(n_rows, mesh.size)
         X_padded = np.zeros((size, X_binned.shape[1]), np.uint8)
         X_padded[:n_rows] = X_binned
         initial_padded = np.zeros((size, self.num_outputs), np.float32)
         initial_padded[:n_rows] = initial
-        trees = jax.tree_util.tree_map(lambda a: jnp.asarray(a[start:stop]), self.trees)
-        raw = np.asarray(predict_raw_binned(trees, jnp.asarray(X_padded), jnp.asarray(initial_padded),
-                                            missing_bin=self.bin_edges.missing_bin))[:n_rows]
+        trees = jax.device_put(jax.tree_util.tree_map(lambda a: a[start:stop], self.trees), replicated(mesh))
+        raw = np.asarray(predict_raw_binned(trees, jax.device_put(X_padded, row_sharding(mesh, 2)),
+                                            jax.device_put(initial_padded, row_sharding(mesh, 2)),
+                                            missing_bin=self.bin_edges.missing_bin, mesh=mesh))[:n_rows]
         return raw[:, 0] if self.num_outputs == 1 else raw
 
     def predict(self, X, *, iteration_range: tuple[int, int] | None = None, base_margin=None) -> np.ndarray:

@@ -8,11 +8,12 @@ time), outputs by ``vmap``.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh, PartitionSpec
 
 from .tree import Tree, depth_of_heap
 
@@ -22,11 +23,16 @@ def leaf_index(tree: Tree, X_binned: jax.Array, missing_bin: int) -> jax.Array:
     max_depth = depth_of_heap(tree.feature.shape[-1])
     n_rows = X_binned.shape[0]
     row_ids = jnp.arange(n_rows)
+    # One gather per level reads everything a row needs about its node.
+    packed = ((tree.feature << 10) | (tree.threshold_bin << 2) | (tree.default_left.astype(jnp.int32) << 1)
+              | tree.is_leaf.astype(jnp.int32))
     node = jnp.zeros(n_rows, jnp.int32)
     for _ in range(max_depth):
-        code = X_binned[row_ids, tree.feature[node]].astype(jnp.int32)
-        goes_right = jnp.where(code == missing_bin, ~tree.default_left[node], code > tree.threshold_bin[node])
-        node = jnp.where(tree.is_leaf[node], node, 2 * node + 1 + goes_right.astype(jnp.int32))
+        info = packed[node]
+        code = X_binned[row_ids, info >> 10].astype(jnp.int32)
+        default_right = (info & 2) == 0
+        goes_right = jnp.where(code == missing_bin, default_right, code > ((info >> 2) & 255))
+        node = jnp.where((info & 1) == 1, node, 2 * node + 1 + goes_right.astype(jnp.int32))
     return node
 
 
@@ -39,15 +45,29 @@ def predict_round(trees: Tree, X_binned: jax.Array, missing_bin: int) -> jax.Arr
     return jax.vmap(one_output, out_axes=1)(trees)
 
 
-@partial(jax.jit, static_argnames="missing_bin")
-def predict_raw_binned(trees: Tree, X_binned: jax.Array, initial: jax.Array, missing_bin: int) -> jax.Array:
-    """``initial`` (n, K) plus the sum of all rounds' trees (fields shaped ``(rounds, K, nodes)``)."""
-
+def _predict_raw_local(trees: Tree, X_binned: jax.Array, initial: jax.Array, missing_bin: int) -> jax.Array:
     def add_round(raw_prediction, round_trees):
         return raw_prediction + predict_round(round_trees, X_binned, missing_bin), None
 
     raw_prediction, _ = lax.scan(add_round, initial, trees)
     return raw_prediction
+
+
+@lru_cache(maxsize=16)
+def _sharded_predictor(mesh: Mesh, missing_bin: int):
+    rows = PartitionSpec(mesh.axis_names[0])
+    return jax.jit(jax.shard_map(partial(_predict_raw_local, missing_bin=missing_bin), mesh=mesh,
+                                 in_specs=(PartitionSpec(), rows, rows), out_specs=rows, check_vma=False))
+
+
+def predict_raw_binned(trees: Tree, X_binned: jax.Array, initial: jax.Array, missing_bin: int,
+                       mesh: Mesh) -> jax.Array:
+    """``initial`` (n, K) plus the sum of all rounds' trees (fields shaped ``(rounds, K, nodes)``).
+
+    Rows are split over the mesh's devices, each walking the trees for its own rows (letting
+    the compiler partition the gathers instead was slower than one device).
+    """
+    return _sharded_predictor(mesh, missing_bin)(trees, X_binned, initial)
 
 
 @partial(jax.jit, static_argnames="missing_bin")
