@@ -53,6 +53,8 @@ class RoundShape(NamedTuple):
     max_depth: int
     max_bin: int
     leaf_refit: bool
+    sample_columns: bool  # any colsample_* below 1 (else sampling is left out of the program)
+    sample_rows: bool  # subsample below 1
     metrics: tuple  # per eval set metric functions: metric(y, raw_prediction, weight) -> scalar
     mesh: Mesh
 
@@ -144,7 +146,7 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row
     def one_output(output):
         tree, row_leaf = grow_tree(X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
                                    jax.random.fold_in(tree_key, output), params.growth, shape.max_depth,
-                                   shape.max_bin, ROW_AXIS)
+                                   shape.max_bin, ROW_AXIS, shape.sample_columns)
         if shape.leaf_refit:
             offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaf, num_nodes, output,
                                        params.growth.reg, ROW_AXIS)
@@ -174,9 +176,13 @@ def compiled_round(shape: RoundShape):
                        eval_sets):
         round_key = jax.random.fold_in(seed_key, round_index)
         row_key, column_key, tree_key = jax.random.split(round_key, 3)
-        in_sample = jax.random.uniform(row_key, sample_weight.shape) < params.subsample
-        row_weight = jnp.where(in_sample, sample_weight, 0.0)
-        feature_allowed = sample_features(column_key, jnp.ones(X_binned_T.shape[0], bool), params.colsample_bytree)
+        row_weight = sample_weight
+        if shape.sample_rows:
+            in_sample = jax.random.uniform(row_key, sample_weight.shape) < params.subsample
+            row_weight = jnp.where(in_sample, sample_weight, 0.0)
+        feature_allowed = jnp.ones(X_binned_T.shape[0], bool)
+        if shape.sample_columns:
+            feature_allowed = sample_features(column_key, feature_allowed, params.colsample_bytree)
         raw_prediction, trees, health = grow(params, X_binned_T, y, row_weight, raw_prediction, feature_allowed,
                                              tree_key)
 

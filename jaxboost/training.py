@@ -198,7 +198,9 @@ def train(data, y=None, *, loss="squared_error", num_rounds: int = 100, max_dept
         raise ValueError("early_stopping_rounds needs an eval_set")
 
     shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
-                       leaf_refit=bool(leaf_refit), metrics=(metrics,) * len(eval_rows), mesh=mesh)
+                       leaf_refit=bool(leaf_refit),
+                       sample_columns=min(colsample_bytree, colsample_bylevel, colsample_bynode) < 1,
+                       sample_rows=subsample < 1, metrics=(metrics,) * len(eval_rows), mesh=mesh)
     boosting_round = compiled_round(shape)
     f32 = jnp.float32
     params = RoundParams(
