@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from .histogram import build_histogram
 from .line_search import all_sum
 from .regularizer import Regularization, leaf_value
-from .split import find_best_splits
+from .split import find_best_splits_over_devices
 from .tree import Tree, num_heap_nodes
 
 # XGBoost's kRtEps: a split must improve the objective by more than this.
@@ -159,7 +159,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             node_features = sample_features(jax.random.fold_in(level_key, 1),
                                             jnp.broadcast_to(level_features, (capacity, n_features)),
                                             params.colsample_bynode)
-        split = find_best_splits(state.histograms, node_features, params.reg, params.min_child_weight)
+        split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
+                                              axis_name)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
             feature=tree.feature.at[heap_index].set(jnp.where(splits, split.feature, 0), mode="drop"),

@@ -74,3 +74,30 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         right_gradients=pick(right_gradients),
         right_hessians=pick(right_hessians),
     )
+
+
+def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
+                                  min_child_weight: jax.Array, axis_name: str | None) -> SplitChoice:
+    """``find_best_splits`` with the features divided among the devices of ``axis_name``.
+
+    Every device holds the summed histograms; each scans its own block of features and the
+    blocks' winners are compared after one all-gather. Blocks are in feature order, so taking
+    the first best block keeps the tie rule (lower feature first). The last block may overlap
+    the one before it; a feature scanned twice gives the same candidate twice.
+    """
+    devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+    n_features = histograms.shape[1]
+    if devices == 1 or n_features < devices:
+        return find_best_splits(histograms, feature_allowed, reg, min_child_weight)
+    block = -(-n_features // devices)
+    start = jnp.minimum(jax.lax.axis_index(axis_name) * block, n_features - block)
+    local = find_best_splits(jax.lax.dynamic_slice_in_dim(histograms, start, block, axis=1),
+                             jax.lax.dynamic_slice_in_dim(feature_allowed, start, block, axis=1),
+                             reg, min_child_weight)
+    local = local._replace(feature=local.feature + start)
+    # One collective for all fields: integers and flags travel exactly as float32 (< 2^24).
+    packed = jnp.stack([field.astype(jnp.float32) for field in local])  # (fields, nodes)
+    gathered = jax.lax.all_gather(packed, axis_name)  # (devices, fields, nodes)
+    winner = jnp.argmax(gathered[:, 0, :], axis=0)  # field 0 is loss_change
+    best = jnp.take_along_axis(gathered, winner[None, None, :], axis=0)[0]
+    return SplitChoice(*(best[i].astype(field.dtype) for i, field in enumerate(local)))
