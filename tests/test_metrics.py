@@ -115,6 +115,15 @@ def test_scalar_metric_matches_reference(case, weights):
     np.testing.assert_allclose(got, ref(y, p, weights), rtol=1e-5, atol=1e-6)
 
 
+def _assert_padding_changes_nothing(fn, ref, y, p, weights, padded_inputs):
+    """The metric on padded inputs equals the metric without them, and the reference."""
+    base = _call(fn, y, p, weights)
+    padded = _call(fn, *padded_inputs)
+    assert np.isfinite(padded)
+    np.testing.assert_allclose(padded, base, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(padded, ref(y, p, weights), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["append", "interleave"])
 @pytest.mark.parametrize("case", SCALAR_CASES, ids=[c[0] for c in SCALAR_CASES])
 def test_scalar_metric_ignores_zero_weight_rows(case, mode, weights):
@@ -124,12 +133,7 @@ def test_scalar_metric_ignores_zero_weight_rows(case, mode, weights):
     y, p = make(rng, **kw)
     y_g = _garbage_floats(rng, (N_PAD,))
     p_g = _garbage_floats(rng, (N_PAD,))
-    y2, p2, w2 = _pad(y, p, weights, rng, mode, y_g, p_g)
-    base = _call(fn, y, p, weights)
-    padded = _call(fn, y2, p2, w2)
-    assert np.isfinite(padded)
-    np.testing.assert_allclose(padded, base, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(padded, ref(y, p, weights), rtol=1e-5, atol=1e-6)
+    _assert_padding_changes_nothing(fn, ref, y, p, weights, _pad(y, p, weights, rng, mode, y_g, p_g))
 
 
 # ----------------------------------------------------------------- AUC specifics
@@ -202,12 +206,7 @@ def test_multiclass_metric_ignores_zero_weight_rows(case, mode, weights):
     # Garbage labels, including out-of-range class ids, and garbage probabilities.
     y_g = rng.integers(-50, 50, size=N_PAD).astype(np.int32)
     p_g = _garbage_floats(rng, (N_PAD, K))
-    y2, p2, w2 = _pad(y, p, weights, rng, mode, y_g, p_g)
-    base = _call(fn, y, p, weights)
-    padded = _call(fn, y2, p2, w2)
-    assert np.isfinite(padded)
-    np.testing.assert_allclose(padded, base, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(padded, ref(y, p, weights), rtol=1e-5, atol=1e-6)
+    _assert_padding_changes_nothing(fn, ref, y, p, weights, _pad(y, p, weights, rng, mode, y_g, p_g))
 
 
 def test_mlogloss_clips_zero_probability():
