@@ -18,8 +18,13 @@ def _real_edges(bin_edges: BinEdges, feature: int = 0) -> np.ndarray:
 
 def _check_edge_layout(bin_edges: BinEdges, max_bin: int, n_features: int) -> None:
     assert bin_edges.edges.dtype == np.float32, f"edges dtype {bin_edges.edges.dtype}, expected float32"
-    assert bin_edges.edges.shape == (n_features, max_bin - 1), f"edges shape {bin_edges.edges.shape}"
-    assert bin_edges.max_bin == max_bin and bin_edges.missing_bin == max_bin - 1
+    # The code width is max_bin, or a narrower power of two that still holds every feature's
+    # value bins plus the missing code.
+    width = bin_edges.max_bin
+    assert width == max_bin or (width & (width - 1) == 0 and width >= 16 and width < max_bin), width
+    assert int(bin_edges.n_edges.max(initial=0)) + 2 <= width, "a feature's bins do not fit the code width"
+    assert bin_edges.edges.shape == (n_features, width - 1), f"edges shape {bin_edges.edges.shape}"
+    assert bin_edges.missing_bin == width - 1
     for feature in range(n_features):
         count = int(bin_edges.n_edges[feature])
         real = bin_edges.edges[feature, :count]
@@ -227,3 +232,18 @@ def test_apply_bins_rejects_a_different_feature_count():
     bin_edges = fit_bin_edges(np.zeros((5, 3), np.float32), max_bin=4)
     with pytest.raises(ValueError):
         apply_bins(np.zeros((5, 2), np.float32), bin_edges)
+
+
+def test_few_distinct_values_get_narrow_codes_with_missing_last():
+    rng = np.random.default_rng(0)
+    X = rng.integers(0, 20, size=(500, 3)).astype(np.float32)  # 20 values -> 21 codes -> width 32
+    X[::7, 1] = np.nan
+    bin_edges = fit_bin_edges(X, max_bin=256)
+    assert bin_edges.max_bin == 32 and bin_edges.missing_bin == 31
+    codes = apply_bins(X, bin_edges)
+    assert np.all(codes[::7, 1] == 31)
+    present = ~np.isnan(X)
+    for feature in range(3):
+        # One bin per distinct value, in order.
+        np.testing.assert_array_equal(codes[present[:, feature], feature], X[present[:, feature], feature])
+    assert fit_bin_edges(X, max_bin=24).max_bin == 24, "never wider than max_bin"
