@@ -18,12 +18,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessians
-from .devices import ROW_AXIS
+from .devices import ROW_AXIS, all_sum
 from .grower import GrowthParams, grow_tree, sample_features
-from .line_search import all_sum, minimise_segment_offsets
+from .line_search import minimise_segment_offsets
 from .predictor import predict_round
 from .regularizer import Regularization, clip_leaf_value
-from .tree import Tree, num_heap_nodes
+from .tree import num_heap_nodes
 
 # Hessians below this are reported as negative rather than taken as rounding noise.
 NEGATIVE_HESSIAN_TOLERANCE = 1e-6

@@ -93,6 +93,11 @@ def row_mesh(n_rows: int) -> Mesh:
     return Mesh(np.array(devices[:used]), (ROW_AXIS,))
 
 
+def all_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
+    """Sum over the devices holding shards of the rows (no-op on a single shard)."""
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
 def row_sharding(mesh: Mesh, ndim: int, row_axis: int = 0) -> NamedSharding:
     spec = [None] * ndim
     spec[row_axis] = ROW_AXIS

@@ -17,8 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .devices import all_sum
 from .histogram import build_histogram
-from .line_search import all_sum
 from .regularizer import Regularization, leaf_value
 from .split import find_best_splits_over_devices
 from .tree import Tree, num_heap_nodes

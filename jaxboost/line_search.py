@@ -19,17 +19,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .devices import all_sum
 from .regularizer import Regularization
 
 MAX_EXPANSIONS = 64
 MAX_BISECTIONS = 64
 # Smallest first step, in raw-prediction units, so a zero Newton estimate still moves.
 MIN_FIRST_STEP = 1e-3
-
-
-def all_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
-    """Sum over the devices holding shards of the rows (no-op on a single shard)."""
-    return x if axis_name is None else lax.psum(x, axis_name)
 
 
 def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Array], segment_ids: jax.Array,
