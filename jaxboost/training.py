@@ -186,8 +186,8 @@ def train(data, y=None, *, loss="squared_error", num_rounds: int = 100, max_dept
 
     eval_rows = []
     for entry in eval_set or []:
-        eval_dataset = (_as_dataset(entry, None, None, max_bin, None, reference=dataset) if isinstance(entry, Dataset)
-                        else _as_dataset(entry[0], entry[1], None, max_bin, None, reference=dataset))
+        X_eval, y_eval = (entry, None) if isinstance(entry, Dataset) else entry
+        eval_dataset = _as_dataset(X_eval, y_eval, None, max_bin, None, reference=dataset)
         eval_margin = check_base_margin(eval_dataset.base_margin, eval_dataset.n_rows, K)
         if (eval_margin is None) != (margin is None):
             raise ValueError("eval sets need a base_margin exactly when the training data has one")
