@@ -41,13 +41,16 @@ def _load_losses_folder():
 
 _load_losses_folder()
 
-from . import losses, metrics  # noqa: E402
+from . import callbacks, losses, metrics  # noqa: E402
+from . import regularizer as regularizers  # noqa: E402
 from .binning import BinEdges  # noqa: E402
 from .dataset import Dataset  # noqa: E402
 from .devices import use_cpu_cores  # noqa: E402
 from .model import Model  # noqa: E402
 from .training import train  # noqa: E402
+from .vmapped_training import train_many  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["BinEdges", "Dataset", "Model", "losses", "metrics", "train", "use_cpu_cores", "__version__"]
+__all__ = ["BinEdges", "Dataset", "Model", "callbacks", "losses", "metrics", "regularizers", "train", "train_many",
+           "use_cpu_cores", "__version__"]

@@ -35,15 +35,31 @@ class RoundParams(NamedTuple):
     growth: GrowthParams
     subsample: jax.Array
     colsample_bytree: jax.Array
+    loss_params: dict = {}  # keyword arguments of the loss (a pytree of arrays)
+    hessian_floor: jax.Array = 0.0  # hessian="floor": Hessians below this are raised to it
 
 
 class Objective(NamedTuple):
     """The static description of what is fitted (hashable: it keys the compilation cache)."""
 
-    loss: Callable  # loss(raw_prediction, y) -> scalar, one example
+    loss: Callable  # loss(raw_prediction, y, **loss_params) -> scalar, one example
     vector_output: bool  # raw_prediction is a length-K vector (else a scalar)
     num_outputs: int
     link: Callable
+
+
+def bind_loss(objective: Objective, loss_params: dict | None) -> Callable:
+    """``loss(raw_prediction, y)`` with the (traced) loss parameters bound."""
+    if not loss_params:
+        return objective.loss
+    return lambda raw_prediction, y: objective.loss(raw_prediction, y, **loss_params)
+
+
+# How the per-row Hessian used for splits and Newton leaf values is formed (``hessian=``):
+# "exact" autodiff's, "floor" raised to at least ``hessian_floor``, "constant" 1 (first-order
+# boosting). In every mode a zero Hessian falls back to the row's weight, and ``leaf_refit``
+# can set leaves by exact minimisation of the true loss afterwards.
+HESSIAN_MODES = ("exact", "floor", "constant")
 
 
 class RoundShape(NamedTuple):
@@ -55,8 +71,9 @@ class RoundShape(NamedTuple):
     leaf_refit: bool
     sample_columns: bool  # any colsample_* below 1 (else sampling is left out of the program)
     sample_rows: bool  # subsample below 1
-    metrics: tuple  # per eval set metric functions: metric(y, raw_prediction, weight) -> scalar
+    metrics: tuple  # per eval set metric functions: metric(y, raw_prediction, weight, loss_params) -> scalar
     mesh: Mesh
+    hessian_mode: str = "exact"
 
 
 class RoundHealth(NamedTuple):
@@ -66,27 +83,29 @@ class RoundHealth(NamedTuple):
     negative_hessian: jax.Array
 
 
-def loss_derivatives(objective: Objective, raw_prediction: jax.Array, y: jax.Array):
+def loss_derivatives(objective: Objective, raw_prediction: jax.Array, y: jax.Array, loss_params: dict | None = None):
     """Loss values ``(n,)`` and ``(g, h)`` as ``(n, K)`` arrays, whether the loss takes a scalar
     or a vector."""
+    loss = bind_loss(objective, loss_params)
     if objective.vector_output:
-        return values_gradients_and_hessians(objective.loss, raw_prediction, y)
-    values, g, h = values_gradients_and_hessians(objective.loss, raw_prediction[:, 0], y)
+        return values_gradients_and_hessians(loss, raw_prediction, y)
+    values, g, h = values_gradients_and_hessians(loss, raw_prediction[:, 0], y)
     return values, g[:, None], h[:, None]
 
 
 def minimise_offsets(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
                      segment_ids: jax.Array, num_segments: int, output, reg: Regularization,
-                     axis_name: str | None = None) -> jax.Array:
+                     axis_name: str | None = None, loss_params: dict | None = None) -> jax.Array:
     """Per-segment offsets of output ``output`` minimising the weighted loss plus penalty."""
     selector = jax.nn.one_hot(output, objective.num_outputs, dtype=raw_prediction.dtype)
+    loss = bind_loss(objective, loss_params)
 
     def weighted_derivative(offset_per_row):
         shifted = raw_prediction + offset_per_row[:, None] * selector
         if objective.vector_output:
-            derivative = output_gradient(objective.loss, shifted, y, None) @ selector
+            derivative = output_gradient(loss, shifted, y, None) @ selector
         else:
-            derivative = output_gradient(objective.loss, shifted[:, 0], y, None)
+            derivative = output_gradient(loss, shifted[:, 0], y, None)
         return jnp.where(weights > 0, weights * derivative, 0.0)
 
     segment_weights = all_sum(jax.ops.segment_sum(weights, segment_ids, num_segments), axis_name)
@@ -100,7 +119,8 @@ MAX_SWEEPS = 50
 
 
 @partial(jax.jit, static_argnames="objective")
-def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array) -> jax.Array:
+def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
+                   loss_params: dict | None = None) -> jax.Array:
     """The constant per output minimising the weighted loss (coordinate descent over outputs,
     each step an exact 1-D minimisation)."""
     no_penalty = Regularization(jnp.float32(0), jnp.float32(0), jnp.float32(0))
@@ -108,7 +128,7 @@ def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array
 
     def solve_output(output, constant):
         offset = minimise_offsets(objective, raw_prediction + constant, y, weights, segment_ids, 1, output,
-                                  no_penalty)
+                                  no_penalty, loss_params=loss_params)
         return constant.at[output].add(offset[0])
 
     def sweep(state):
@@ -129,14 +149,18 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row
                       feature_allowed, tree_key):
     """Row-local body of a round (inside ``shard_map``): derivatives, K trees, refits, update."""
     objective = shape.objective
-    values, g, h = loss_derivatives(objective, raw_prediction, y)
+    values, g, h = loss_derivatives(objective, raw_prediction, y, params.loss_params)
     counted = (row_weight > 0)[:, None]
     finite = jnp.isfinite(values)[:, None] & jnp.isfinite(g) & jnp.isfinite(h)
+    gradients = jnp.where(counted, g * row_weight[:, None], 0.0)
+    if shape.hessian_mode == "floor":
+        h = jnp.maximum(h, params.hessian_floor)
+    elif shape.hessian_mode == "constant":
+        h = jnp.ones_like(h)
     health = RoundHealth(
         non_finite=all_sum(jnp.sum(counted & ~finite), ROW_AXIS),
         negative_hessian=all_sum(jnp.sum(counted & (h < -NEGATIVE_HESSIAN_TOLERANCE)), ROW_AXIS),
     )
-    gradients = jnp.where(counted, g * row_weight[:, None], 0.0)
     # A zero Hessian (absolute error, quantile, hinge, Huber's tails) would make every node
     # weightless: the split search uses the row's sample weight instead, as XGBoost does for
     # absolute error. Leaf values then come from the exact refit below.
@@ -144,13 +168,14 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row
     num_nodes = num_heap_nodes(shape.max_depth)
 
     def one_output(output):
-        tree, row_leaf = grow_tree(X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
-                                   jax.random.fold_in(tree_key, output), params.growth, shape.max_depth,
-                                   shape.max_bin, ROW_AXIS, shape.sample_columns)
+        tree, row_leaf, (lower, upper) = grow_tree(
+            X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
+            jax.random.fold_in(tree_key, output), params.growth, shape.max_depth, shape.max_bin, ROW_AXIS,
+            shape.sample_columns)
         if shape.leaf_refit:
             offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaf, num_nodes, output,
-                                       params.growth.reg, ROW_AXIS)
-            refit = params.growth.learning_rate * clip_leaf_value(offsets, params.growth.reg)
+                                       params.growth.reg, ROW_AXIS, params.loss_params)
+            refit = params.growth.learning_rate * clip_leaf_value(offsets, params.growth.reg, lower, upper)
             tree = tree._replace(value=jnp.where(tree.is_leaf, refit, tree.value))
         return tree, row_leaf
 
@@ -159,9 +184,8 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row
     return raw_prediction + contribution, trees, health
 
 
-@lru_cache(maxsize=64)
-def compiled_round(shape: RoundShape):
-    """The jitted round for one static shape (cached, so a new training run reuses it)."""
+def round_function(shape: RoundShape) -> Callable:
+    """The (unjitted) boosting round for one static shape."""
     rows = PartitionSpec(ROW_AXIS)
     grow = jax.shard_map(
         partial(_grow_round_trees, shape),
@@ -190,7 +214,23 @@ def compiled_round(shape: RoundShape):
         for (X_binned, y_eval, weight_eval, raw_eval), metrics in zip(eval_sets, shape.metrics):
             raw_eval = raw_eval + predict_round(trees, X_binned, shape.max_bin - 1)
             eval_raw_predictions.append(raw_eval)
-            metric_values.append(jnp.stack([metric(y_eval, raw_eval, weight_eval) for metric in metrics]))
+            metric_values.append(jnp.stack([metric(y_eval, raw_eval, weight_eval, params.loss_params)
+                                            for metric in metrics]))
         return raw_prediction, trees, health, tuple(eval_raw_predictions), tuple(metric_values)
 
-    return jax.jit(boosting_round, donate_argnums=(4,))
+    return boosting_round
+
+
+@lru_cache(maxsize=64)
+def compiled_round(shape: RoundShape):
+    """The jitted round for one static shape (cached, so a new training run reuses it)."""
+    return jax.jit(round_function(shape), donate_argnums=(4,))
+
+
+@lru_cache(maxsize=16)
+def compiled_many_rounds(shape: RoundShape):
+    """One round of M models at once: ``vmap`` over their parameters, sample weights, raw
+    predictions, seeds and eval raw predictions; the binned data and labels are shared."""
+    eval_axes = tuple((None, None, None, 0) for _ in shape.metrics)
+    batched = jax.vmap(round_function(shape), in_axes=(0, None, None, 0, 0, 0, None, eval_axes))
+    return jax.jit(batched, donate_argnums=(4,))

@@ -6,6 +6,11 @@ gets a fresh histogram; its sibling's is the parent's minus it. Nodes that canno
 masked, never branched on. Afterwards, splits whose two children are leaves and whose
 ``loss_chg`` is below ``gamma`` are pruned bottom-up (XGBoost's ``min_split_loss``).
 
+Constraints travel with the nodes of a level: monotone constraints as value bounds per node
+(children split the parent's range at the midpoint of their values, XGBoost's rule), and
+interaction constraints as the set of features used on the path to each node (a node may split
+on a feature only if some allowed group holds it and every feature already on its path).
+
 Rows may be sharded over devices: pass the mapped ``axis_name`` and every sum over rows
 (histograms, row counts) is completed with ``psum``; everything else is row-local or replicated.
 """
@@ -20,7 +25,7 @@ import jax.numpy as jnp
 from .devices import all_sum
 from .histogram import build_histogram
 from .regularizer import Regularization, leaf_value
-from .split import find_best_splits_over_devices
+from .split import NodeBounds, find_best_splits_over_devices
 from .tree import Tree, num_heap_nodes
 
 # XGBoost's kRtEps: a split must improve the objective by more than this.
@@ -36,6 +41,16 @@ class GrowthParams(NamedTuple):
     min_child_weight: jax.Array
     colsample_bylevel: jax.Array
     colsample_bynode: jax.Array
+    monotone: jax.Array | None = None  # int32 (n_features,) of +1 / -1 / 0; None: unconstrained
+    interaction_groups: jax.Array | None = None  # bool (groups, n_features); None: unconstrained
+
+
+def interaction_allowed(path_features: jax.Array, groups: jax.Array) -> jax.Array:
+    """Features each node may split on: those of the groups holding every feature of its path
+    (any feature at the root). ``path_features`` (nodes, d) bool, ``groups`` (G, d) bool."""
+    group_holds_path = ~jnp.any(path_features[:, None, :] & ~groups[None, :, :], axis=-1)  # (nodes, G)
+    allowed = jnp.any(group_holds_path[:, :, None] & groups[None, :, :], axis=1)
+    return allowed | ~jnp.any(path_features, axis=-1, keepdims=True)
 
 
 def sample_features(key: jax.Array, allowed: jax.Array, fraction: jax.Array) -> jax.Array:
@@ -109,11 +124,14 @@ class _LevelState(NamedTuple):
     level_gradients: jax.Array  # (capacity,)
     level_hessians: jax.Array  # (capacity,)
     histograms: jax.Array | None  # (capacity, d, bins, 2); None on the leaf level
+    lower: jax.Array  # (capacity,) value bounds from monotone constraints (+-inf when free)
+    upper: jax.Array
+    path_features: jax.Array | None  # (capacity, d) features split on above each node
 
 
 def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, feature_allowed: jax.Array,
               key: jax.Array, params: GrowthParams, max_depth: int, max_bin: int,
-              axis_name: str | None = None, sample_columns: bool = True) -> tuple[Tree, jax.Array]:
+              axis_name: str | None = None, sample_columns: bool = True) -> tuple[Tree, jax.Array, tuple]:
     """Grow one tree.
 
     Args:
@@ -126,8 +144,9 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         the sampling is left out of the compiled program.
 
     Returns:
-      ``(tree, row_leaf)``: the tree's node arrays (values times the learning rate) and the
-      heap index of the leaf holding each row.
+      ``(tree, row_leaf, (lower, upper))``: the tree's node arrays (values times the learning
+      rate), the heap index of the leaf holding each row, and every node's value bounds (for
+      leaf refits under monotone constraints).
 
     The shallow levels (up to ``LOOPED_LEVEL_NODES`` nodes) run in one ``fori_loop`` over
     buffers of that size; each deeper level gets its own body with buffers of its exact size.
@@ -136,22 +155,31 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     missing_bin = max_bin - 1
     num_nodes = num_heap_nodes(max_depth)
     row_ids = jnp.arange(n_rows)
+    monotone = params.monotone
+    node_bounds = (jnp.full(num_nodes, -jnp.inf), jnp.full(num_nodes, jnp.inf))
 
-    def record_values(tree, depth, active, level_gradients, level_hessians):
+    def record_values(tree, bounds, depth, state):
+        active = state.active
         positions = jnp.arange(active.shape[0])
         heap_index = jnp.where(positions < 2 ** depth, 2 ** depth - 1 + positions, num_nodes)
-        values = params.learning_rate * leaf_value(level_gradients, level_hessians, params.reg)
+        values = params.learning_rate * leaf_value(state.level_gradients, state.level_hessians, params.reg,
+                                                   state.lower, state.upper)
+        bounds = tuple(b.at[heap_index].set(level, mode="drop") for b, level in zip(bounds, (state.lower, state.upper)))
         return tree._replace(
             value=tree.value.at[heap_index].set(jnp.where(active, values, 0.0), mode="drop"),
-            sum_hessians=tree.sum_hessians.at[heap_index].set(jnp.where(active, level_hessians, 0.0), mode="drop"),
-        ), heap_index
+            sum_hessians=tree.sum_hessians.at[heap_index].set(jnp.where(active, state.level_hessians, 0.0),
+                                                              mode="drop"),
+        ), bounds, heap_index
 
-    def split_level(depth, state: _LevelState, next_capacity: int, children_split: bool) -> _LevelState:
+    def split_level(depth, carry, next_capacity: int, children_split: bool):
         """Split the level's nodes; children arrays come out sized ``next_capacity``."""
+        state, bounds = carry
         capacity = state.active.shape[0]
         active = state.active
-        tree, heap_index = record_values(state.tree, depth, active, state.level_gradients, state.level_hessians)
+        tree, bounds, heap_index = record_values(state.tree, bounds, depth, state)
         node_features = jnp.broadcast_to(feature_allowed, (capacity, n_features))
+        if params.interaction_groups is not None:
+            node_features = node_features & interaction_allowed(state.path_features, params.interaction_groups)
         if sample_columns:
             level_key = jax.random.fold_in(key, depth)
             level_features = sample_features(jax.random.fold_in(level_key, 0), feature_allowed,
@@ -159,8 +187,9 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             node_features = sample_features(jax.random.fold_in(level_key, 1),
                                             jnp.broadcast_to(level_features, (capacity, n_features)),
                                             params.colsample_bynode)
+        level_bounds = None if monotone is None else NodeBounds(monotone, state.lower, state.upper)
         split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
-                                              axis_name)
+                                              axis_name, level_bounds)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
             feature=tree.feature.at[heap_index].set(jnp.where(splits, split.feature, 0), mode="drop"),
@@ -196,10 +225,26 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             larger = state.histograms - smaller
             choose = left_is_smaller[:, None, None, None]
             histograms = children(jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller))
+        lower, upper = state.lower, state.upper
+        left_lower, left_upper, right_lower, right_upper = lower, upper, lower, upper
+        if monotone is not None:
+            # Children split the parent's range at the midpoint of their values (XGBoost's rule).
+            middle = 0.5 * (split.left_value + split.right_value)
+            direction = monotone[split.feature]
+            left_upper = jnp.where(direction > 0, middle, upper)
+            right_lower = jnp.where(direction > 0, middle, lower)
+            left_lower = jnp.where(direction < 0, middle, lower)
+            right_upper = jnp.where(direction < 0, middle, upper)
+        path_features = state.path_features
+        if path_features is not None:
+            path_features = path_features | (jax.nn.one_hot(split.feature, n_features, dtype=bool) & splits[:, None])
+            path_features = children(path_features, path_features)
         return _LevelState(
             tree=tree, node_of_row=child_of_row, row_leaf=row_leaf, active=children(splits, splits),
             level_gradients=children(split.left_gradients, split.right_gradients),
-            level_hessians=children(split.left_hessians, split.right_hessians), histograms=histograms)
+            level_hessians=children(split.left_hessians, split.right_hessians), histograms=histograms,
+            lower=children(left_lower, right_lower), upper=children(left_upper, right_upper),
+            path_features=path_features), bounds
 
     looped_capacity = min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))
     looped_levels = looped_capacity.bit_length() - 1  # levels whose children fit in looped_capacity
@@ -213,14 +258,19 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         level_hessians=jnp.zeros(looped_capacity).at[0].set(all_sum(jnp.sum(hessians), axis_name)),
         histograms=all_sum(build_histogram(X_binned_T, root_index, gradients, hessians, looped_capacity, max_bin),
                            axis_name),
+        lower=jnp.full(looped_capacity, -jnp.inf),
+        upper=jnp.full(looped_capacity, jnp.inf),
+        path_features=None if params.interaction_groups is None else jnp.zeros((looped_capacity, n_features), bool),
     )
-    state = jax.lax.fori_loop(0, looped_levels,
-                              lambda depth, s: split_level(depth, s, looped_capacity, children_split=True), state)
+    carry = jax.lax.fori_loop(0, looped_levels,
+                              lambda depth, c: split_level(depth, c, looped_capacity, children_split=True),
+                              (state, node_bounds))
     for depth in range(looped_levels, max_depth):
-        state = split_level(depth, state, 2 ** (depth + 1), children_split=depth + 1 < max_depth)
+        carry = split_level(depth, carry, 2 ** (depth + 1), children_split=depth + 1 < max_depth)
+    state, node_bounds = carry
 
-    tree, heap_index = record_values(state.tree, max_depth, state.active, state.level_gradients, state.level_hessians)
+    tree, node_bounds, heap_index = record_values(state.tree, node_bounds, max_depth, state)
     tree = tree._replace(is_leaf=tree.is_leaf.at[heap_index].set(state.active, mode="drop"))
     row_leaf = jnp.where(state.active[state.node_of_row], heap_index[state.node_of_row], state.row_leaf)
     tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
-    return tree, surviving_leaf[row_leaf]
+    return tree, surviving_leaf[row_leaf], node_bounds

@@ -2,9 +2,10 @@
 
 Solves, for every segment ``j`` of rows,
 
-    c_j = argmin_c  sum_{i in j} w_i l(y_i, F_i + c) + lambda/2 c^2 + alpha |c|
+    c_j = argmin_c  sum_{i in j} w_i l(y_i, F_i + c) + penalty(c)
 
-for a convex per-example loss, using only the sign of the (sub)derivative: bracket the
+for a convex per-example loss and the leaf penalty of ``regularizer`` (elastic net plus any
+custom convex penalty), using only the sign of the (sub)derivative: bracket the
 minimiser by doubling steps away from 0, then bisect to float32 resolution. It needs no Hessian,
 so it is exact where Newton steps fail: absolute error, quantile and hinge losses, whose
 Hessian is zero, get the exact weighted median / quantile of their residuals. Used for the
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .devices import all_sum
-from .regularizer import Regularization
+from .regularizer import Regularization, penalty_derivative
 
 MAX_EXPANSIONS = 64
 MAX_BISECTIONS = 64
@@ -50,11 +51,11 @@ def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Arra
 
     def derivative(offsets, direction):
         # ``direction`` picks the one-sided derivative of alpha |c| at c = 0.
-        return loss_derivative(offsets) + reg.reg_lambda * offsets + reg.reg_alpha * jnp.sign(
-            jnp.where(offsets == 0, direction, offsets))
+        return loss_derivative(offsets) + penalty_derivative(offsets, reg, direction)
 
     zero = jnp.zeros(num_segments, jnp.float32)
-    slope_at_zero = loss_derivative(zero)
+    # The smooth part of the slope at 0 (loss plus any custom penalty; L1 handled apart).
+    slope_at_zero = loss_derivative(zero) + penalty_derivative(zero, reg.replace(reg_alpha=jnp.float32(0)), zero)
     # 0 is optimal when the subdifferential there, slope +- alpha, contains 0.
     solved_at_zero = jnp.abs(slope_at_zero) <= reg.reg_alpha
     direction = jnp.where(slope_at_zero > 0, -1.0, 1.0)  # towards the minimiser

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import losses, metrics
-from .boosting import Objective
+from .boosting import Objective, bind_loss
 from .link import resolve_link
 
 # XGBoost's default eval metric per objective; other losses report their own mean value.
@@ -31,6 +31,7 @@ class ResolvedLoss(NamedTuple):
     label_dtype: type
     leaf_refit: bool | None  # None: decide from the first round's Hessians (custom losses)
     check_labels: Callable[[np.ndarray], None]
+    loss_params: dict  # traced keyword arguments of the loss: one compiled program serves all values
 
 
 def _builtin_record(loss) -> losses.BuiltinLoss | None:
@@ -45,27 +46,73 @@ def _loss_name(loss) -> str:
     return getattr(function, "__name__", type(function).__name__)
 
 
-def resolve_loss(loss, labels: np.ndarray, num_outputs: int | None, link) -> ResolvedLoss:
+def _split_parameters(loss, loss_params) -> tuple[Callable | None, dict]:
+    """The loss function without its keyword parameters, and those parameters as traced values.
+
+    Keywords bound by ``functools.partial`` join ``loss_params``, so that a new ``tau`` or
+    ``delta`` reuses the compiled round instead of defining a new function.
+    """
+    loss_params = dict(loss_params or {})
+    function = loss
+    if isinstance(loss, functools.partial) and not loss.args:
+        overlap = sorted(set(loss.keywords) & set(loss_params))
+        if overlap:
+            raise ValueError(f"loss parameter(s) {overlap} are given both in functools.partial and loss_params")
+        loss_params = {**loss.keywords, **loss_params}
+        function = loss.func
+    return function, loss_params
+
+
+def _check_loss_parameters(function: Callable, loss_params: dict, vector_output: bool, num_outputs: int, y0) -> dict:
+    """Call the loss once on the host with concrete parameters, so its own parameter checks
+    (e.g. ``0 < tau < 1``) run before training; returns the parameters as float32 arrays."""
+    if not loss_params:
+        return {}
+    try:
+        traced = jax.tree_util.tree_map(lambda value: jnp.asarray(value, jnp.float32), loss_params)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"loss_params must be a dict of numbers or numeric arrays: {error}") from None
+    concrete = {name: (float(value) if np.ndim(value) == 0 and not isinstance(value, dict) else value)
+                for name, value in loss_params.items()}
+    raw = jnp.zeros(num_outputs, jnp.float32) if vector_output else jnp.float32(0)
+    try:
+        function(raw, jnp.asarray(y0), **concrete)
+    except TypeError as error:
+        raise TypeError(f"the loss does not accept loss_params {sorted(loss_params)}: {error}") from None
+    return traced
+
+
+def resolve_loss(loss, labels: np.ndarray, num_outputs: int | None, link, loss_params: dict | None = None
+                 ) -> ResolvedLoss:
     """Resolve ``loss`` for the given training labels (which also fix K for softmax)."""
     record = _builtin_record(loss)
     if record is None and not callable(loss):
         raise TypeError(f"loss must be a built-in name ({sorted(losses.BUILTINS)}) or a callable "
                         f"loss(raw_prediction, y) -> scalar; got {loss!r}")
-    function = loss if callable(loss) else record.function
+    function, loss_params = _split_parameters(loss if callable(loss) else record.function, loss_params)
     if record is not None:
         record.check_labels(labels)
+        vector_output = record.multiclass or getattr(record, "num_outputs", None) is not None
         if record.multiclass:
             inferred = int(labels.max()) + 1
             if num_outputs is not None and num_outputs < inferred:
                 raise ValueError(f"num_outputs={num_outputs} but the labels go up to class {inferred - 1}")
             num_outputs = max(num_outputs or inferred, 2)
+        elif vector_output:
+            if num_outputs is not None and num_outputs != record.num_outputs:
+                raise ValueError(f"loss {record.name!r} has {record.num_outputs} outputs; got num_outputs={num_outputs}")
+            num_outputs = record.num_outputs
         link_function = resolve_link(record.link if link is None else link)
-        objective = Objective(function, record.multiclass, num_outputs or 1, link_function)
+        objective = Objective(function, vector_output, num_outputs or 1, link_function)
+        traced = _check_loss_parameters(function, loss_params, vector_output, objective.num_outputs,
+                                        labels[0].astype(np.int32 if record.multiclass else np.float32))
         return ResolvedLoss(objective, record.name, np.int32 if record.multiclass else np.float32,
-                            record.leaf_refit, record.check_labels)
+                            record.leaf_refit, record.check_labels, traced)
     link_function = resolve_link("identity" if link is None else link)
     objective = Objective(function, num_outputs is not None, num_outputs or 1, link_function)
-    return ResolvedLoss(objective, _loss_name(loss), np.float32, None, lambda y: None)
+    traced = _check_loss_parameters(function, loss_params, objective.vector_output, objective.num_outputs,
+                                    labels[0])
+    return ResolvedLoss(objective, _loss_name(loss), np.float32, None, lambda y: None, traced)
 
 
 class EvalMetric(NamedTuple):
@@ -76,10 +123,11 @@ class EvalMetric(NamedTuple):
     function: Callable | None  # metric(y, y_pred, weight); None: the training loss itself
     objective: Objective
 
-    def __call__(self, y, raw_prediction, weight):
+    def __call__(self, y, raw_prediction, weight, loss_params=None):
         objective = self.objective
         if self.function is None:
-            values = jax.vmap(objective.loss)(raw_prediction if objective.vector_output else raw_prediction[:, 0], y)
+            loss = bind_loss(objective, loss_params)
+            values = jax.vmap(loss)(raw_prediction if objective.vector_output else raw_prediction[:, 0], y)
             counted = weight > 0
             return jnp.sum(jnp.where(counted, weight * values, 0.0)) / jnp.sum(jnp.where(counted, weight, 0.0))
         y_pred = objective.link(raw_prediction)

@@ -5,6 +5,12 @@ rows with a missing value go left or right, whichever gives the larger ``loss_ch
 learned default direction). Candidates whose children fall below ``min_child_weight`` (or hold
 no Hessian mass) or whose feature is not sampled are excluded. Ties prefer the lower feature,
 then "missing goes left", then the lower bin.
+
+Monotone constraints (XGBoost's semantics): every node carries bounds on its value; children
+values are clipped to the parent's bounds, gains are scored at the clipped values, and a split
+on a feature constrained to increase (decrease) is excluded when the left child's value is above
+(below) the right child's. A per-feature ``split_cost`` of the regularizer is subtracted from
+every gain.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .regularizer import Regularization, node_score, split_loss_change
+from .regularizer import Regularization, node_score, split_loss_change, value_and_score
 
 
 class SplitChoice(NamedTuple):
@@ -28,16 +34,28 @@ class SplitChoice(NamedTuple):
     left_hessians: jax.Array
     right_gradients: jax.Array
     right_hessians: jax.Array
+    left_value: jax.Array  # the children's leaf values within the node's bounds (no learning rate)
+    right_value: jax.Array
+
+
+class NodeBounds(NamedTuple):
+    """Monotone constraints of one level: per-feature directions and per-node value bounds."""
+
+    monotone: jax.Array  # int32 (n_features,): +1 increasing, -1 decreasing, 0 free
+    lower: jax.Array  # (num_nodes,)
+    upper: jax.Array  # (num_nodes,)
 
 
 def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
-                     min_child_weight: jax.Array) -> SplitChoice:
+                     min_child_weight: jax.Array, bounds: NodeBounds | None = None) -> SplitChoice:
     """Best split per node.
 
     Args:
       histograms: float32 ``(num_nodes, n_features, max_bin, 2)``; the last bin holds the
         missing values.
-      feature_allowed: bool ``(num_nodes, n_features)`` (column sampling).
+      feature_allowed: bool ``(num_nodes, n_features)`` (column sampling, interaction
+        constraints).
+      bounds: monotone constraints, or None when there are none.
     """
     num_nodes, n_features, max_bin, _ = histograms.shape
     n_value_bins = max_bin - 1
@@ -54,8 +72,21 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     valid = (feature_allowed[:, :, None, None]
              & (left_hessians >= min_child_weight) & (right_hessians >= min_child_weight)
              & (left_hessians > 0) & (right_hessians > 0))
-    parent_score = node_score(node_total[..., 0], node_total[..., 1], reg)[:, :, None]  # (K, d, 1, 1)
-    loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg, parent_score)
+    if bounds is None:
+        parent_score = node_score(node_total[..., 0], node_total[..., 1], reg)[:, :, None]  # (K, d, 1, 1)
+        loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg,
+                                        parent_score)
+        left_value = right_value = None
+    else:
+        lower, upper = bounds.lower[:, None, None, None], bounds.upper[:, None, None, None]
+        parent_score = node_score(node_total[..., 0], node_total[..., 1], reg, lower[..., 0], upper[..., 0])
+        left_value, left_score = value_and_score(left_gradients, left_hessians, reg, lower, upper)
+        right_value, right_score = value_and_score(right_gradients, right_hessians, reg, lower, upper)
+        loss_change = left_score + right_score - parent_score[:, :, None]
+        direction = bounds.monotone[None, :, None, None]
+        valid = valid & ~((direction > 0) & (left_value > right_value)) & ~((direction < 0) & (left_value < right_value))
+    split_cost = jnp.asarray(reg.split_cost)
+    loss_change = loss_change - (split_cost[None, :, None, None] if split_cost.ndim == 1 else split_cost)
     loss_change = jnp.where(valid, loss_change, -jnp.inf).reshape(num_nodes, -1)
 
     best = jnp.argmax(loss_change, axis=1)
@@ -73,11 +104,14 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         left_hessians=pick(left_hessians),
         right_gradients=pick(right_gradients),
         right_hessians=pick(right_hessians),
+        left_value=jnp.zeros(num_nodes) if left_value is None else pick(left_value),
+        right_value=jnp.zeros(num_nodes) if right_value is None else pick(right_value),
     )
 
 
 def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
-                                  min_child_weight: jax.Array, axis_name: str | None) -> SplitChoice:
+                                  min_child_weight: jax.Array, axis_name: str | None,
+                                  bounds: NodeBounds | None = None) -> SplitChoice:
     """``find_best_splits`` with the features divided among the devices of ``axis_name``.
 
     Every device holds the summed histograms; each scans its own block of features and the
@@ -88,12 +122,18 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     n_features = histograms.shape[1]
     if devices == 1 or n_features < devices:
-        return find_best_splits(histograms, feature_allowed, reg, min_child_weight)
+        return find_best_splits(histograms, feature_allowed, reg, min_child_weight, bounds)
     block = -(-n_features // devices)
     start = jnp.minimum(jax.lax.axis_index(axis_name) * block, n_features - block)
-    local = find_best_splits(jax.lax.dynamic_slice_in_dim(histograms, start, block, axis=1),
-                             jax.lax.dynamic_slice_in_dim(feature_allowed, start, block, axis=1),
-                             reg, min_child_weight)
+
+    def features_of_block(per_feature, axis):
+        return jax.lax.dynamic_slice_in_dim(per_feature, start, block, axis=axis)
+
+    split_cost = jnp.asarray(reg.split_cost)
+    local_reg = reg.replace(split_cost=features_of_block(split_cost, 0)) if split_cost.ndim == 1 else reg
+    local_bounds = None if bounds is None else bounds._replace(monotone=features_of_block(bounds.monotone, 0))
+    local = find_best_splits(features_of_block(histograms, 1), features_of_block(feature_allowed, 1),
+                             local_reg, min_child_weight, local_bounds)
     local = local._replace(feature=local.feature + start)
     # One collective for all fields: integers and flags travel exactly as float32 (< 2^24).
     packed = jnp.stack([field.astype(jnp.float32) for field in local])  # (fields, nodes)

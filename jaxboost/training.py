@@ -4,25 +4,30 @@ The host validates input, bins it once, pads rows to a bucket size (zero-weight 
 the data on the devices, finds the starting value and then calls the compiled round once per
 round. Per round only a few scalars come back: the eval metrics and the loss's health counts,
 so a custom loss that returns non-finite gradients or negative Hessians stops training at that
-round with an error naming it.
+round with an error naming it. Callbacks (``callbacks.py``) run around every round; early
+stopping and the evaluation log are callbacks. Training can continue from a model
+(``init_model``): its trees give the starting raw predictions and round keys go on counting.
 """
 
 from __future__ import annotations
 
 import numbers
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .boosting import RoundParams, RoundShape, compiled_round, loss_derivatives, starting_value
+from .boosting import HESSIAN_MODES, RoundParams, RoundShape, compiled_round, loss_derivatives, starting_value
+from .callbacks import Callback, EarlyStopping, EvaluationMonitor, ProgressBar, TrainingState
 from .dataset import Dataset
 from .devices import replicated, row_mesh, row_sharding
 from .grower import GrowthParams, empty_tree
 from .model import Model, padded_size
 from .objective import ResolvedLoss, higher_is_better, resolve_loss, resolve_metrics
-from .regularizer import Regularization
-from .tree import num_heap_nodes
+from .predictor import predict_raw_binned
+from .regularizer import Regularization, check_regularization
+from .tree import Tree, num_heap_nodes
 from .validation import check_base_margin
 
 MAX_DEPTH_LIMIT = 12
@@ -44,7 +49,8 @@ def _check_params(num_rounds, max_depth, learning_rate, reg_lambda, reg_alpha, g
         raise ValueError(f"num_rounds must be a non-negative integer; got {num_rounds!r}")
     if not isinstance(max_depth, numbers.Integral) or not 1 <= max_depth <= MAX_DEPTH_LIMIT:
         raise ValueError(f"max_depth must be an integer in [1, {MAX_DEPTH_LIMIT}]; got {max_depth!r}")
-    _check_range("learning_rate", learning_rate, 0, np.inf, low_open=True, high_open=True)
+    if not callable(learning_rate):
+        _check_range("learning_rate", learning_rate, 0, np.inf, low_open=True, high_open=True)
     for name, value in [("reg_lambda", reg_lambda), ("reg_alpha", reg_alpha), ("gamma", gamma),
                         ("min_child_weight", min_child_weight), ("max_delta_step", max_delta_step)]:
         _check_range(name, value, 0, np.inf, high_open=True)
@@ -106,30 +112,111 @@ def _as_dataset(data, y, sample_weight, max_bin, base_margin, reference=None) ->
 
 def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:
     """Custom losses: refit leaves when some weighted row has an exactly zero Hessian at the start."""
-    _, _, h = jax.jit(loss_derivatives, static_argnums=0)(resolved.objective, rows.raw_prediction, rows.y_device)
+    _, _, h = jax.jit(loss_derivatives, static_argnums=0)(resolved.objective, rows.raw_prediction, rows.y_device,
+                                                         resolved.loss_params)
     counted = np.asarray(rows.sample_weight) > 0
     return bool((np.asarray(h)[counted] == 0).any())
 
 
 def _raise_if_unhealthy(health, loss_name: str, round_index: int):
-    non_finite, negative = int(health.non_finite), int(health.negative_hessian)
+    non_finite, negative = int(np.sum(health.non_finite)), int(np.sum(health.negative_hessian))
     if non_finite:
         raise FloatingPointError(f"loss {loss_name!r} produced non-finite values, gradients or Hessians for {non_finite} "
                                  f"row(s) at round {round_index}; check the loss for overflow, log(0) or 0/0 at "
                                  "the raw predictions reached")
     if negative:
         raise ValueError(f"loss {loss_name!r} produced negative Hessians for {negative} row(s) at round "
-                         f"{round_index}; a loss must be convex in the raw prediction (zero Hessians are fine)")
+                         f"{round_index}; a loss must be convex in the raw prediction (zero Hessians are fine), "
+                         "or train with hessian='floor' or 'constant'")
 
 
-def train(data, y=None, *, loss="squared_error", num_rounds: int = 100, max_depth: int = 6,
-          learning_rate: float = 0.1, reg_lambda: float = 1.0, reg_alpha: float = 0.0, gamma: float = 0.0,
-          min_child_weight: float = 1.0, max_bin: int = 256, subsample: float = 1.0,
+def _feature_index(feature, feature_names, n_features: int, what: str) -> int:
+    if isinstance(feature, str):
+        if feature_names is None or feature not in feature_names:
+            raise ValueError(f"{what} names feature {feature!r}, which is not a column of X")
+        return feature_names.index(feature)
+    if not isinstance(feature, numbers.Integral) or not 0 <= feature < n_features:
+        raise ValueError(f"{what} refers to feature {feature!r}; features are 0..{n_features - 1}")
+    return int(feature)
+
+
+def monotone_array(monotone_constraints, feature_names, n_features: int) -> np.ndarray | None:
+    """+1 / -1 / 0 per feature, from a sequence over all features or a {feature: direction} dict."""
+    if monotone_constraints is None:
+        return None
+    if isinstance(monotone_constraints, dict):
+        directions = np.zeros(n_features, np.int32)
+        for feature, direction in monotone_constraints.items():
+            directions[_feature_index(feature, feature_names, n_features, "monotone_constraints")] = direction
+        values = list(monotone_constraints.values())
+    else:
+        values = list(monotone_constraints)
+        if len(values) != n_features:
+            raise ValueError(f"monotone_constraints has {len(values)} entries but X has {n_features} features")
+        directions = np.asarray(values, np.int32) if values else np.zeros(n_features, np.int32)
+    if any(value not in (-1, 0, 1) for value in values):
+        raise ValueError(f"monotone_constraints entries must be -1, 0 or +1; got {values}")
+    return directions if directions.any() else None
+
+
+def interaction_groups(interaction_constraints, feature_names, n_features: int) -> np.ndarray | None:
+    """Bool (groups, n_features) from a list of feature groups (indices or names)."""
+    if interaction_constraints is None:
+        return None
+    groups = np.zeros((len(interaction_constraints), n_features), bool)
+    for row, group in enumerate(interaction_constraints):
+        if isinstance(group, (str, numbers.Integral)) or len(group) == 0:
+            raise ValueError(f"interaction_constraints must be a list of non-empty feature lists; got {group!r}")
+        for feature in group:
+            groups[row, _feature_index(feature, feature_names, n_features, "interaction_constraints")] = True
+    if not groups.any():
+        raise ValueError("interaction_constraints is empty")
+    return groups
+
+
+class _Schedule(NamedTuple):
+    """The learning rate of every round: a constant or an optax schedule ``step -> rate``."""
+
+    rate: float | Callable
+
+    def __call__(self, round_index: int) -> float:
+        if not callable(self.rate):
+            return float(self.rate)
+        value = float(np.asarray(self.rate(round_index)))
+        if not np.isfinite(value) or value <= 0:
+            raise ValueError(f"the learning-rate schedule gave {value} at round {round_index}; it must be > 0")
+        return value
+
+
+def _padded_trees(trees: Tree, num_nodes: int) -> Tree:
+    """Tree arrays widened to ``num_nodes`` heap slots (a shallower tree keeps its indices)."""
+    extra = num_nodes - trees.feature.shape[-1]
+    if extra < 0:
+        raise ValueError("init_model is deeper than max_depth: train the continuation with max_depth >= "
+                         f"{int(np.log2(trees.feature.shape[-1] + 1)) - 1}")
+    return Tree(*(np.concatenate([a, np.zeros(a.shape[:-1] + (extra,), a.dtype)], axis=-1) for a in trees))
+
+
+def _add_tree_predictions(trees: Tree, rows: _DeviceRows, missing_bin: int, mesh) -> None:
+    """Add the raw predictions of ``trees`` to the rows' starting raw predictions."""
+    size = padded_size(rows.y.shape[0], mesh.size)
+    X_binned = _pad_rows(rows.X_binned, size, 0)
+    start = _pad_rows(np.asarray(rows.raw_prediction), size, 0.0)
+    raw = predict_raw_binned(jax.device_put(trees, replicated(mesh)), jax.device_put(X_binned, row_sharding(mesh, 2)),
+                             jax.device_put(start, row_sharding(mesh, 2)), missing_bin=missing_bin, mesh=mesh)
+    rows.raw_prediction = rows.put_rows(np.ascontiguousarray(np.asarray(raw)[: rows.y.shape[0]]))
+
+
+def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None, num_rounds: int = 100,
+          max_depth: int = 6, learning_rate: float | Callable = 0.1, reg_lambda: float = 1.0, reg_alpha: float = 0.0,
+          gamma: float = 0.0, min_child_weight: float = 1.0, max_bin: int = 256, subsample: float = 1.0,
           colsample_bytree: float = 1.0, colsample_bylevel: float = 1.0, colsample_bynode: float = 1.0,
           sample_weight=None, base_margin=None, scale_pos_weight: float = 1.0, max_delta_step: float = 0.0,
+          regularizer: Regularization | None = None, hessian: str = "exact", hessian_floor: float = 1e-3,
+          monotone_constraints=None, interaction_constraints=None, multi_strategy: str = "one_output_per_tree",
           link=None, num_outputs: int | None = None, leaf_refit: bool | None = None, eval_set=None,
           eval_metric=None, early_stopping_rounds: int | None = None, verbose: bool | int = False,
-          seed: int = 0) -> Model:
+          callbacks: list[Callback] | None = None, init_model: Model | None = None, seed: int = 0) -> Model:
     """Train a gradient-boosted tree ensemble.
 
     Args:
@@ -137,11 +224,25 @@ def train(data, y=None, *, loss="squared_error", num_rounds: int = 100, max_dept
       y: labels (n,) when ``data`` is not a Dataset.
       loss: a built-in name (``jaxboost.losses.BUILTINS``), a built-in function with bound
         parameters (``functools.partial(jb.losses.quantile, tau=0.9)``), or any JAX function
-        ``loss(raw_prediction, y) -> scalar`` for one example (e.g. an optax loss).
-      num_rounds, max_depth, learning_rate, reg_lambda, reg_alpha, gamma, min_child_weight,
+        ``loss(raw_prediction, y, **loss_params) -> scalar`` for one example (e.g. an optax loss).
+      loss_params: keyword arguments of the loss (``{"tau": 0.9}``), passed as traced values so
+        that one compiled program serves every value; keywords bound by ``functools.partial``
+        are treated the same way.
+      num_rounds, max_depth, reg_lambda, reg_alpha, gamma, min_child_weight,
       max_bin, subsample, colsample_bytree, colsample_bylevel, colsample_bynode,
       scale_pos_weight, max_delta_step: as XGBoost's parameters of the same names (``gamma``
         is ``min_split_loss``).
+      learning_rate: a number, or a schedule ``round -> rate`` such as an optax schedule.
+      regularizer: the leaf penalty, e.g. ``jb.regularizers.elastic_net(0.1, 1.0)`` or
+        ``jb.regularizers.custom(penalty, params)``; replaces ``reg_lambda``/``reg_alpha``.
+      hessian: ``"exact"`` (autodiff), ``"floor"`` (raised to at least ``hessian_floor``) or
+        ``"constant"`` (1: first-order boosting); ``leaf_refit`` may follow any of them.
+      monotone_constraints: +1 / -1 / 0 per feature (a sequence over all features, or a dict
+        by feature index or column name).
+      interaction_constraints: lists of features (indices or names) allowed to interact: every
+        path of a tree uses features of one list only.
+      multi_strategy: ``"one_output_per_tree"`` (one tree per output and round, as XGBoost's
+        default). ``"multi_output_tree"`` (vector leaves) is not implemented yet.
       sample_weight: per-row non-negative weights.
       base_margin: per-row offsets of the raw prediction; the starting value is then 0 (as
         XGBoost), and ``predict`` needs the same offsets.
@@ -156,6 +257,9 @@ def train(data, y=None, *, loss="squared_error", num_rounds: int = 100, max_dept
       early_stopping_rounds: stop when the last metric on the last eval set has not improved
         for this many rounds; ``predict`` then uses rounds up to ``best_iteration``.
       verbose: print the eval metrics every round (True) or every N rounds.
+      callbacks: ``jb.callbacks.Callback`` objects run before and after every round.
+      init_model: continue training this model: its trees come first, its bin edges are used,
+        and round ``r`` of the continuation samples like round ``init_model.num_rounds + r``.
       seed: seeds row and column sampling; round ``r`` uses a key derived from (seed, r).
 
     Returns:
@@ -163,24 +267,59 @@ def train(data, y=None, *, loss="squared_error", num_rounds: int = 100, max_dept
     """
     _check_params(num_rounds, max_depth, learning_rate, reg_lambda, reg_alpha, gamma, min_child_weight, subsample,
                   colsample_bytree, colsample_bylevel, colsample_bynode, max_delta_step, scale_pos_weight)
+    if hessian not in HESSIAN_MODES:
+        raise ValueError(f"hessian must be one of {HESSIAN_MODES}; got {hessian!r}")
+    _check_range("hessian_floor", hessian_floor, 0, np.inf, low_open=True, high_open=True)
+    if multi_strategy == "multi_output_tree":
+        raise NotImplementedError("multi_strategy='multi_output_tree' (one tree with vector leaves for all outputs) "
+                                  "is not implemented yet; use 'one_output_per_tree'")
+    if multi_strategy != "one_output_per_tree":
+        raise ValueError(f"multi_strategy must be 'one_output_per_tree' or 'multi_output_tree'; got {multi_strategy!r}")
+    if init_model is not None:
+        if not isinstance(init_model, Model):
+            raise TypeError(f"init_model must be a jaxboost Model; got {type(init_model).__name__}")
+        if isinstance(data, Dataset) and data.bin_edges is not init_model.bin_edges:
+            raise ValueError("to continue training, build the Dataset with bin_edges=init_model.bin_edges")
+        if not isinstance(data, Dataset):
+            data = Dataset(data, y, sample_weight, bin_edges=init_model.bin_edges, base_margin=base_margin)
+            y = sample_weight = base_margin = None
     dataset = _as_dataset(data, y, sample_weight, max_bin, base_margin)
     if dataset.y is None:
         raise ValueError("training needs labels: pass y, or a Dataset built with y")
-    resolved = resolve_loss(loss, dataset.y, num_outputs, link)
+    resolved = resolve_loss(loss, dataset.y, num_outputs, link, loss_params)
     objective = resolved.objective
     K = objective.num_outputs
+    if init_model is not None and init_model.num_outputs != K:
+        raise ValueError(f"init_model has {init_model.num_outputs} outputs but this loss has {K}")
+    if regularizer is None:
+        regularizer = Regularization(jnp.float32(reg_lambda), jnp.float32(reg_alpha), jnp.float32(0.0))
+    elif not isinstance(regularizer, Regularization):
+        raise TypeError("regularizer must come from jb.regularizers (l2, l1, elastic_net, custom)")
+    elif reg_lambda != 1.0 or reg_alpha != 0.0:
+        raise ValueError("pass either regularizer= or reg_lambda/reg_alpha, not both")
+    regularizer = regularizer.replace(max_delta_step=jnp.float32(max_delta_step))
+    check_regularization(regularizer, dataset.n_features)
+    monotone = monotone_array(monotone_constraints, dataset.feature_names, dataset.n_features)
+    groups = interaction_groups(interaction_constraints, dataset.feature_names, dataset.n_features)
     weights = np.where(dataset.y == 1, dataset.sample_weight * np.float32(scale_pos_weight), dataset.sample_weight)
 
     mesh = row_mesh(dataset.n_rows)
     margin = check_base_margin(dataset.base_margin, dataset.n_rows, K)
     train_rows = _DeviceRows(dataset, resolved, mesh, shard=True, margin=margin, base_score=None,
                              sample_weight=weights)
-    if margin is None:
+    if init_model is not None:
+        base_score = np.asarray(init_model.base_score, np.float32)
+    elif margin is None:
         zeros = train_rows.put_rows(np.zeros((train_rows.y.shape[0], K), np.float32))
-        base_score = np.asarray(starting_value(objective, zeros, train_rows.y_device, train_rows.sample_weight_device))
+        base_score = np.asarray(starting_value(objective, zeros, train_rows.y_device, train_rows.sample_weight_device,
+                                               resolved.loss_params))
     else:
         base_score = np.zeros(K, np.float32)
+    num_nodes = num_heap_nodes(max_depth)
+    previous_trees = None if init_model is None else _padded_trees(init_model.trees, num_nodes)
     train_rows.initial_raw_prediction(base_score)
+    if previous_trees is not None:
+        _add_tree_predictions(previous_trees, train_rows, dataset.bin_edges.missing_bin, mesh)
     if leaf_refit is None:
         leaf_refit = resolved.leaf_refit if resolved.leaf_refit is not None else _leaf_refit_needed(resolved, train_rows)
 
@@ -191,8 +330,10 @@ def train(data, y=None, *, loss="squared_error", num_rounds: int = 100, max_dept
         eval_margin = check_base_margin(eval_dataset.base_margin, eval_dataset.n_rows, K)
         if (eval_margin is None) != (margin is None):
             raise ValueError("eval sets need a base_margin exactly when the training data has one")
-        eval_rows.append(_DeviceRows(eval_dataset, resolved, mesh, shard=False, margin=eval_margin,
-                                     base_score=base_score))
+        rows = _DeviceRows(eval_dataset, resolved, mesh, shard=False, margin=eval_margin, base_score=base_score)
+        if previous_trees is not None:
+            _add_tree_predictions(previous_trees, rows, dataset.bin_edges.missing_bin, mesh)
+        eval_rows.append(rows)
     metrics = resolve_metrics(eval_metric, resolved)
     if early_stopping_rounds is not None and not eval_rows:
         raise ValueError("early_stopping_rounds needs an eval_set")
@@ -200,26 +341,74 @@ def train(data, y=None, *, loss="squared_error", num_rounds: int = 100, max_dept
     shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
                        leaf_refit=bool(leaf_refit),
                        sample_columns=min(colsample_bytree, colsample_bylevel, colsample_bynode) < 1,
-                       sample_rows=subsample < 1, metrics=(metrics,) * len(eval_rows), mesh=mesh)
+                       sample_rows=subsample < 1, metrics=(metrics,) * len(eval_rows), mesh=mesh,
+                       hessian_mode=hessian)
     boosting_round = compiled_round(shape)
+    schedule = _Schedule(learning_rate)
+    first_round = 0 if init_model is None else init_model.num_rounds
     f32 = jnp.float32
     params = RoundParams(
-        growth=GrowthParams(reg=Regularization(f32(reg_lambda), f32(reg_alpha), f32(max_delta_step)),
-                            learning_rate=f32(learning_rate), gamma=f32(gamma),
+        growth=GrowthParams(reg=regularizer, learning_rate=f32(schedule(first_round)), gamma=f32(gamma),
                             min_child_weight=f32(min_child_weight), colsample_bylevel=f32(colsample_bylevel),
-                            colsample_bynode=f32(colsample_bynode)),
-        subsample=f32(subsample), colsample_bytree=f32(colsample_bytree))
+                            colsample_bynode=f32(colsample_bynode),
+                            monotone=None if monotone is None else jnp.asarray(monotone),
+                            interaction_groups=None if groups is None else jnp.asarray(groups)),
+        subsample=f32(subsample), colsample_bytree=f32(colsample_bytree), loss_params=resolved.loss_params,
+        hessian_floor=f32(hessian_floor))
     params = jax.device_put(params, replicated(mesh))
     seed_key = jax.device_put(jax.random.key_data(jax.random.PRNGKey(seed)), replicated(mesh))
 
     eval_names = [f"validation_{i}" for i in range(len(eval_rows))]
     history = {name: {metric.name: [] for metric in metrics} for name in eval_names}
+    round_trees = []
+
+    def stacked_trees() -> Tree:
+        grown = (jax.tree_util.tree_map(lambda *fields: np.stack([np.asarray(f) for f in fields]), *round_trees)
+                 if round_trees else jax.tree_util.tree_map(lambda a: np.zeros((0, K) + a.shape, a.dtype),
+                                                            empty_tree(num_nodes)))
+        if previous_trees is None:
+            return grown
+        return Tree(*(np.concatenate([old, new]) for old, new in zip(previous_trees, grown)))
+
+    def build_model(best_iteration=None) -> Model:
+        return Model(trees=stacked_trees(), bin_edges=dataset.bin_edges, base_score=base_score, link=objective.link,
+                     loss_name=resolved.name, best_iteration=best_iteration, evals_result=history,
+                     params=dict(loss=resolved.name, num_rounds=first_round + len(round_trees), max_depth=max_depth,
+                                 learning_rate=learning_rate if not callable(learning_rate) else "schedule",
+                                 reg_lambda=float(regularizer.reg_lambda), reg_alpha=float(regularizer.reg_alpha),
+                                 gamma=gamma, min_child_weight=min_child_weight, max_bin=dataset.max_bin,
+                                 subsample=subsample, colsample_bytree=colsample_bytree,
+                                 colsample_bylevel=colsample_bylevel, colsample_bynode=colsample_bynode,
+                                 max_delta_step=max_delta_step, scale_pos_weight=scale_pos_weight,
+                                 leaf_refit=bool(leaf_refit), hessian=hessian, seed=seed,
+                                 loss_params={name: np.asarray(value).tolist()
+                                              for name, value in resolved.loss_params.items()}),
+                     feature_names=dataset.feature_names)
+
     watched = metrics[-1] if metrics else None
-    best_value, best_iteration = None, None
+    state = TrainingState(num_rounds=num_rounds, first_round=first_round, evals_result=history,
+                          watched=None if not eval_names else (eval_names[-1], watched.name,
+                                                               higher_is_better(watched)),
+                          build_model=build_model)
+    all_callbacks = list(callbacks or [])
+    if not all(isinstance(callback, Callback) for callback in all_callbacks):
+        raise TypeError("callbacks must be jb.callbacks.Callback instances")
+    if verbose:
+        all_callbacks.append(EvaluationMonitor(1 if verbose is True else int(verbose)))
+    if early_stopping_rounds is not None:
+        all_callbacks.append(EarlyStopping(early_stopping_rounds))
+    for callback in all_callbacks:
+        callback.before_training(state)
+
     raw_prediction = train_rows.raw_prediction
     eval_raw = tuple(rows.raw_prediction for rows in eval_rows)
-    round_trees = []
-    for round_index in range(num_rounds):
+    for round_index in range(first_round, first_round + num_rounds):
+        state.round_index = round_index
+        if any([callback.before_iteration(state) for callback in all_callbacks]):
+            break
+        if callable(learning_rate) and round_index > first_round:
+            params = params._replace(growth=params.growth._replace(
+                learning_rate=jax.device_put(f32(schedule(round_index)), replicated(mesh))))
         eval_data = tuple((rows.X_binned_device, rows.y_device, rows.sample_weight_device, raw)
                           for rows, raw in zip(eval_rows, eval_raw))
         raw_prediction, trees, health, eval_raw, metric_values = boosting_round(
@@ -227,32 +416,12 @@ def train(data, y=None, *, loss="squared_error", num_rounds: int = 100, max_dept
             raw_prediction, seed_key, jnp.int32(round_index), eval_data)
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)
-        if not eval_rows:
-            continue
-        values = [np.asarray(v) for v in metric_values]
-        for name, set_values in zip(eval_names, values):
-            for metric, value in zip(metrics, set_values):
+        for name, set_values in zip(eval_names, metric_values):
+            for metric, value in zip(metrics, np.asarray(set_values)):
                 history[name][metric.name].append(float(value))
-        if verbose and (verbose is True or round_index % int(verbose) == 0 or round_index == num_rounds - 1):
-            print(f"[{round_index}]\t" + "\t".join(f"{name}-{metric.name}:{history[name][metric.name][-1]:.6f}"
-                                                  for name in eval_names for metric in metrics))
-        current = float(values[-1][-1])
-        improved = best_value is None or (current > best_value if higher_is_better(watched) else current < best_value)
-        if improved:
-            best_value, best_iteration = current, round_index
-        if early_stopping_rounds is not None and round_index - best_iteration >= early_stopping_rounds:
+        if any([callback.after_iteration(state) for callback in all_callbacks]):
             break
-
-    stacked = jax.tree_util.tree_map(lambda *fields: np.stack([np.asarray(f) for f in fields]), *round_trees) \
-        if round_trees else jax.tree_util.tree_map(lambda a: np.zeros((0, K) + a.shape, a.dtype),
-                                                   empty_tree(num_heap_nodes(max_depth)))
-    return Model(trees=stacked, bin_edges=dataset.bin_edges, base_score=base_score, link=objective.link,
-                 loss_name=resolved.name, best_iteration=best_iteration if early_stopping_rounds is not None else None,
-                 evals_result=history,
-                 params=dict(loss=resolved.name, num_rounds=num_rounds, max_depth=max_depth,
-                             learning_rate=learning_rate, reg_lambda=reg_lambda, reg_alpha=reg_alpha, gamma=gamma,
-                             min_child_weight=min_child_weight, max_bin=dataset.max_bin, subsample=subsample,
-                             colsample_bytree=colsample_bytree, colsample_bylevel=colsample_bylevel,
-                             colsample_bynode=colsample_bynode, max_delta_step=max_delta_step,
-                             scale_pos_weight=scale_pos_weight, leaf_refit=bool(leaf_refit), seed=seed),
-                 feature_names=dataset.feature_names)
+    for callback in all_callbacks:
+        callback.after_training(state)
+    return build_model(state.best_iteration if early_stopping_rounds is not None or state.best_iteration is not None
+                       else None)

@@ -1,0 +1,198 @@
+"""Many models in one program: ``jb.train_many``, the boosting round ``vmap``-ed over models.
+
+M models that differ in continuous hyperparameters (learning rate, lambda, alpha, gamma,
+min_child_weight, sampling rates, loss parameters), in seeds, or in sample weights (e.g.
+cross-validation folds as 0/1 weights) share the binned data and the labels, and every round of
+all M is one compiled call (``boosting.compiled_many_rounds``), traced once. The bin edges are
+built once, from the unweighted data (or taken from a given ``Dataset``), so model ``k`` equals
+the model ``jb.train`` grows alone with the same settings and the same edges.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .boosting import HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, starting_value
+from .dataset import Dataset
+from .devices import replicated, row_mesh, row_sharding
+from .grower import GrowthParams
+from .model import Model
+from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
+from .regularizer import Regularization, check_regularization
+from .training import (_as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
+                       interaction_groups, monotone_array)
+
+# Hyperparameters that may differ between the models, with jb.train's defaults.
+BATCHABLE = dict(learning_rate=0.1, reg_lambda=1.0, reg_alpha=0.0, gamma=0.0, min_child_weight=1.0, subsample=1.0,
+                 colsample_bytree=1.0, colsample_bylevel=1.0, colsample_bynode=1.0, max_delta_step=0.0)
+
+
+def _number_of_models(batch: dict, seeds, sample_weights) -> int:
+    sizes = {name: len(np.atleast_1d(values)) for name, values in batch.items()}
+    if seeds is not None:
+        sizes["seeds"] = len(np.atleast_1d(seeds))
+    if sample_weights is not None:
+        sizes["sample_weights"] = np.asarray(sample_weights).shape[0]
+    if not sizes:
+        raise ValueError("train_many needs something that differs between models: batch=, seeds= or sample_weights=")
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"batch, seeds and sample_weights must all give the same number of models; got {sizes}")
+    return next(iter(sizes.values()))
+
+
+def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_weights=None, loss="squared_error",
+               loss_params: dict | None = None, num_rounds: int = 100, max_depth: int = 6, max_bin: int = 256,
+               scale_pos_weight: float = 1.0, hessian: str = "exact", hessian_floor: float = 1e-3,
+               monotone_constraints=None, interaction_constraints=None, link=None, num_outputs: int | None = None,
+               leaf_refit: bool | None = None, eval_set=None, eval_metric=None, **settings) -> list[Model]:
+    """Train M models in one compiled program and return them as a list of ordinary Models.
+
+    Args:
+      data, y: as ``jb.train`` (a Dataset keeps its bin edges; raw ``X`` is binned once
+        without weights).
+      batch: ``{name: array of M values}`` for any of ``learning_rate, reg_lambda, reg_alpha,
+        gamma, min_child_weight, subsample, colsample_bytree, colsample_bylevel,
+        colsample_bynode, max_delta_step`` or a loss parameter (e.g. ``"tau"``).
+      seeds: M integer seeds (row and column sampling).
+      sample_weights: (M, n) per-model row weights (multiplied with the Dataset's weights);
+        0/1 weights give cross-validation folds.
+      settings: the hyperparameters shared by all models (any name of ``batch``); everything
+        else is as ``jb.train``. Early stopping and learning-rate schedules are not supported
+        here; eval sets are, with one history per model.
+    """
+    batch = dict(batch or {})
+    M = _number_of_models(batch, seeds, sample_weights)
+    unknown = sorted(set(settings) - set(BATCHABLE))
+    if unknown:
+        raise TypeError(f"train_many got unexpected settings {unknown}; shared hyperparameters are {sorted(BATCHABLE)}")
+    if hessian not in HESSIAN_MODES:
+        raise ValueError(f"hessian must be one of {HESSIAN_MODES}; got {hessian!r}")
+    dataset = _as_dataset(data, y, None, max_bin, None)
+    if dataset.y is None:
+        raise ValueError("training needs labels: pass y, or a Dataset built with y")
+
+    loss_names = [name for name in batch if name not in BATCHABLE]
+    per_model = []
+    for k in range(M):
+        values = {name: float(np.atleast_1d(batch[name])[k]) if name in batch else settings.get(name, default)
+                  for name, default in BATCHABLE.items()}
+        _check_params(num_rounds, max_depth, values["learning_rate"], values["reg_lambda"], values["reg_alpha"],
+                      values["gamma"], values["min_child_weight"], values["subsample"], values["colsample_bytree"],
+                      values["colsample_bylevel"], values["colsample_bynode"], values["max_delta_step"],
+                      scale_pos_weight)
+        per_model.append(values)
+    model_loss_params = [{**(loss_params or {}), **{name: float(np.atleast_1d(batch[name])[k]) for name in loss_names}}
+                         for k in range(M)]
+    resolved = resolve_loss(loss, dataset.y, num_outputs, link, model_loss_params[0])
+    objective = resolved.objective
+    K = objective.num_outputs
+    for values in model_loss_params[1:]:
+        _check_loss_parameters(objective.loss, values, objective.vector_output, K, dataset.y[:1].astype(resolved.label_dtype)[0])
+    stacked_loss_params = {name: jnp.asarray([values[name] for values in model_loss_params], jnp.float32)
+                           for name in resolved.loss_params}
+
+    weights = np.where(dataset.y == 1, dataset.sample_weight * np.float32(scale_pos_weight), dataset.sample_weight)
+    if sample_weights is None:
+        model_weights = np.broadcast_to(weights, (M, dataset.n_rows))
+    else:
+        given = np.asarray(sample_weights, np.float32)
+        if given.shape != (M, dataset.n_rows):
+            raise ValueError(f"sample_weights must have shape (models, rows) = ({M}, {dataset.n_rows}); got {given.shape}")
+        if not np.all(np.isfinite(given)) or np.any(given < 0):
+            raise ValueError("sample_weights must be finite and >= 0")
+        if np.any(given.sum(axis=1) <= 0):
+            raise ValueError("every model needs some positive sample weight")
+        model_weights = given * weights
+    model_seeds = np.zeros(M, np.int64) if seeds is None else np.asarray(seeds).astype(np.int64)
+
+    monotone = monotone_array(monotone_constraints, dataset.feature_names, dataset.n_features)
+    groups = interaction_groups(interaction_constraints, dataset.feature_names, dataset.n_features)
+    mesh = row_mesh(dataset.n_rows)
+    rows = _DeviceRows(dataset, resolved, mesh, shard=True, margin=None, base_score=None)
+    padded = rows.y.shape[0]
+    padded_weights = np.zeros((M, padded), np.float32)
+    padded_weights[:, : dataset.n_rows] = model_weights
+    weights_device = jax.device_put(padded_weights, row_sharding(mesh, 2, row_axis=1))
+    zeros = rows.put_rows(np.zeros((padded, K), np.float32))
+    base_scores = np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, rows.y_device, w, params))(
+        weights_device, stacked_loss_params))  # (M, K)
+    raw_prediction = jax.device_put(np.ascontiguousarray(np.broadcast_to(base_scores[:, None, :], (M, padded, K))),
+                                    row_sharding(mesh, 3, row_axis=1))
+    if leaf_refit is None:
+        rows.initial_raw_prediction(base_scores[0])
+        resolved_first = resolved._replace(loss_params={name: v[0] for name, v in stacked_loss_params.items()})
+        leaf_refit = resolved.leaf_refit if resolved.leaf_refit is not None else _leaf_refit_needed(resolved_first, rows)
+
+    eval_rows = []
+    for entry in eval_set or []:
+        X_eval, y_eval = (entry, None) if isinstance(entry, Dataset) else entry
+        eval_rows.append(_DeviceRows(_as_dataset(X_eval, y_eval, None, max_bin, None, reference=dataset), resolved,
+                                     mesh, shard=False, margin=None, base_score=None))
+    eval_raw = tuple(jnp.asarray(np.broadcast_to(base_scores[:, None, :], (M, r.y.shape[0], K)).copy())
+                     for r in eval_rows)
+    metrics = resolve_metrics(eval_metric, resolved)
+
+    regularizers = []
+    for values in per_model:
+        reg = Regularization(jnp.float32(values["reg_lambda"]), jnp.float32(values["reg_alpha"]),
+                             jnp.float32(values["max_delta_step"]), jnp.float32(0.0))
+        check_regularization(reg, dataset.n_features)
+        regularizers.append(reg)
+    f32 = np.float32
+
+    def model_params(k):
+        values = per_model[k]
+        return RoundParams(
+            growth=GrowthParams(reg=regularizers[k], learning_rate=f32(values["learning_rate"]),
+                                gamma=f32(values["gamma"]), min_child_weight=f32(values["min_child_weight"]),
+                                colsample_bylevel=f32(values["colsample_bylevel"]),
+                                colsample_bynode=f32(values["colsample_bynode"]),
+                                monotone=None if monotone is None else monotone,
+                                interaction_groups=None if groups is None else groups),
+            subsample=f32(values["subsample"]), colsample_bytree=f32(values["colsample_bytree"]),
+            loss_params={name: stacked_loss_params[name][k] for name in stacked_loss_params},
+            hessian_floor=f32(hessian_floor))
+
+    params = jax.tree_util.tree_map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]),
+                                    *[model_params(k) for k in range(M)])
+    params = jax.device_put(params, replicated(mesh))
+    seed_keys = jax.device_put(np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))))
+                                         for s in model_seeds]), replicated(mesh))
+    sampled = [min(v["colsample_bytree"], v["colsample_bylevel"], v["colsample_bynode"]) for v in per_model]
+    shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
+                       leaf_refit=bool(leaf_refit), sample_columns=min(sampled) < 1,
+                       sample_rows=min(v["subsample"] for v in per_model) < 1, metrics=(metrics,) * len(eval_rows),
+                       mesh=mesh, hessian_mode=hessian)
+    boosting_rounds = compiled_many_rounds(shape)
+
+    history = [[] for _ in eval_rows]
+    round_trees = []
+    for round_index in range(num_rounds):
+        eval_data = tuple((r.X_binned_device, r.y_device, r.sample_weight_device, raw)
+                          for r, raw in zip(eval_rows, eval_raw))
+        raw_prediction, trees, health, eval_raw, metric_values = boosting_rounds(
+            params, rows.X_binned_T_device, rows.y_device, weights_device, raw_prediction, seed_keys,
+            jnp.int32(round_index), eval_data)
+        _raise_if_unhealthy(health, resolved.name, round_index)
+        round_trees.append(trees)
+        for per_set, values in zip(history, metric_values):
+            per_set.append(np.asarray(values))  # (M, metrics)
+
+    all_trees = jax.tree_util.tree_map(lambda *fields: np.stack([np.asarray(f) for f in fields]), *round_trees)
+    models = []
+    for k in range(M):
+        evals_result = {f"validation_{i}": {metric.name: [float(v[k, j]) for v in per_set]
+                                            for j, metric in enumerate(metrics)}
+                        for i, per_set in enumerate(history)}
+        values = per_model[k]
+        models.append(Model(
+            trees=jax.tree_util.tree_map(lambda a: np.ascontiguousarray(a[:, k]), all_trees),
+            bin_edges=dataset.bin_edges, base_score=base_scores[k].astype(np.float32), link=objective.link,
+            loss_name=resolved.name, evals_result=evals_result,
+            params=dict(loss=resolved.name, num_rounds=num_rounds, max_depth=max_depth, max_bin=dataset.max_bin,
+                        scale_pos_weight=scale_pos_weight, leaf_refit=bool(leaf_refit), hessian=hessian,
+                        seed=int(model_seeds[k]), loss_params=model_loss_params[k], **values),
+            feature_names=dataset.feature_names))
+    return models

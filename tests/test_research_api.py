@@ -1,0 +1,334 @@
+"""Research API: regularizers, loss parameters, Hessian modes, learning-rate schedules,
+monotone and interaction constraints, continuation from a model, callbacks and ``train_many``.
+
+Constraint tests compare with XGBoost on integer-valued features with few distinct values, so
+that both libraries bin identically and grow the same trees (predictions within 2e-5).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import xgboost as xgb
+
+import jaxboost as jb
+from jaxboost.regularizer import leaf_value, node_score, objective_at, split_loss_change
+
+F32 = jnp.float32
+
+
+# --- regularizers -------------------------------------------------------------------------
+
+def _smooth_l1(w, params):
+    return params["scale"] * (jnp.sqrt(w * w + params["epsilon"]) - jnp.sqrt(params["epsilon"]))
+
+
+def _prior(w, params):
+    return 0.5 * params["strength"] * (w - params["center"]) ** 2
+
+
+REGULARIZERS = {
+    "l2": jb.regularizers.l2(2.0),
+    "l1": jb.regularizers.l1(0.5),
+    "elastic_net": jb.regularizers.elastic_net(0.5, 1.0),
+    "smooth_l1": jb.regularizers.custom(_smooth_l1, {"scale": 1.5, "epsilon": 0.01}, reg_lambda=0.5),
+    "prior": jb.regularizers.custom(_prior, {"strength": 2.0, "center": 0.3}),
+    "prior_with_l1": jb.regularizers.custom(_prior, {"strength": 2.0, "center": 0.3}, reg_alpha=0.2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REGULARIZERS))
+def test_leaf_value_minimises_objective_and_gain_is_objective_drop(name):
+    reg = REGULARIZERS[name]
+    rng = np.random.default_rng(0)
+    G = jnp.asarray(rng.normal(0, 3, 200), jnp.float32)
+    H = jnp.asarray(rng.uniform(0.5, 5, 200), jnp.float32)
+    w = leaf_value(G, H, reg)
+    # The minimiser: no point of a fine grid around it does better.
+    offsets = jnp.linspace(-0.05, 0.05, 101)
+    around = jax.vmap(lambda d: objective_at(w + d, G, H, reg))(offsets)
+    assert np.all(np.asarray(around).min(axis=0) >= np.asarray(objective_at(w, G, H, reg)) - 1e-5)
+    # Where the objective is smooth at w, its derivative vanishes.
+    derivative = jax.vmap(jax.grad(lambda v, g, h: objective_at(v, g, h, reg)))(w, G, H)
+    smooth = np.abs(np.asarray(w)) > 1e-4 if float(reg.reg_alpha) > 0 else np.ones(200, bool)
+    np.testing.assert_allclose(np.asarray(derivative)[smooth], 0.0, atol=2e-4)
+    # node score = -2 x objective at w*; loss_chg = 2 x (objective drop from parent to children).
+    np.testing.assert_allclose(node_score(G, H, reg), -2 * objective_at(w, G, H, reg), rtol=1e-5, atol=1e-5)
+    GL, HL, GR, HR = G[:100], H[:100], G[100:], H[100:]
+    gain = split_loss_change(GL, HL, GR, HR, reg)
+    drop = 2 * (objective_at(leaf_value(GL + GR, HL + HR, reg), GL + GR, HL + HR, reg)
+                - objective_at(leaf_value(GL, HL, reg), GL, HL, reg) - objective_at(leaf_value(GR, HR, reg), GR, HR, reg))
+    np.testing.assert_allclose(gain, drop, rtol=1e-4, atol=1e-4)
+
+
+def test_prior_penalty_has_its_closed_form():
+    reg = REGULARIZERS["prior"]
+    G, H = jnp.asarray([-3.0, 0.0, 2.0]), jnp.asarray([1.0, 2.0, 4.0])
+    expected = -(G - 2.0 * 0.3) / (H + 2.0)
+    np.testing.assert_allclose(leaf_value(G, H, reg), expected, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def regression_data():
+    rng = np.random.default_rng(0)
+    X = rng.integers(0, 8, size=(1500, 4)).astype(np.float32)
+    y = (2 * X[:, 0] - X[:, 1] + 3 * np.sin(X[:, 2]) + X[:, 0] * X[:, 3] / 4 + rng.normal(0, 2, 1500)).astype(np.float32)
+    return X, y
+
+
+def test_custom_quadratic_penalty_trains_like_reg_lambda(regression_data):
+    X, y = regression_data
+    quadratic = jb.regularizers.custom(lambda w, strength: 0.5 * strength * w * w, 3.0)
+    custom = jb.train(X, y, num_rounds=5, max_depth=3, regularizer=quadratic, max_bin=16)
+    builtin = jb.train(X, y, num_rounds=5, max_depth=3, reg_lambda=3.0, max_bin=16)
+    np.testing.assert_array_equal(custom.trees.feature, builtin.trees.feature)
+    np.testing.assert_allclose(custom.predict(X), builtin.predict(X), rtol=1e-5, atol=1e-5)
+
+
+def test_split_cost_keeps_a_costly_feature_out(regression_data):
+    X, y = regression_data
+    free = jb.train(X, y, num_rounds=3, max_depth=3, max_bin=16)
+    assert np.any(free.trees.feature[~free.trees.is_leaf] == 0)
+    costly = jb.train(X, y, num_rounds=3, max_depth=3, max_bin=16,
+                      regularizer=jb.regularizers.l2(1.0, split_cost=np.array([1e9, 0, 0, 0])))
+    used = costly.trees.feature[~costly.trees.is_leaf & (costly.trees.loss_change > 0)]
+    assert used.size and not np.any(used == 0)
+
+
+def test_bad_regularizers_are_rejected(regression_data):
+    X, y = regression_data
+    with pytest.raises(ValueError, match="convex"):
+        jb.train(X, y, num_rounds=1, regularizer=jb.regularizers.custom(lambda w, p: -w * w))
+    with pytest.raises(ValueError, match="split_cost"):
+        jb.train(X, y, num_rounds=1, regularizer=jb.regularizers.l2(1.0, split_cost=np.ones(3)))
+    with pytest.raises(ValueError, match="either regularizer"):
+        jb.train(X, y, num_rounds=1, regularizer=jb.regularizers.l2(1.0), reg_lambda=2.0)
+
+
+# --- loss parameters, Hessian modes, schedules ----------------------------------------------
+
+def test_loss_params_are_traced_not_recompiled(regression_data):
+    X, y = regression_data
+    traces = []
+
+    def pinball(raw_prediction, y, tau):
+        if isinstance(tau, jax.core.Tracer):  # traced for compilation (not the host-side parameter check)
+            traces.append(1)
+        residual = y - raw_prediction
+        return jnp.maximum(tau * residual, (tau - 1.0) * residual)
+
+    low = jb.train(X, y, loss=pinball, loss_params={"tau": 0.2}, num_rounds=4, max_depth=3)
+    traced_once = len(traces)
+    high = jb.train(X, y, loss=pinball, loss_params={"tau": 0.8}, num_rounds=4, max_depth=3)
+    assert len(traces) == traced_once, "a new loss parameter value recompiled the round"
+    assert np.mean(y <= low.predict(X)) < 0.35 < 0.65 < np.mean(y <= high.predict(X))
+    # The built-in with loss_params equals the built-in with functools.partial.
+    by_params = jb.train(X, y, loss="quantile", loss_params={"tau": 0.8}, num_rounds=4, max_depth=3)
+    by_partial = jb.train(X, y, loss=functools.partial(jb.losses.quantile, tau=0.8), num_rounds=4, max_depth=3)
+    np.testing.assert_array_equal(by_params.predict(X), by_partial.predict(X))
+
+
+def test_invalid_loss_params_fail_before_training(regression_data):
+    X, y = regression_data
+    with pytest.raises(ValueError, match="tau"):
+        jb.train(X, y, loss="quantile", loss_params={"tau": 1.5}, num_rounds=1)
+    with pytest.raises(TypeError, match="loss_params"):
+        jb.train(X, y, loss="squared_error", loss_params={"delta": 1.0}, num_rounds=1)
+
+
+def test_hessian_modes(regression_data):
+    X, y = regression_data
+    exact = jb.train(X, y, num_rounds=4, max_depth=3)
+    constant = jb.train(X, y, num_rounds=4, max_depth=3, hessian="constant")
+    # Squared error has h = 1: every mode is the same model.
+    np.testing.assert_array_equal(exact.predict(X), constant.predict(X))
+
+    def cauchy(raw_prediction, y):  # non-convex: negative Hessian for large residuals
+        return jnp.log1p(jnp.square(y - raw_prediction))
+
+    with pytest.raises(ValueError, match="negative Hessians"):
+        jb.train(X, y, loss=cauchy, num_rounds=2, max_depth=3)
+    floored = jb.train(X, y, loss=cauchy, num_rounds=20, max_depth=3, hessian="floor", hessian_floor=0.1,
+                       learning_rate=0.3)
+    first_order = jb.train(X, y, loss=cauchy, num_rounds=20, max_depth=3, hessian="constant", leaf_refit=True,
+                           learning_rate=0.3)
+    baseline = np.mean(np.abs(y - np.median(y)))
+    for model in (floored, first_order):
+        assert np.mean(np.abs(y - model.predict(X))) < 0.7 * baseline
+    with pytest.raises(ValueError, match="hessian"):
+        jb.train(X, y, num_rounds=1, hessian="diagonal")
+
+
+def test_learning_rate_schedule_equals_continued_training(regression_data):
+    X, y = regression_data
+    schedule = optax.piecewise_constant_schedule(0.3, {4: 0.25})  # 0.3 for rounds 0-3, then 0.075
+    scheduled = jb.train(X, y, num_rounds=8, max_depth=3, learning_rate=schedule, subsample=0.8, seed=3)
+    first = jb.train(X, y, num_rounds=4, max_depth=3, learning_rate=0.3, subsample=0.8, seed=3)
+    continued = jb.train(X, y, num_rounds=4, max_depth=3, learning_rate=0.075, subsample=0.8, seed=3,
+                         init_model=first)
+    np.testing.assert_allclose(scheduled.predict(X), continued.predict(X), rtol=1e-6, atol=1e-6)
+    constant = jb.train(X, y, num_rounds=4, max_depth=3, learning_rate=optax.constant_schedule(0.3), subsample=0.8,
+                        seed=3)
+    np.testing.assert_array_equal(constant.predict(X), first.predict(X))
+
+
+# --- continuation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("loss", ["logistic", "softmax"])
+def test_four_plus_four_rounds_equal_eight(loss):
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(1200, 5)).astype(np.float32)
+    X[rng.random(X.shape) < 0.05] = np.nan
+    score = np.nan_to_num(X[:, 0]) + np.nan_to_num(X[:, 1]) ** 2
+    y = (score > 1).astype(np.float32) if loss == "logistic" else np.digitize(score, [0, 1.5]).astype(np.float32)
+    X_val, y_val = X[:300], y[:300]
+    settings = dict(loss=loss, max_depth=3, subsample=0.7, colsample_bytree=0.8, seed=5, eval_set=[(X_val, y_val)])
+    eight = jb.train(X, y, num_rounds=8, **settings)
+    four = jb.train(X, y, num_rounds=4, **settings)
+    continued = jb.train(X, y, num_rounds=4, init_model=four, **settings)
+    assert continued.num_rounds == 8
+    np.testing.assert_array_equal(continued.trees.feature, eight.trees.feature)
+    np.testing.assert_allclose(continued.predict_raw(X), eight.predict_raw(X), rtol=1e-6, atol=1e-6)
+    metric = "logloss" if loss == "logistic" else "mlogloss"
+    np.testing.assert_allclose(continued.evals_result["validation_0"][metric],
+                               eight.evals_result["validation_0"][metric][4:], rtol=1e-5)
+
+
+def test_continuation_checks_its_model(regression_data):
+    X, y = regression_data
+    model = jb.train(X, y, num_rounds=2, max_depth=4)
+    with pytest.raises(ValueError, match="deeper"):
+        jb.train(X, y, num_rounds=2, max_depth=3, init_model=model)
+    with pytest.raises(ValueError, match="outputs"):
+        jb.train(X, (y > 3).astype(int) + (y > 6), loss="softmax", num_rounds=1, init_model=model)
+    # A shallower model continues inside a deeper heap.
+    deeper = jb.train(X, y, num_rounds=2, max_depth=5, init_model=jb.train(X, y, num_rounds=2, max_depth=2))
+    assert deeper.trees.feature.shape == (4, 1, 63)
+
+
+# --- callbacks ---------------------------------------------------------------------------------
+
+def test_callbacks_stop_log_and_see_the_model(regression_data, capsys):
+    X, y = regression_data
+
+    class StopAtRound3(jb.callbacks.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def after_iteration(self, state):
+            self.seen.append(state.model().num_rounds)
+            return state.round_index == 3
+
+    stopper = StopAtRound3()
+    model = jb.train(X, y, num_rounds=10, max_depth=3, callbacks=[stopper], eval_set=[(X[:200], y[:200])], verbose=2)
+    assert model.num_rounds == 4 and stopper.seen == [1, 2, 3, 4]
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert [line.split("\t")[0] for line in printed] == ["[0]", "[2]"]
+    by_callback = jb.train(X, y, num_rounds=60, max_depth=3, learning_rate=0.5, eval_set=[(X[:200], y[:200] + 5)],
+                           callbacks=[jb.callbacks.EarlyStopping(3)])
+    by_argument = jb.train(X, y, num_rounds=60, max_depth=3, learning_rate=0.5, eval_set=[(X[:200], y[:200] + 5)],
+                           early_stopping_rounds=3)
+    assert by_callback.best_iteration == by_argument.best_iteration < by_argument.num_rounds - 1
+    assert by_argument.num_rounds == by_argument.best_iteration + 4
+
+
+# --- constraints against XGBoost ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["monotone", "interaction"])
+def test_constraints_match_xgboost(regression_data, kind):
+    X, y = regression_data
+    if kind == "monotone":
+        ours = dict(monotone_constraints=(1, -1, 0, 0))
+        theirs = dict(monotone_constraints="(1,-1,0,0)")
+    else:
+        ours = dict(interaction_constraints=[[0, 1], [2, 3]])
+        theirs = dict(interaction_constraints="[[0, 1], [2, 3]]")
+    model = jb.train(X, y, num_rounds=5, max_depth=4, learning_rate=0.3, max_bin=16, **ours)
+    booster = xgb.train(dict(tree_method="hist", max_depth=4, eta=0.3, max_bin=16, base_score=float(model.base_score[0]),
+                             **theirs), xgb.DMatrix(X, y), 5)
+    np.testing.assert_allclose(model.predict(X), booster.predict(xgb.DMatrix(X)), rtol=2e-5, atol=2e-5)
+    if kind == "monotone":
+        unconstrained = jb.train(X, y, num_rounds=5, max_depth=4, learning_rate=0.3, max_bin=16)
+        for feature, sign in ((0, 1), (1, -1)):
+            grid = np.repeat(X[:40][None], 8, axis=0)
+            grid[:, :, feature] = np.arange(8)[:, None]
+            steps = np.diff(model.predict(grid.reshape(-1, 4)).reshape(8, 40), axis=0) * sign
+            assert np.all(steps >= -1e-6), f"not monotone in feature {feature}"
+        grid = np.repeat(X[:40][None], 8, axis=0)
+        grid[:, :, 0] = np.arange(8)[:, None]
+        steps = np.diff(unconstrained.predict(grid.reshape(-1, 4)).reshape(8, 40), axis=0)
+        assert np.any(steps < -1e-3), "the data do not test the constraint: unconstrained is monotone too"
+    else:
+        trees = model.trees
+        for r in range(trees.feature.shape[0]):
+            feature, is_leaf = trees.feature[r, 0], trees.is_leaf[r, 0]
+            for leaf in np.flatnonzero(is_leaf):
+                path, node = set(), leaf
+                while node > 0:
+                    node = (node - 1) // 2
+                    path.add(int(feature[node]))
+                assert path <= {0, 1} or path <= {2, 3}, f"round {r} leaf {leaf} mixes groups: {path}"
+
+
+def test_constraint_input_errors(regression_data):
+    X, y = regression_data
+    with pytest.raises(ValueError, match="entries"):
+        jb.train(X, y, num_rounds=1, monotone_constraints=(1, 0))
+    with pytest.raises(ValueError, match="-1, 0 or"):
+        jb.train(X, y, num_rounds=1, monotone_constraints=(2, 0, 0, 0))
+    with pytest.raises(ValueError, match="features are 0..3"):
+        jb.train(X, y, num_rounds=1, interaction_constraints=[[0, 7]])
+
+
+# --- train_many ---------------------------------------------------------------------------------
+
+def test_train_many_equals_models_trained_alone_in_one_trace(regression_data):
+    X, y = regression_data
+    data = jb.Dataset(X, y)
+    traces = []
+
+    def squared(raw_prediction, y):
+        traces.append(1)
+        return 0.5 * (y - raw_prediction) ** 2
+
+    lambdas, rates, seeds = np.array([0.5, 1.0, 4.0]), np.array([0.3, 0.1, 0.2]), np.array([0, 1, 2])
+    models = jb.train_many(data, loss=squared, batch={"reg_lambda": lambdas, "learning_rate": rates}, seeds=seeds,
+                           num_rounds=6, max_depth=3, subsample=0.8, eval_set=[(X[:200], y[:200])])
+    traced = len(traces)
+    jb.train_many(data, loss=squared, batch={"reg_lambda": lambdas + 1, "learning_rate": rates / 2}, seeds=seeds + 7,
+                  num_rounds=6, max_depth=3, subsample=0.8, eval_set=[(X[:200], y[:200])])
+    assert len(traces) == traced, "new values for the batched models traced the round again"
+    for k in range(3):
+        alone = jb.train(data, loss=squared, reg_lambda=float(lambdas[k]), learning_rate=float(rates[k]),
+                         seed=int(seeds[k]), num_rounds=6, max_depth=3, subsample=0.8, eval_set=[(X[:200], y[:200])])
+        np.testing.assert_array_equal(models[k].trees.feature, alone.trees.feature)
+        np.testing.assert_allclose(models[k].predict(X), alone.predict(X), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(models[k].evals_result["validation_0"]["loss"],
+                                   alone.evals_result["validation_0"]["loss"], rtol=1e-5)
+
+
+def test_train_many_folds_and_loss_parameters(regression_data):
+    X, y = regression_data
+    folds = np.arange(len(y)) % 3
+    weights = np.stack([(folds != k).astype(np.float32) for k in range(3)])
+    models = jb.train_many(X, y, sample_weights=weights, num_rounds=4, max_depth=3)
+    for k in range(3):
+        # Zero weights are exactly "left out"; the edges are shared, built from the unweighted data.
+        alone = jb.train(jb.Dataset(X, y, sample_weight=weights[k], bin_edges=models[k].bin_edges),
+                         num_rounds=4, max_depth=3)
+        np.testing.assert_allclose(models[k].predict(X), alone.predict(X), rtol=1e-5, atol=1e-5)
+    taus = np.array([0.1, 0.5, 0.9])
+    quantiles = jb.train_many(X, y, loss="quantile", batch={"tau": taus}, num_rounds=10, max_depth=3,
+                              learning_rate=0.3)
+    coverage = [np.mean(y <= model.predict(X)) for model in quantiles]
+    assert coverage[0] < coverage[1] < coverage[2]
+    np.testing.assert_allclose(coverage, taus, atol=0.08)
+    with pytest.raises(ValueError, match="same number of models"):
+        jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0]}, seeds=[0, 1, 2], num_rounds=1)
+    with pytest.raises(ValueError, match="tau"):
+        jb.train_many(X, y, loss="quantile", batch={"tau": [0.5, 1.5]}, num_rounds=1)
