@@ -228,9 +228,14 @@ def compiled_round(shape: RoundShape):
 
 
 @lru_cache(maxsize=16)
-def compiled_many_rounds(shape: RoundShape):
-    """One round of M models at once: ``vmap`` over their parameters, sample weights, raw
-    predictions, seeds and eval raw predictions; the binned data and labels are shared."""
+def compiled_many_rounds(shape: RoundShape, params_axes: tuple):
+    """One round of M models at once: ``vmap`` over their sample weights, raw predictions,
+    seeds, eval raw predictions and the parameters marked 0 in ``params_axes`` (``(treedef,
+    axes)`` of the RoundParams leaves, 0 or None: parameters shared by all models stay
+    unbatched, so e.g. a shared ``max_delta_step`` keeps its cheap branch); the binned data and
+    labels are shared."""
+    treedef, leaf_axes = params_axes
+    params_axes = jax.tree_util.tree_unflatten(treedef, leaf_axes)
     eval_axes = tuple((None, None, None, 0) for _ in shape.metrics)
-    batched = jax.vmap(round_function(shape), in_axes=(0, None, None, 0, 0, 0, None, eval_axes))
+    batched = jax.vmap(round_function(shape), in_axes=(params_axes, None, None, 0, 0, 0, None, eval_axes))
     return jax.jit(batched, donate_argnums=(4,))

@@ -155,8 +155,17 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
             loss_params={name: stacked_loss_params[name][k] for name in stacked_loss_params},
             hessian_floor=f32(hessian_floor))
 
-    params = jax.tree_util.tree_map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]),
-                                    *[model_params(k) for k in range(M)])
+    every_model = [model_params(k) for k in range(M)]
+
+    def stack_if_different(*leaves):
+        values = [np.asarray(leaf) for leaf in leaves]
+        return np.stack(values) if any(not np.array_equal(v, values[0]) for v in values) else values[0]
+
+    params = jax.tree_util.tree_map(stack_if_different, *every_model)
+    # Hashable description of which parameters differ between models (the vmap axes).
+    shared_leaves, treedef = jax.tree_util.tree_flatten(every_model[0])
+    params_axes = (treedef, tuple(0 if np.ndim(leaf) > np.ndim(shared) else None
+                                  for shared, leaf in zip(shared_leaves, jax.tree_util.tree_leaves(params))))
     params = jax.device_put(params, replicated(mesh))
     seed_keys = jax.device_put(np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))))
                                          for s in model_seeds]), replicated(mesh))
@@ -165,7 +174,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        leaf_refit=bool(leaf_refit), sample_columns=min(sampled) < 1,
                        sample_rows=min(v["subsample"] for v in per_model) < 1, metrics=(metrics,) * len(eval_rows),
                        mesh=mesh, hessian_mode=hessian)
-    boosting_rounds = compiled_many_rounds(shape)
+    boosting_rounds = compiled_many_rounds(shape, params_axes)
 
     history = [[] for _ in eval_rows]
     round_trees = []
