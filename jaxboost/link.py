@@ -7,6 +7,8 @@ from typing import Callable, Union
 import jax
 import jax.numpy as jnp
 
+from . import losses
+
 
 def _step(raw_prediction):
     return (raw_prediction > 0).astype(jnp.float32)
@@ -20,6 +22,8 @@ LINKS: dict[str, Callable] = {
     "softmax": lambda raw_prediction: jax.nn.softmax(raw_prediction, axis=-1),
     "exp": jnp.exp,
     "step": _step,
+    # Distributional losses: raw (mu, log_sigma) -> (mu, sigma).
+    "location_scale": losses.location_scale,
 }
 
 Link = Union[str, Callable]

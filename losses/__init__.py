@@ -3,8 +3,12 @@
 Each loss is a pure function of ONE example, ``function(raw_prediction, y, **params)``;
 gradients and Hessians come from autodiff. ``BUILTINS`` maps each name to its
 ``BuiltinLoss`` record (link, label check, whether leaves need refitting, whether it is
-multiclass). Bind parameters with ``functools.partial``, e.g.
+multiclass, how many raw outputs it takes). Bind parameters with ``functools.partial``, e.g.
 ``functools.partial(quantile, tau=0.9)``.
+
+The distributional losses (``gaussian_nll``, ``student_t_nll``, ``lognormal_nll``) take two
+raw outputs, ``(mu, log_sigma)``; their models predict ``(mu, sigma)`` per row, and
+``predictive_interval`` / ``predictive_quantile`` turn those into intervals and quantiles.
 
 This package imports nothing from ``jaxboost`` so that it stands alone.
 """
@@ -14,9 +18,20 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+import jax
+
 from . import _validation
 from ._classification import exponential, hinge, logistic, softmax
 from ._count import gamma, poisson, tweedie
+from ._distributional import (
+    gaussian_nll,
+    gaussian_quantile,
+    location_scale,
+    lognormal_nll,
+    lognormal_quantile,
+    student_t_nll,
+    student_t_quantile,
+)
 from ._record import BuiltinLoss
 from ._regression import absolute_error, pseudo_huber, quantile, squared_error
 
@@ -26,25 +41,36 @@ __all__ = [
     "absolute_error",
     "exponential",
     "gamma",
+    "gaussian_nll",
+    "gaussian_quantile",
     "get",
     "hinge",
+    "location_scale",
     "logistic",
+    "lognormal_nll",
+    "lognormal_quantile",
     "poisson",
+    "predictive_interval",
+    "predictive_quantile",
     "pseudo_huber",
     "quantile",
     "softmax",
     "squared_error",
+    "student_t_nll",
+    "student_t_quantile",
     "tweedie",
 ]
 
 
 def _record(
     function: Callable,
-    link: str,
+    link: str | Callable,
     label_check: Callable,
     *,
     leaf_refit: bool = False,
     multiclass: bool = False,
+    num_outputs: int | None = None,
+    quantile: Callable | None = None,
 ) -> BuiltinLoss:
     name = function.__name__
     return BuiltinLoss(
@@ -54,6 +80,8 @@ def _record(
         check_labels=functools.partial(label_check, name),
         leaf_refit=leaf_refit,
         multiclass=multiclass,
+        num_outputs=num_outputs,
+        quantile=quantile,
     )
 
 
@@ -71,6 +99,12 @@ BUILTINS: dict[str, BuiltinLoss] = {
         _record(tweedie, "exp", _validation.non_negative),
         _record(exponential, "sigmoid_2x", _validation.binary),
         _record(hinge, "step", _validation.binary, leaf_refit=True),
+        _record(gaussian_nll, location_scale, _validation.any_finite, num_outputs=2,
+                quantile=gaussian_quantile),
+        _record(student_t_nll, location_scale, _validation.any_finite, num_outputs=2,
+                quantile=student_t_quantile),
+        _record(lognormal_nll, location_scale, _validation.positive, num_outputs=2,
+                quantile=lognormal_quantile),
     )
 }
 
@@ -86,3 +120,58 @@ def get(name: str) -> BuiltinLoss:
     except KeyError:
         known = ", ".join(sorted(BUILTINS))
         raise ValueError(f"unknown loss {name!r}; known losses: {known}") from None
+
+
+def _distribution(loss) -> tuple[BuiltinLoss, dict]:
+    """The record of a distributional loss given by name, function or ``functools.partial``
+    (whose bound keywords, e.g. ``df``, are returned as quantile parameters)."""
+    bound = {}
+    if isinstance(loss, functools.partial):
+        loss, bound = loss.func, dict(loss.keywords)
+    if isinstance(loss, str):
+        record = get(loss)
+    else:
+        record = next((r for r in BUILTINS.values() if r.function is loss), None)
+        if record is None:
+            raise ValueError(f"{loss!r} is not a built-in loss; predictive quantiles need a built-in likelihood")
+    if record.quantile is None:
+        with_quantiles = sorted(name for name, r in BUILTINS.items() if r.quantile is not None)
+        raise ValueError(f"loss '{record.name}' is not a likelihood with quantiles; those are: {with_quantiles}")
+    return record, bound
+
+
+def predictive_quantile(loss, params, level, **loss_params) -> jax.Array:
+    """Quantiles of the predictive distribution of a distributional model.
+
+    Args:
+      loss: the loss the model was trained with: a name (``"gaussian_nll"``), the function, or
+        a ``functools.partial`` binding its parameters.
+      params: ``(..., 2)`` distribution parameters, as ``model.predict`` returns them.
+      level: probability in (0, 1), a scalar or an array broadcasting against the rows.
+      **loss_params: the loss's parameters, e.g. ``df=5.0`` for ``student_t_nll``.
+
+    Returns:
+      the quantile per row.
+    """
+    record, bound = _distribution(loss)
+    return record.quantile(params, level, **{**bound, **loss_params})
+
+
+def predictive_interval(loss, params, coverage: float, **loss_params) -> tuple[jax.Array, jax.Array]:
+    """Central predictive interval holding probability ``coverage`` per row: the quantiles at
+    ``(1 - coverage)/2`` and ``(1 + coverage)/2``.
+
+    Args:
+      loss: as ``predictive_quantile``.
+      params: ``(..., 2)`` distribution parameters, as ``model.predict`` returns them.
+      coverage: probability in (0, 1), e.g. 0.8 or 0.95.
+      **loss_params: the loss's parameters, e.g. ``df=5.0`` for ``student_t_nll``.
+
+    Returns:
+      ``(lower, upper)``, each shaped like ``params[..., 0]``.
+    """
+    if not 0 < coverage < 1:
+        raise ValueError(f"coverage must be in (0, 1); got {coverage}")
+    tail = 0.5 * (1.0 - coverage)
+    return (predictive_quantile(loss, params, tail, **loss_params),
+            predictive_quantile(loss, params, 1.0 - tail, **loss_params))

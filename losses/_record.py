@@ -13,8 +13,9 @@ class BuiltinLoss(NamedTuple):
     # gradients and Hessians from it by autodiff.
     function: Callable
     # Inverse link used by predict: "identity", "sigmoid", "softmax", "exp",
-    # "sigmoid_2x" (AdaBoost: sigmoid(2F)) or "step" (hinge: 1 if F > 0 else 0).
-    link: str
+    # "sigmoid_2x" (AdaBoost: sigmoid(2F)) or "step" (hinge: 1 if F > 0 else 0); for the
+    # distributional losses a JAX function raw (n, K) -> parameters (n, K).
+    link: str | Callable
     # check_labels(y: np.ndarray) -> None; raises ValueError naming the loss and the
     # offending value(s).
     check_labels: Callable
@@ -23,3 +24,10 @@ class BuiltinLoss(NamedTuple):
     leaf_refit: bool
     # True for softmax: K raw outputs per row, labels 0..K-1.
     multiclass: bool
+    # K raw outputs per row for a loss taking a length-K vector whose K is fixed by the loss
+    # (the distributional losses: 2); None for scalar losses and for softmax, whose K comes
+    # from the labels.
+    num_outputs: int | None = None
+    # quantile(params, level, **loss_params) -> quantiles of the predictive distribution,
+    # from the parameters predict returns; None for losses that are not a likelihood.
+    quantile: Callable | None = None

@@ -11,7 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.special
+import scipy.stats
 
+import jaxboost as jb
 from jaxboost import losses
 
 
@@ -34,7 +37,25 @@ class ClosedForm(NamedTuple):
     points: list  # (F, y) pairs, away from kinks for the piecewise-linear losses
     value: Callable
     gradient: Callable
-    hessian: Callable
+    hessian: Callable  # the Hessian diagonal autodiff must report
+    # The second derivative of the value where it differs from the reported curvature
+    # (Fisher scoring); finite differences of the value must match it.
+    exact_hessian: Callable | None = None
+
+
+def _z(F, y):
+    """Standardised residual of a (mu, log_sigma) raw prediction."""
+    return (y - F[0]) * np.exp(-F[1])
+
+
+def _student_t_log_normaliser(df):
+    return scipy.special.gammaln(df / 2) - scipy.special.gammaln((df + 1) / 2) + 0.5 * np.log(df * np.pi)
+
+
+HALF_LOG_2PI = 0.5 * np.log(2 * np.pi)
+# (mu, log_sigma) raw predictions and labels; the Student-t points include an outlier
+# (|z| = 4 > sqrt(5)) where its exact curvature in mu is negative.
+DISTRIBUTION_POINTS = [(np.array([0.3, -0.5]), 2.0), (np.array([-1.0, 0.7]), -1.5), (np.array([1.0, 0.0]), 1.0)]
 
 
 LOGITS = np.array([0.2, -1.0, 1.5])
@@ -111,6 +132,33 @@ CLOSED_FORMS = {
         gradient=lambda F, y: -_signed(y) if 1 - _signed(y) * F > 0 else 0.0,
         hessian=lambda F, y: 0.0,
     ),
+    "gaussian_nll": ClosedForm(
+        points=DISTRIBUTION_POINTS,
+        value=lambda F, y: F[1] + 0.5 * _z(F, y) ** 2 + HALF_LOG_2PI,
+        gradient=lambda F, y: np.array([-(y - F[0]) * np.exp(-2 * F[1]), 1 - _z(F, y) ** 2]),
+        hessian=lambda F, y: np.array([np.exp(-2 * F[1]), 2 * _z(F, y) ** 2]),
+    ),
+    "lognormal_nll": ClosedForm(
+        points=[(np.array([0.3, -0.5]), 2.0), (np.array([-1.0, 0.7]), 0.2), (np.array([0.0, 0.0]), 1.0)],
+        value=lambda F, y: F[1] + 0.5 * _z(F, np.log(y)) ** 2 + HALF_LOG_2PI + np.log(y),
+        gradient=lambda F, y: np.array([-(np.log(y) - F[0]) * np.exp(-2 * F[1]), 1 - _z(F, np.log(y)) ** 2]),
+        hessian=lambda F, y: np.array([np.exp(-2 * F[1]), 2 * _z(F, np.log(y)) ** 2]),
+    ),
+    "student_t_nll": ClosedForm(
+        points=DISTRIBUTION_POINTS + [(np.array([0.0, 0.0]), 4.0), (np.array([0.5, -1.0]), -2.0)],
+        value=lambda F, y, df=5.0: (
+            F[1] + (df + 1) / 2 * np.log1p(_z(F, y) ** 2 / df) + _student_t_log_normaliser(df)
+        ),
+        gradient=lambda F, y, df=5.0: np.array([
+            -(df + 1) * _z(F, y) * np.exp(-F[1]) / (df + _z(F, y) ** 2),
+            1 - (df + 1) * _z(F, y) ** 2 / (df + _z(F, y) ** 2),
+        ]),
+        hessian=lambda F, y, df=5.0: np.array([(df + 1) / (df + 3) * np.exp(-2 * F[1]), 2 * df / (df + 3)]),
+        exact_hessian=lambda F, y, df=5.0: np.array([
+            (df + 1) * (df - _z(F, y) ** 2) / (df + _z(F, y) ** 2) ** 2 * np.exp(-2 * F[1]),
+            2 * df * (df + 1) * _z(F, y) ** 2 / (df + _z(F, y) ** 2) ** 2,
+        ]),
+    ),
 }
 
 # Every built-in with its default parameters, plus non-default parameters where it has any.
@@ -121,6 +169,8 @@ VARIANTS = [(name, {}) for name in CLOSED_FORMS] + [
     ("pseudo_huber", {"delta": 3.0}),
     ("tweedie", {"power": 1.2}),
     ("tweedie", {"power": 1.8}),
+    ("student_t_nll", {"df": 2.5}),
+    ("student_t_nll", {"df": 30.0}),
 ]
 VARIANT_IDS = [name + "".join(f"-{k}={v}" for k, v in params.items()) for name, params in VARIANTS]
 
@@ -187,7 +237,12 @@ def test_autodiff_derivatives_match_finite_differences_and_closed_form(name, par
             fd_gradient, fd_hessian = _finite_differences(fn, F_jax, y_jax)
             where = f"F={F}, y={y}"
             np.testing.assert_allclose(gradient, fd_gradient, rtol=1e-6, atol=1e-8, err_msg=where)
-            np.testing.assert_allclose(hessian, fd_hessian, rtol=1e-5, atol=1e-6, err_msg=where)
+            if closed_form.exact_hessian is None:
+                np.testing.assert_allclose(hessian, fd_hessian, rtol=1e-5, atol=1e-6, err_msg=where)
+            else:
+                np.testing.assert_allclose(
+                    fd_hessian, closed_form.exact_hessian(F, y, **params), rtol=1e-5, atol=1e-6, err_msg=where
+                )
             np.testing.assert_allclose(
                 gradient, closed_form.gradient(F, y, **params), rtol=1e-10, atol=1e-12, err_msg=where
             )
@@ -230,8 +285,9 @@ LABEL_RANGES = {
     "tweedie": ([0.0, 2.5], [-0.5]),
     "exponential": ([0.0, 1.0, 1.0], [0.5, -1.0, 2.0]),
     "hinge": ([0.0, 1.0], [0.5, -1.0, 2.0]),
+    "lognormal_nll": ([0.1, 3.0, 1e5], [0.0, -2.0]),
 }
-UNRESTRICTED = ["squared_error", "absolute_error", "pseudo_huber", "quantile"]
+UNRESTRICTED = ["squared_error", "absolute_error", "pseudo_huber", "quantile", "gaussian_nll", "student_t_nll"]
 
 
 def test_every_builtin_has_closed_forms_and_label_expectations():
@@ -310,7 +366,7 @@ def test_parameters_can_be_traced():
 
 
 EXPECTED_RECORDS = {
-    # name: (link, leaf_refit, multiclass)
+    # name: (link, leaf_refit, multiclass); num_outputs in test_distributional_records
     "squared_error": ("identity", False, False),
     "absolute_error": ("identity", True, False),
     "pseudo_huber": ("identity", False, False),
@@ -322,6 +378,9 @@ EXPECTED_RECORDS = {
     "tweedie": ("exp", False, False),
     "exponential": ("sigmoid_2x", False, False),
     "hinge": ("step", True, False),
+    "gaussian_nll": (losses.location_scale, False, False),
+    "student_t_nll": (losses.location_scale, False, False),
+    "lognormal_nll": (losses.location_scale, False, False),
 }
 
 
@@ -356,3 +415,173 @@ def test_package_imports_nothing_from_jaxboost():
             else:
                 continue
             assert not any(module.split(".")[0] == "jaxboost" for module in imported), source
+
+
+# Distributional losses: (mu, log_sigma) raw outputs, parameters (mu, sigma) after the link.
+
+DISTRIBUTIONAL = ["gaussian_nll", "student_t_nll", "lognormal_nll"]
+
+
+def _scipy_distribution(name, mu, sigma, df=5.0):
+    if name == "gaussian_nll":
+        return scipy.stats.norm(loc=mu, scale=sigma)
+    if name == "student_t_nll":
+        return scipy.stats.t(df, loc=mu, scale=sigma)
+    return scipy.stats.lognorm(s=sigma, scale=np.exp(mu))
+
+
+def _raw_and_label_grid(name):
+    """Raw predictions over a wide range of log_sigma and labels far into the tails."""
+    mu, log_sigma, y = np.meshgrid(np.linspace(-3, 3, 7), np.linspace(-8, 8, 9), np.linspace(-30, 30, 13))
+    if name == "lognormal_nll":
+        y = np.exp(y / 3)
+    raw = np.stack([mu.ravel(), log_sigma.ravel()], axis=1)
+    return raw, y.ravel()
+
+
+@pytest.mark.parametrize("name, params", [(name, {}) for name in DISTRIBUTIONAL] + [
+    ("student_t_nll", {"df": 1.0}), ("student_t_nll", {"df": 2.5}), ("student_t_nll", {"df": 100.0})])
+def test_negative_log_likelihood_equals_scipy_logpdf(name, params):
+    raw, y = _raw_and_label_grid(name)
+    with jax.enable_x64(True):
+        values = jax.jit(jax.vmap(functools.partial(losses.get(name).function, **params)))(
+            jnp.asarray(raw), jnp.asarray(y))
+    expected = -_scipy_distribution(name, raw[:, 0], np.exp(raw[:, 1]), **params).logpdf(y)
+    np.testing.assert_allclose(values, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", DISTRIBUTIONAL)
+def test_hessian_diagonal_is_non_negative_and_finite_on_a_grid(name):
+    raw, y = _raw_and_label_grid(name)
+    gradient_and_hessian = jax.jit(jax.vmap(lambda F, y: _gradient_and_hessian_diagonal(losses.get(name).function, F, y)))
+    values = jax.jit(jax.vmap(losses.get(name).function))(jnp.asarray(raw, jnp.float32), jnp.asarray(y, jnp.float32))
+    gradient, hessian = gradient_and_hessian(jnp.asarray(raw, jnp.float32), jnp.asarray(y, jnp.float32))
+    # float32 throughout, as in training: |log_sigma| up to 8 and residuals up to 30 stay finite.
+    assert np.isfinite(values).all() and np.isfinite(gradient).all() and np.isfinite(hessian).all()
+    assert (np.asarray(hessian) >= 0).all()
+
+
+def test_student_t_exact_curvature_is_negative_for_outliers_but_reported_curvature_is_fisher():
+    # z = 4 > sqrt(5): the true second derivative in mu, from finite differences, is negative.
+    F, y = np.array([0.0, 0.0]), 4.0
+    with jax.enable_x64(True):
+        _, fd_hessian = _finite_differences(jax.jit(losses.student_t_nll), jnp.asarray(F), jnp.asarray(y))
+        _, hessian = jax.jit(_gradient_and_hessian_diagonal, static_argnums=0)(
+            losses.student_t_nll, jnp.asarray(F), jnp.asarray(y))
+    assert fd_hessian[0] == pytest.approx(6 * (5 - 16) / 21**2, rel=1e-5)
+    np.testing.assert_allclose(hessian, [6 / 8, 10 / 8], rtol=1e-12)
+    # Only the curvature in the raw prediction changes: the derivative in the label is exact,
+    # the negative of the one in mu (the loss depends on y - mu).
+    with jax.enable_x64(True):
+        d_label = jax.grad(losses.student_t_nll, argnums=1)(jnp.asarray(F), jnp.asarray(y))
+    assert float(d_label) == pytest.approx(-CLOSED_FORMS["student_t_nll"].gradient(F, y)[0], rel=1e-12)
+
+
+def test_losses_stay_finite_for_extreme_scales_and_residuals():
+    F32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    raw = F32([(0.0, 30.0), (0.0, -30.0), (5.0, -40.0)])
+    y = F32([1e3, 1.0, 5.001])
+    for name in DISTRIBUTIONAL:
+        fn = losses.get(name).function
+        value = jax.jit(jax.vmap(fn))(raw, y)
+        gradient, hessian = jax.jit(jax.vmap(functools.partial(_gradient_and_hessian_diagonal, fn)))(raw, y)
+        assert np.isfinite(value).all() and np.isfinite(gradient).all() and np.isfinite(hessian).all(), name
+    # |z| = 1e24: z^2 would overflow float32, the Student-t value is still exact.
+    value = losses.student_t_nll(F32((0.0, -30.0)), F32(1e11))
+    expected = -scipy.stats.t(5.0, scale=np.exp(-30.0)).logpdf(1e11)
+    assert float(value) == pytest.approx(expected, rel=1e-5)
+
+
+def test_distributional_losses_reject_a_scalar_raw_prediction():
+    for name in DISTRIBUTIONAL:
+        with pytest.raises(ValueError, match=f"'{name}' takes 2 raw outputs"):
+            losses.get(name).function(jnp.float32(0.0), 1.0)
+
+
+def test_distributional_records():
+    for name in DISTRIBUTIONAL:
+        record = losses.get(name)
+        assert record.num_outputs == 2 and record.link is losses.location_scale
+        assert record.quantile is getattr(losses, name.replace("_nll", "_quantile"))
+    scalar_records = [record for name, record in losses.BUILTINS.items() if name not in DISTRIBUTIONAL]
+    assert all(record.num_outputs is None and record.quantile is None for record in scalar_records)
+
+
+def test_location_scale_link():
+    raw = np.array([[0.5, 0.0], [-2.0, np.log(3.0)]], np.float32)
+    np.testing.assert_allclose(losses.location_scale(raw), [[0.5, 1.0], [-2.0, 3.0]], rtol=1e-6)
+
+
+LEVELS = np.array([1e-4, 0.025, 0.1, 0.5, 0.8, 0.975, 0.9999])
+
+
+@pytest.mark.parametrize("name, params", [(name, {}) for name in DISTRIBUTIONAL] + [
+    ("student_t_nll", {"df": 1.0}), ("student_t_nll", {"df": 2.5}), ("student_t_nll", {"df": 50.0})])
+def test_quantiles_match_scipy(name, params):
+    distribution_params = np.array([[0.0, 1.0], [1.5, 0.2], [-2.0, 3.0]])
+    mu, sigma = distribution_params[:, :1], distribution_params[:, 1:]
+    got = losses.predictive_quantile(name, distribution_params[:, None, :], LEVELS, **params)
+    expected = _scipy_distribution(name, mu, sigma, **params).ppf(LEVELS)
+    assert got.shape == (3, len(LEVELS))
+    # float32 levels: 1 - 0.9999 is only known to ~1e-4 relative, which the far tail magnifies.
+    np.testing.assert_allclose(got[:, :-1], expected[:, :-1], rtol=2e-5, atol=1e-5)
+    np.testing.assert_allclose(got[:, -1], expected[:, -1], rtol=2e-4)
+
+
+def test_predictive_interval_has_the_stated_probability():
+    params = np.array([[1.0, 2.0], [0.0, 0.5]])
+    for loss, distribution in [("gaussian_nll", "gaussian_nll"),
+                               (functools.partial(losses.student_t_nll, df=3.0), "student_t_nll"),
+                               (losses.lognormal_nll, "lognormal_nll")]:
+        lower, upper = losses.predictive_interval(loss, params, 0.8)
+        df = {"df": 3.0} if distribution == "student_t_nll" else {}
+        frozen = _scipy_distribution(distribution, params[:, 0], params[:, 1], **df)
+        np.testing.assert_allclose(frozen.cdf(np.asarray(upper)) - frozen.cdf(np.asarray(lower)), 0.8, atol=1e-5)
+
+
+def test_quantile_helpers_reject_bad_input():
+    with pytest.raises(ValueError, match=r"levels must be in \(0, 1\)"):
+        losses.gaussian_quantile(np.array([[0.0, 1.0]]), 1.0)
+    with pytest.raises(ValueError, match=r"parameters \(\.\.\., 2\)"):
+        losses.gaussian_quantile(np.zeros((4, 3)), 0.5)
+    with pytest.raises(ValueError, match="coverage must be in"):
+        losses.predictive_interval("gaussian_nll", np.array([[0.0, 1.0]]), 95)
+    with pytest.raises(ValueError, match="'poisson' is not a likelihood with quantiles"):
+        losses.predictive_interval("poisson", np.array([[0.0, 1.0]]), 0.9)
+    with pytest.raises(ValueError, match="loss 'student_t_nll' needs df > 0"):
+        losses.student_t_quantile(np.array([[0.0, 1.0]]), 0.5, df=0.0)
+
+
+def _heteroscedastic(n, seed, noise):
+    rng = np.random.default_rng(seed)
+    X = rng.uniform(0, 1, (n, 3)).astype(np.float32)
+    mu = np.sin(4 * X[:, 1])
+    sigma = 0.2 + 0.8 * X[:, 0]
+    return X, mu + sigma * noise(rng, n), mu, sigma
+
+
+@pytest.mark.parametrize("name", ["gaussian_nll", "student_t_nll"])
+def test_training_recovers_the_scale_of_heteroscedastic_noise(name):
+    # Noise drawn from the loss's own family: the fitted scale should track sigma(x).
+    noise = ((lambda rng, n: rng.standard_normal(n)) if name == "gaussian_nll"
+             else (lambda rng, n: rng.standard_t(5.0, n)))
+    X, y, mu, sigma = _heteroscedastic(3000, 0, noise)
+    # Few shallow rounds: the scale trees start fitting noise after about 40 (measured: mean
+    # relative scale error 0.07 at 40 rounds for both losses, 0.11-0.14 at 150).
+    model = jb.train(X[:2000], y[:2000], loss=name, num_rounds=40, max_depth=2, learning_rate=0.1,
+                     min_child_weight=10)
+    params = model.predict(X[2000:])
+    assert params.shape == (1000, 2) and model.num_outputs == 2
+    assert np.mean(np.abs(params[:, 1] / sigma[2000:] - 1)) < 0.12
+    assert np.mean(np.abs(params[:, 0] - mu[2000:])) < 0.1
+    lower, upper = losses.predictive_interval(name, params, 0.8)
+    coverage = np.mean((y[2000:] >= lower) & (y[2000:] <= upper))
+    assert abs(coverage - 0.8) < 0.04  # binomial standard error at n = 1000: 0.013
+
+
+def test_training_checks_the_distributional_loss_labels_and_outputs():
+    X, y, _, _ = _heteroscedastic(200, 1, lambda rng, n: rng.standard_normal(n))
+    with pytest.raises(ValueError, match="'lognormal_nll' needs labels > 0"):
+        jb.train(X, y, loss="lognormal_nll", num_rounds=1)
+    with pytest.raises(ValueError, match="has 2 outputs"):
+        jb.train(X, y, loss="gaussian_nll", num_outputs=3, num_rounds=1)
