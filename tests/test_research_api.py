@@ -237,6 +237,14 @@ def test_callbacks_stop_log_and_see_the_model(regression_data, capsys):
     assert by_argument.num_rounds == by_argument.best_iteration + 4
 
 
+def test_progress_bar_counts_rounds(regression_data, capsys):
+    X, y = regression_data
+    bar = jb.callbacks.ProgressBar()
+    jb.train(X, y, num_rounds=5, max_depth=3, callbacks=[bar], eval_set=[(X[:200], y[:200])])
+    assert bar._bar.n == 5 and bar._bar.total == 5
+    assert "rmse" in capsys.readouterr().err
+
+
 # --- constraints against XGBoost ----------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["monotone", "interaction"])
