@@ -42,15 +42,34 @@ def _load_losses_folder():
 _load_losses_folder()
 
 from . import callbacks, losses, metrics  # noqa: E402
+from . import differentiable  # noqa: E402
 from . import regularizer as regularizers  # noqa: E402
 from .binning import BinEdges  # noqa: E402
 from .dataset import Dataset  # noqa: E402
 from .devices import use_cpu_cores  # noqa: E402
 from .model import Model  # noqa: E402
+from .interop import to_shap, to_xgboost_booster  # noqa: E402
+from .treelite_export import to_treelite  # noqa: E402
+from .xgboost_export import export_xgboost, to_xgboost_json  # noqa: E402
+from .model_io import ModelFormatError, load  # noqa: E402
+from . import importance, plotting  # noqa: E402
 from .training import train  # noqa: E402
 from .vmapped_training import train_many  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["BinEdges", "Dataset", "Model", "callbacks", "losses", "metrics", "regularizers", "train", "train_many",
-           "use_cpu_cores", "__version__"]
+# The scikit-learn estimators load on first use, so importing jaxboost does not need scikit-learn.
+_SKLEARN_ESTIMATORS = ("JaxBoostClassifier", "JaxBoostRegressor")
+
+
+def __getattr__(name):
+    if name in _SKLEARN_ESTIMATORS:
+        from . import sklearn as _sklearn_estimators
+
+        return getattr(_sklearn_estimators, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+__all__ = ["BinEdges", "Dataset", "Model", "ModelFormatError", "importance", "load", "plotting",
+           "callbacks", "differentiable", "losses", "metrics", "regularizers",
+           "train", "train_many", "use_cpu_cores", "__version__", *_SKLEARN_ESTIMATORS,
+           "export_xgboost", "to_shap", "to_treelite", "to_xgboost_booster", "to_xgboost_json"]

@@ -7,7 +7,7 @@ few bucket sizes so that predicting on many batch sizes compiles only a few prog
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import jax
@@ -119,6 +119,88 @@ class Model:
         leaves = np.asarray(predict_leaf_binned(trees, jnp.asarray(self._binned(X)),
                                                 missing_bin=self.bin_edges.missing_bin))
         return leaves[..., 0] if self.num_outputs == 1 else leaves
+
+    def predict_contributions(self, X, *, iteration_range: tuple[int, int] | None = None,
+                              base_margin=None) -> np.ndarray:
+        """Exact TreeSHAP values of the raw prediction, as XGBoost's ``pred_contribs``:
+        ``(n, n_features + 1)``, or ``(n, K, n_features + 1)`` for K outputs; the last column is
+        the bias (starting value plus the trees' cover-weighted means). Each row sums to
+        ``predict_raw`` (see ``jaxboost.contributions``)."""
+        from .contributions import tree_shap
+
+        X_binned = self._binned(X)
+        margin = check_base_margin(base_margin, X_binned.shape[0], self.num_outputs)
+        initial = np.broadcast_to(self.base_score, (X_binned.shape[0], self.num_outputs)) if margin is None else margin
+        start, stop = self._rounds(iteration_range)
+        trees = Tree(*(np.asarray(a)[start:stop] for a in self.trees))
+        values = tree_shap(trees, X_binned, self.bin_edges.missing_bin, initial)
+        return values[:, 0] if self.num_outputs == 1 else values
+
+    def export_xgboost(self, path) -> None:
+        """Write all rounds to ``path`` (``.json``) in XGBoost's JSON model format; see
+        ``jaxboost.xgboost_export`` for what XGBoost then predicts."""
+        from .xgboost_export import export_xgboost
+
+        export_xgboost(self, path)
+
+    def export_treelite(self):
+        """All rounds as a ``treelite.Model`` (needs ``pip install treelite``); see
+        ``jaxboost.treelite_export``."""
+        from .treelite_export import to_treelite
+
+        return to_treelite(self)
+
+    def with_leaf_values(self, values) -> "Model":
+        """A copy with new leaf values ``(rounds, num_outputs, nodes)`` (e.g. fine-tuned with
+        ``jb.differentiable``); split nodes keep their values, everything else is unchanged."""
+        values = np.asarray(values, dtype=np.float32)
+        if values.shape != self.trees.value.shape:
+            raise ValueError(f"leaf values must have shape {self.trees.value.shape}; got {values.shape}")
+        is_leaf = np.asarray(self.trees.is_leaf)
+        if not np.isfinite(values[is_leaf]).all():
+            raise ValueError("leaf values contain NaN or infinite values")
+        new_values = np.where(is_leaf, values, np.asarray(self.trees.value)).astype(np.float32)
+        return replace(self, trees=self.trees._replace(value=new_values))
+
+    def save(self, path, format: str | None = None) -> None:
+        """Write the model to ``path``: JSON for ``.json``, a compressed NumPy archive for ``.npz``
+        (or ``format="json"`` / ``"npz"``). ``jaxboost.load(path)`` reads it back exactly."""
+        from .model_io import save_model
+
+        save_model(self, path, format)
+
+    def __getitem__(self, index) -> "Model":
+        """Rounds as a model, like XGBoost's Booster slicing: ``model[a:b]`` keeps rounds ``a .. b-1``
+        (step 1; negative indices count from the end), ``model[i]`` round ``i`` alone.
+
+        The slice keeps ``base_score``, so ``model[a:b].predict_raw(X)`` equals
+        ``model.predict_raw(X, iteration_range=(a, b))``; its ``best_iteration`` is None and its
+        ``evals_result`` is the history of rounds ``0 .. b-1`` when ``a == 0``, else empty.
+        """
+        if isinstance(index, slice):
+            if index.step not in (None, 1):
+                raise ValueError(f"model slices take step 1; got step {index.step}")
+            start, stop, _ = index.indices(self.num_rounds)
+            stop = max(start, stop)
+        elif isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            start = int(index) + self.num_rounds if index < 0 else int(index)
+            if not 0 <= start < self.num_rounds:
+                raise IndexError(f"round {index} is outside the model's {self.num_rounds} rounds")
+            stop = start + 1
+        else:
+            raise TypeError(f"a model is indexed by a round or a slice of rounds; got {type(index).__name__}")
+        history = {name: {metric: list(values[:stop]) for metric, values in per_set.items()}
+                   for name, per_set in self.evals_result.items()} if start == 0 else {}
+        return replace(self, trees=Tree(*(np.asarray(a)[start:stop] for a in self.trees)), best_iteration=None,
+                       evals_result=history)
+
+    def feature_importance(self, kind: str = "gain", *, iteration_range: tuple[int, int] | None = None) -> dict:
+        """``{feature name or "f{i}": score}`` over the features split on, as XGBoost's
+        ``get_score(importance_type=kind)``: ``"weight"``, ``"gain"``, ``"total_gain"``, ``"cover"``
+        or ``"total_cover"``. Counts the rounds ``predict`` uses (see ``jaxboost.importance``)."""
+        from .importance import feature_importance
+
+        return feature_importance(self, kind, iteration_range)
 
     def __repr__(self) -> str:
         return (f"Model(loss={self.loss_name!r}, rounds={self.num_rounds}, outputs={self.num_outputs}, "
