@@ -10,18 +10,39 @@ import jax.numpy as jnp
 from . import losses
 
 
-def _step(raw_prediction):
+# Module-level functions (not lambdas or jitted callables), so that a Model holding one pickles.
+def identity(raw_prediction):
+    return raw_prediction
+
+
+def sigmoid(raw_prediction):
+    return jax.nn.sigmoid(raw_prediction)
+
+
+def sigmoid_2x(raw_prediction):
+    # AdaBoost's exponential loss estimates half the log-odds.
+    return jax.nn.sigmoid(2.0 * raw_prediction)
+
+
+def softmax(raw_prediction):
+    return jax.nn.softmax(raw_prediction, axis=-1)
+
+
+def exp(raw_prediction):
+    return jnp.exp(raw_prediction)
+
+
+def step(raw_prediction):
     return (raw_prediction > 0).astype(jnp.float32)
 
 
 LINKS: dict[str, Callable] = {
-    "identity": lambda raw_prediction: raw_prediction,
-    "sigmoid": jax.nn.sigmoid,
-    # AdaBoost's exponential loss estimates half the log-odds.
-    "sigmoid_2x": lambda raw_prediction: jax.nn.sigmoid(2.0 * raw_prediction),
-    "softmax": lambda raw_prediction: jax.nn.softmax(raw_prediction, axis=-1),
-    "exp": jnp.exp,
-    "step": _step,
+    "identity": identity,
+    "sigmoid": sigmoid,
+    "sigmoid_2x": sigmoid_2x,
+    "softmax": softmax,
+    "exp": exp,
+    "step": step,
     # Distributional losses: raw (mu, log_sigma) -> (mu, sigma).
     "location_scale": losses.location_scale,
 }

@@ -90,6 +90,16 @@ def test_round_trip_predicts_exactly(fixture, extension, request, tmp_path):
                                   model.predict_raw(X, iteration_range=(0, model.num_rounds)))
 
 
+@pytest.mark.parametrize("fixture", ["regression", "binary_early_stopped", "multiclass"])
+def test_pickle_round_trip_predicts_exactly(fixture, request):
+    import pickle
+
+    model, X = request.getfixturevalue(fixture)
+    restored = pickle.loads(pickle.dumps(model))
+    np.testing.assert_array_equal(restored.predict(X), model.predict(X))
+    assert restored.link is model.link
+
+
 def test_round_trip_keeps_inf_padding_and_early_stopping(binary_early_stopped, tmp_path):
     model, _ = binary_early_stopped
     assert np.isinf(model.bin_edges.edges).any()
