@@ -283,6 +283,18 @@ def test_constraints_match_xgboost(regression_data, kind):
                 assert path <= {0, 1} or path <= {2, 3}, f"round {r} leaf {leaf} mixes groups: {path}"
 
 
+def test_monotone_constraint_holds_after_leaf_refit(regression_data):
+    # Quantile leaves are refit by exact minimisation; the refit values stay within the bounds.
+    X, y = regression_data
+    model = jb.train(X, y, loss="quantile", loss_params={"tau": 0.8}, num_rounds=8, max_depth=4,
+                     learning_rate=0.5, monotone_constraints={1: -1}, max_bin=16)
+    grid = np.repeat(X[:60][None], 8, axis=0)
+    grid[:, :, 1] = np.arange(8)[:, None]
+    steps = np.diff(model.predict(grid.reshape(-1, 4)).reshape(8, 60), axis=0)
+    assert np.all(steps <= 1e-6)
+    assert abs(np.mean(y <= model.predict(X)) - 0.8) < 0.05
+
+
 def test_constraint_input_errors(regression_data):
     X, y = regression_data
     with pytest.raises(ValueError, match="entries"):
