@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .boosting import HESSIAN_MODES, RoundParams, RoundShape, compiled_round, loss_derivatives, starting_value
-from .callbacks import Callback, EarlyStopping, EvaluationMonitor, ProgressBar, TrainingState
+from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .devices import replicated, row_mesh, row_sharding
 from .grower import GrowthParams, empty_tree

@@ -1,0 +1,46 @@
+"""Shared test data: the small models that the interop tests (XGBoost export, treelite, SHAP)
+explain and export, trained once per session."""
+
+import numpy as np
+import pytest
+
+import jaxboost as jb
+
+N_ROWS = 600
+TASKS = ["squared_error", "logistic", "softmax"]
+
+
+def make_data(seed):
+    """Five features with 15% NaN; the last is 1.0 or NaN only, so a split on it must send
+    every non-missing value left (a split on a padded +inf edge)."""
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(N_ROWS, 5)).astype(np.float32)
+    X[rng.random(X.shape) < 0.15] = np.nan
+    X[:, 4] = np.where(rng.random(N_ROWS) < 0.5, np.nan, 1.0)
+    signal = (np.nan_to_num(X[:, 0]) + 0.5 * np.nan_to_num(X[:, 1], nan=1.0) - np.nan_to_num(X[:, 2]) ** 2
+              + 1.5 * np.isnan(X[:, 4]))
+    return X, signal, rng
+
+
+def labels(task, signal, rng):
+    if task == "squared_error":
+        return signal + 0.3 * rng.normal(size=signal.shape)
+    if task == "logistic":
+        return (signal + 0.5 * rng.normal(size=signal.shape) > 0.5).astype(np.float64)
+    return np.digitize(signal + 0.3 * rng.normal(size=signal.shape), [-0.5, 1.0]).astype(np.float64)
+
+
+@pytest.fixture(scope="session")
+def interop_data():
+    X, signal, rng = make_data(0)
+    X_test, _, _ = make_data(1)
+    return X, signal, rng, X_test
+
+
+@pytest.fixture(scope="session")
+def interop_models(interop_data):
+    X, signal, _, _ = interop_data
+    rng = np.random.default_rng(7)
+    return {task: jb.train(X, labels(task, signal, rng), loss=task, num_rounds=6, max_depth=4, max_bin=32,
+                           learning_rate=0.3)
+            for task in TASKS}
