@@ -199,6 +199,15 @@ def test_four_plus_four_rounds_equal_eight(loss):
                                eight.evals_result["validation_0"][metric][4:], rtol=1e-5)
 
 
+def test_training_continues_from_a_saved_model(regression_data, tmp_path):
+    X, y = regression_data
+    eight = jb.train(X, y, num_rounds=8, max_depth=3, subsample=0.8, seed=2)
+    jb.train(X, y, num_rounds=4, max_depth=3, subsample=0.8, seed=2).save(tmp_path / "four.json")
+    continued = jb.train(X, y, num_rounds=4, max_depth=3, subsample=0.8, seed=2,
+                         init_model=jb.load(tmp_path / "four.json"))
+    np.testing.assert_allclose(continued.predict(X), eight.predict(X), rtol=1e-6, atol=1e-6)
+
+
 def test_continuation_checks_its_model(regression_data):
     X, y = regression_data
     model = jb.train(X, y, num_rounds=2, max_depth=4)
