@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .devices import all_sum
-from .histogram import build_histogram
+from .histogram import build_histogram, route_and_build_histogram
 from .regularizer import Regularization, leaf_value
 from .split import NodeBounds, find_best_splits_over_devices
 from .tree import Tree, num_heap_nodes
@@ -203,25 +203,25 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         node_of_row = state.node_of_row
         row_splits = splits[node_of_row]
         row_leaf = jnp.where(active[node_of_row] & ~row_splits, heap_index[node_of_row], state.row_leaf)
-        code = X_binned_T[split.feature[node_of_row], row_ids]
-        goes_right = jnp.where(code == missing_bin, ~split.default_left[node_of_row],
-                               code > split.threshold_bin[node_of_row])
-        child_of_row = 2 * node_of_row + goes_right.astype(jnp.int32)
 
         def children(left, right):
             # The next level's nodes all sit in its first next_capacity positions.
             return jnp.stack([left, right], axis=1).reshape((2 * capacity,) + left.shape[1:])[:next_capacity]
 
         histograms = None
-        if children_split:
+        if not children_split:
+            code = X_binned_T[split.feature[node_of_row], row_ids]
+            goes_right = jnp.where(code == missing_bin, ~split.default_left[node_of_row],
+                                   code > split.threshold_bin[node_of_row])
+            child_of_row = 2 * node_of_row + goes_right.astype(jnp.int32)
+        else:
             # Histogram only the child with fewer rows; the sibling's is the parent's minus it.
-            child_rows = all_sum(jax.ops.segment_sum(row_splits.astype(jnp.float32), child_of_row, 2 * capacity),
-                                 axis_name)
-            left_is_smaller = child_rows[0::2] <= child_rows[1::2]
-            in_smaller_child = row_splits & (goes_right != left_is_smaller[node_of_row])
-            smaller = all_sum(build_histogram(X_binned_T, node_of_row, jnp.where(in_smaller_child, gradients, 0.0),
-                                              jnp.where(in_smaller_child, hessians, 0.0), capacity, max_bin),
-                              axis_name)
+            # The smaller child by Hessian sum: known on every device without counting rows.
+            left_is_smaller = split.left_hessians <= split.right_hessians
+            child_of_row, smaller = route_and_build_histogram(
+                X_binned_T, node_of_row, gradients, hessians, split.feature, split.threshold_bin,
+                split.default_left, splits, left_is_smaller, max_bin)
+            smaller = all_sum(smaller, axis_name)
             larger = state.histograms - smaller
             choose = left_is_smaller[:, None, None, None]
             histograms = children(jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller))

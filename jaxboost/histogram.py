@@ -8,33 +8,185 @@ On CPU, XLA runs one scatter on one core and a flat scatter over ``n * d`` indic
 cache; a scatter per feature into a small ``(nodes * bins)`` target (``lax.map`` over features)
 is about twice as fast, and carrying ``(g, h)`` as one complex64 value halves the scatters
 (measurements in the project's kernel notes).
+
+On CPU a native kernel (``histogram_kernel.cc``, an XLA FFI custom call built on first use; see
+``jaxboost.native``) replaces the scatter: it skips the rows outside ``row_mask`` instead of
+adding zeros for them, so the smaller child of each split costs only its own rows. The choice
+is made per backend when the program is lowered; other backends, and CPUs where the kernel
+could not be built, use the XLA kernel.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from .native import HISTOGRAM_TARGET, ROUTE_HISTOGRAM_TARGET, native_target
+
+KERNELS = ("auto", "xla", "native")
+
+
+def _choose_native_target(name: str, what: str, kernel: str, threads: int, X_binned_T: jax.Array,
+                          max_bin: int) -> str | None:
+    """The FFI target to use on CPU, or None for the XLA kernel everywhere."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads must be a positive integer; got {threads!r}")
+    if X_binned_T.dtype != jnp.uint8 or max_bin > 256:
+        # The native kernels read one byte per code; wider codes go to the XLA kernel.
+        if kernel == "native":
+            raise ValueError(f"the native {what} kernel needs uint8 codes and max_bin <= 256; got "
+                             f"{X_binned_T.dtype} codes and max_bin={max_bin}")
+        return None
+    target = None if kernel == "xla" else native_target(name)
+    if kernel == "native" and target is None:
+        raise RuntimeError(f"the native {what} kernel is unavailable (turned off by JAXBOOST_NATIVE=0, or it "
+                           "could not be built: enable debug logging for jaxboost.native to see why)")
+    return target
 
 
 def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax.Array,
-                    hessians: jax.Array, num_nodes: int, max_bin: int) -> jax.Array:
+                    hessians: jax.Array, num_nodes: int, max_bin: int, row_mask: jax.Array | None = None,
+                    kernel: str = "auto", threads: int = 1) -> jax.Array:
     """Histogram of the local rows.
 
     Args:
       X_binned_T: uint8 ``(n_features, n_rows)``, feature-major so each feature's codes are
-        contiguous.
+        contiguous; codes lie in ``[0, max_bin)``.
       node_index: int32 ``(n_rows,)`` in ``[0, num_nodes)``; rows that belong to no node being
-        built must carry zero gradient and Hessian (their index is then irrelevant).
+        built must be left out by ``row_mask`` or carry zero gradient and Hessian (their index
+        is then irrelevant).
       gradients, hessians: float32 ``(n_rows,)``.
       num_nodes, max_bin: static sizes.
+      row_mask: optional bool ``(n_rows,)``: only these rows are summed (the native kernel
+        skips the others, which is what makes building only the smaller children cheap).
+      kernel: "auto" (with a ``row_mask``: native on CPU when available, else XLA; without
+        one: XLA), "xla", or "native" (error when the native kernel is unavailable). The
+        environment variable ``JAXBOOST_NATIVE=0`` makes "auto" mean "xla".
+      threads: CPU threads of the native kernel (each takes a range of features); keep 1 when
+        rows are sharded over one device per core.
 
     Returns:
       float32 ``(num_nodes, n_features, max_bin, 2)``: ``[..., 0]`` sums of gradients,
       ``[..., 1]`` sums of Hessians.
     """
+    if row_mask is not None and jnp.shape(row_mask) != jnp.shape(node_index):
+        raise ValueError(f"row_mask must hold one flag per row, shape {node_index.shape}; got {jnp.shape(row_mask)}")
+    if kernel == "auto" and row_mask is None:
+        # Over every row the native kernel gains little, and inside a whole boosting round it
+        # measured slower than the XLA scatter; its gain is skipping the rows outside a mask.
+        kernel = "xla"
+    target = _choose_native_target(HISTOGRAM_TARGET, "histogram", kernel, threads, X_binned_T, max_bin)
+    args = (X_binned_T, node_index.astype(jnp.int32), gradients.astype(jnp.float32),
+            hessians.astype(jnp.float32))
+    mask = jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool)
+    xla = partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin)
+    if target is None:
+        return xla(*args, mask)
+    native = partial(_native_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads)
+    # Chosen when lowering: the FFI target exists only on CPU.
+    return lax.platform_dependent(*args, mask, cpu=native, default=xla)
+
+
+def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gradients: jax.Array,
+                              hessians: jax.Array, split_feature: jax.Array, split_threshold_bin: jax.Array,
+                              split_default_left: jax.Array, splits: jax.Array, left_is_smaller: jax.Array,
+                              max_bin: int, kernel: str = "auto", threads: int = 1) -> tuple[jax.Array, jax.Array]:
+    """Route the local rows to the children of a level's splits, and histogram the smaller children.
+
+    One pass over the rows does what would otherwise be a gather, several element-wise ops and
+    a masked histogram: row ``i`` in node ``p`` goes to child ``2 p + goes_right`` (codes equal
+    to ``max_bin - 1`` are missing and follow ``split_default_left[p]``, others go right when
+    above ``split_threshold_bin[p]``), and the histogram sums the rows of node ``p``'s smaller
+    child (left when ``left_is_smaller[p]``) for the nodes that split.
+
+    Args:
+      X_binned_T, node_of_row, gradients, hessians: as for ``build_histogram``; ``node_of_row``
+        in ``[0, num_nodes)`` with ``num_nodes = splits.shape[0]``.
+      split_feature, split_threshold_bin: int32 ``(num_nodes,)``; split_default_left, splits,
+        left_is_smaller: bool ``(num_nodes,)``. ``left_is_smaller`` must be the same on every
+        device when rows are sharded (e.g. from the split's global left/right sums), so that
+        every device builds the same children.
+      max_bin: static number of bins; the missing code is ``max_bin - 1``.
+      kernel, threads: as for ``build_histogram``.
+
+    Returns:
+      ``(child_of_row, smaller)``: int32 ``(n_rows,)`` and float32
+      ``(num_nodes, n_features, max_bin, 2)`` indexed by the parent's position.
+    """
+    num_nodes = jnp.shape(splits)[0]
+    for name, value in [("split_feature", split_feature), ("split_threshold_bin", split_threshold_bin),
+                        ("split_default_left", split_default_left), ("left_is_smaller", left_is_smaller)]:
+        if jnp.shape(value) != (num_nodes,):
+            raise ValueError(f"{name} must have shape ({num_nodes},) like splits; got {jnp.shape(value)}")
+    target = _choose_native_target(ROUTE_HISTOGRAM_TARGET, "route", kernel, threads, X_binned_T, max_bin)
+    args = (X_binned_T, node_of_row.astype(jnp.int32), gradients.astype(jnp.float32), hessians.astype(jnp.float32),
+            split_feature.astype(jnp.int32), split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool),
+            splits.astype(bool), left_is_smaller.astype(bool))
+    xla = partial(_xla_route_histogram, num_nodes=num_nodes, max_bin=max_bin)
+    if target is None:
+        return xla(*args)
+    native = partial(_native_route_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads)
+    # Chosen when lowering: the FFI target exists only on CPU.
+    return lax.platform_dependent(*args, cpu=native, default=xla)
+
+
+def _xla_route_histogram(X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left, splits,
+                         left_is_smaller, *, num_nodes, max_bin):
+    code = X_binned_T[feature[node_of_row], jnp.arange(node_of_row.shape[0])]
+    goes_right = jnp.where(code == max_bin - 1, ~default_left[node_of_row], code > threshold_bin[node_of_row])
+    child_of_row = 2 * node_of_row + goes_right.astype(jnp.int32)
+    in_smaller_child = splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
+    return child_of_row, _xla_histogram(X_binned_T, node_of_row, gradients, hessians, in_smaller_child,
+                                        num_nodes=num_nodes, max_bin=max_bin)
+
+
+def _native_route_histogram(X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left,
+                            splits, left_is_smaller, *, target, num_nodes, max_bin, threads):
+    results = (jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32),
+               jax.ShapeDtypeStruct((num_nodes, X_binned_T.shape[0], max_bin, 2), jnp.float32))
+    inputs = (X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left, splits,
+              left_is_smaller)
+    outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(
+        *inputs, missing_bin=np.int64(max_bin - 1), threads=np.int64(threads))
+    return tuple(_as_varying_as(output, inputs) for output in outputs)
+
+
+def _as_varying_as(result, inputs):
+    """Inside shard_map a custom call's result is typed as replicated, but it varies with the
+    local rows like the XLA kernel's: say so, or the two platform branches disagree in type."""
+    varying = frozenset().union(*(_varying_axes(x) for x in inputs))
+    missing = tuple(sorted(varying - _varying_axes(result)))
+    return lax.pcast(result, missing, to="varying") if missing else result
+
+
+def _native_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, target, num_nodes, max_bin,
+                      threads):
+    result = jax.ShapeDtypeStruct((num_nodes, X_binned_T.shape[0], max_bin, 2), jnp.float32)
+    # Under vmap (several models trained at once) the kernel runs once per batch member.
+    histogram = jax.ffi.ffi_call(target, result, vmap_method="sequential")(
+        X_binned_T, node_index, gradients, hessians, row_mask, threads=np.int64(threads))
+    return _as_varying_as(histogram, (X_binned_T, node_index, gradients, hessians, row_mask))
+
+
+def _varying_axes(x) -> frozenset:
+    """Mesh axes along which ``x`` varies inside shard_map (empty outside it)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _xla_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin):
+    if row_mask.shape[0]:
+        gradients = jnp.where(row_mask, gradients, 0.0)
+        hessians = jnp.where(row_mask, hessians, 0.0)
     n_features = X_binned_T.shape[0]
-    packed = lax.complex(gradients.astype(jnp.float32), hessians.astype(jnp.float32))
+    packed = lax.complex(gradients, hessians)
     node_offset = node_index.astype(jnp.int32) * max_bin
 
     def one_feature(codes):

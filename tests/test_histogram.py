@@ -6,6 +6,7 @@ subtraction) and scans every candidate split with XGBoost's ``loss_chg`` re-deri
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import jax
@@ -13,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxboost import native
 from jaxboost.grower import MIN_LOSS_CHANGE, GrowthParams, grow_tree
-from jaxboost.histogram import build_histogram
+from jaxboost.histogram import HISTOGRAM_TARGET, build_histogram, route_and_build_histogram
 from jaxboost.regularizer import Regularization
 from jaxboost.tree import num_heap_nodes
 
@@ -195,7 +197,7 @@ def naive_grow(X_binned, g, h, max_depth, max_bin, reg_lambda, reg_alpha, min_ch
 def _jit_grow(X_binned_T, gradients, hessians, params, max_depth, max_bin):
     feature_allowed = jnp.ones(X_binned_T.shape[0], bool)
     return grow_tree(X_binned_T, gradients, hessians, feature_allowed, jax.random.PRNGKey(0), params, max_depth,
-                     max_bin, axis_name=None)
+                     max_bin, axis_name=None)[:2]
 
 
 def make_params(reg_lambda, reg_alpha, min_child_weight, learning_rate, gamma=0.0, max_delta_step=0.0):
@@ -282,3 +284,284 @@ def test_grow_tree_without_a_valid_split_is_a_single_leaf():
     np.testing.assert_array_equal(np.asarray(row_leaf), 0)
     expected_value = 0.5 * np_leaf_value(g.astype(np.float64).sum(), h.astype(np.float64).sum(), 1.0, 0.0)
     np.testing.assert_allclose(float(tree.value[0]), expected_value, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# native CPU kernel (XLA FFI) and its fallback
+# --------------------------------------------------------------------------------------------
+
+NATIVE_AVAILABLE = native.native_target(HISTOGRAM_TARGET) is not None
+needs_native = pytest.mark.skipif(not NATIVE_AVAILABLE, reason="native kernel not built here (no C++ compiler, "
+                                                               "or JAXBOOST_NATIVE=0)")
+
+
+def histogram_case(seed, n_rows, n_features, num_nodes, max_bin, mask_fraction=0.6):
+    rng = np.random.default_rng(seed)
+    X_binned = rng.integers(0, max_bin, size=(n_rows, n_features)).astype(np.uint8)
+    node_index = rng.integers(0, num_nodes, size=n_rows).astype(np.int32)
+    gradients = rng.normal(size=n_rows).astype(np.float32)
+    hessians = rng.uniform(0.0, 2.0, size=n_rows).astype(np.float32)
+    row_mask = rng.uniform(size=n_rows) < mask_fraction
+    return X_binned, node_index, gradients, hessians, row_mask
+
+
+def masked_naive_histogram(X_binned, node_index, gradients, hessians, row_mask, num_nodes, max_bin):
+    keep = np.ones(len(node_index), bool) if row_mask is None else row_mask
+    return naive_histogram(X_binned[keep], node_index[keep], gradients[keep].astype(np.float64),
+                           hessians[keep].astype(np.float64), num_nodes, max_bin)
+
+
+def test_native_kernel_builds_where_a_compiler_exists():
+    import shutil
+    if not native.native_enabled():
+        pytest.skip("JAXBOOST_NATIVE=0 turns the native kernel off")
+    has_compiler = shutil.which(os.environ.get("CXX", "c++").split()[0]) is not None
+    assert NATIVE_AVAILABLE == has_compiler, (
+        f"native kernel available: {NATIVE_AVAILABLE}, C++ compiler present: {has_compiler}")
+
+
+@needs_native
+@pytest.mark.parametrize("num_nodes,max_bin,n_features", [(1, 256, 3), (5, 256, 4), (8, 64, 5), (3, 7, 2)])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_native_histogram_matches_numpy(num_nodes, max_bin, n_features, with_mask):
+    # 5000 rows: more than two of the kernel's row blocks, the last one partial.
+    X_binned, node_index, gradients, hessians, row_mask = histogram_case(3, 5000, n_features, num_nodes, max_bin)
+    row_mask = row_mask if with_mask else None
+    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, row_mask, num_nodes, max_bin)
+    build = jax.jit(partial(build_histogram, num_nodes=num_nodes, max_bin=max_bin, kernel="native"))
+    actual = np.asarray(build(jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients),
+                              jnp.asarray(hessians), row_mask=None if row_mask is None else jnp.asarray(row_mask)))
+    assert actual.shape == expected.shape and actual.dtype == np.float32
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-4,
+                               err_msg=f"native histogram differs ({num_nodes} nodes, {max_bin} bins, mask {with_mask})")
+
+
+@needs_native
+def test_native_and_xla_kernels_agree_with_threads_and_masks():
+    X_binned, node_index, gradients, hessians, row_mask = histogram_case(4, 3000, 7, 6, 32, mask_fraction=0.3)
+    args = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
+    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, row_mask, 6, 32)
+    for kernel, threads in [("xla", 1), ("native", 1), ("native", 3), ("native", 16)]:
+        build = jax.jit(partial(build_histogram, num_nodes=6, max_bin=32, kernel=kernel, threads=threads))
+        actual = build(*args, row_mask=jnp.asarray(row_mask))
+        np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-4,
+                                   err_msg=f"kernel={kernel}, threads={threads}")
+
+
+@needs_native
+def test_native_histogram_skips_rows_outside_the_mask_and_the_node_range():
+    X_binned, node_index, gradients, hessians, row_mask = histogram_case(5, 2000, 3, 4, 16)
+    # Rows outside the mask carry huge values and out-of-range nodes: they must not be read.
+    gradients[~row_mask] = 1e30
+    node_index[~row_mask] = 1_000_000
+    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, row_mask, 4, 16)
+    actual = jax.jit(lambda *a: build_histogram(*a[:4], 4, 16, row_mask=a[4], kernel="native"))(
+        jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians),
+        jnp.asarray(row_mask))
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
+def test_histogram_under_vmap(kernel):
+    # Several models at once: per-model gradients and masks, shared codes and nodes.
+    X_binned, node_index, _, _, _ = histogram_case(6, 1500, 3, 4, 16)
+    rng = np.random.default_rng(6)
+    gradients = rng.normal(size=(3, 1500)).astype(np.float32)
+    hessians = rng.uniform(0.1, 1.0, size=(3, 1500)).astype(np.float32)
+    masks = rng.uniform(size=(3, 1500)) < 0.5
+    build = jax.jit(jax.vmap(lambda g, h, m: build_histogram(jnp.asarray(X_binned.T), jnp.asarray(node_index), g, h,
+                                                             4, 16, row_mask=m, kernel=kernel)))
+    actual = np.asarray(build(jnp.asarray(gradients), jnp.asarray(hessians), jnp.asarray(masks)))
+    assert actual.shape == (3, 4, 3, 16, 2)
+    for model in range(3):
+        expected = masked_naive_histogram(X_binned, node_index, gradients[model], hessians[model], masks[model], 4, 16)
+        np.testing.assert_allclose(actual[model], expected, rtol=1e-5, atol=1e-4, err_msg=f"model {model}")
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs two JAX devices (jaxboost sets one per CPU core)")
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
+def test_histogram_under_shard_map_on_two_devices(kernel):
+    from jax.sharding import Mesh, PartitionSpec
+
+    X_binned, node_index, gradients, hessians, row_mask = histogram_case(7, 4000, 4, 8, 64)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("rows",))
+    rows = PartitionSpec("rows")
+
+    def local(X_T, nodes, g, h, mask):
+        return jax.lax.psum(build_histogram(X_T, nodes, g, h, 8, 64, row_mask=mask, kernel=kernel), "rows")
+
+    build = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(None, "rows"), rows, rows, rows, rows),
+                                  out_specs=PartitionSpec()))
+    actual = build(jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians),
+                   jnp.asarray(row_mask))
+    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, row_mask, 8, 64)
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_histogram_rejects_bad_arguments():
+    X_T, nodes = jnp.zeros((2, 10), jnp.uint8), jnp.zeros(10, jnp.int32)
+    g = h = jnp.ones(10)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        build_histogram(X_T, nodes, g, h, 1, 4, kernel="fast")
+    with pytest.raises(ValueError, match="threads must be a positive integer"):
+        build_histogram(X_T, nodes, g, h, 1, 4, threads=0)
+    with pytest.raises(ValueError, match="row_mask must hold one flag per row"):
+        build_histogram(X_T, nodes, g, h, 1, 4, row_mask=jnp.ones(9, bool))
+    with pytest.raises(ValueError, match="uint8 codes"):
+        build_histogram(X_T.astype(jnp.uint16), nodes, g, h, 1, 4, kernel="native")
+
+
+def test_fallback_to_xla_when_native_is_turned_off(monkeypatch):
+    monkeypatch.setenv("JAXBOOST_NATIVE", "0")
+    X_binned, node_index, gradients, hessians, row_mask = histogram_case(8, 1000, 3, 2, 16)
+    args = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
+    with pytest.raises(RuntimeError, match="native histogram kernel is unavailable"):
+        build_histogram(*args, 2, 16, kernel="native")
+    lowered = jax.jit(lambda *a: build_histogram(*a, 2, 16, row_mask=jnp.asarray(row_mask))).lower(*args).as_text()
+    assert HISTOGRAM_TARGET not in lowered, "JAXBOOST_NATIVE=0 should leave the native kernel out"
+    actual = jax.jit(lambda *a: build_histogram(*a, 2, 16, row_mask=jnp.asarray(row_mask)))(*args)
+    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, row_mask, 2, 16)
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+def test_auto_kernel_uses_the_native_kernel_on_cpu_for_masked_rows():
+    args = (jnp.zeros((2, 10), jnp.uint8), jnp.zeros(10, jnp.int32), jnp.ones(10), jnp.ones(10))
+    masked = jax.jit(lambda *a: build_histogram(*a, 1, 4, row_mask=a[2] > 0)).lower(*args).as_text()
+    assert HISTOGRAM_TARGET in masked
+    every_row = jax.jit(lambda *a: build_histogram(*a, 1, 4)).lower(*args).as_text()
+    assert HISTOGRAM_TARGET not in every_row, "without a row mask, auto should use the XLA kernel"
+
+
+def test_native_build_failures_are_reported_not_raised(monkeypatch, tmp_path):
+    # No compiler: a clear error from the loader, and the registry reports no native kernel.
+    monkeypatch.setenv("JAXBOOST_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        native._load_library.__wrapped__()
+    # A compiler that fails: an error naming the command, and no partial file left behind.
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="failed"):
+        native._load_library.__wrapped__()
+    assert list(tmp_path.iterdir()) == []
+
+    def broken_loader():
+        raise RuntimeError("simulated build failure")
+
+    monkeypatch.setattr(native, "_load_library", broken_loader)
+    assert native._registered_targets.__wrapped__() == frozenset()
+
+
+@needs_native
+def test_training_with_native_kernel_matches_xla_kernel(monkeypatch):
+    import jaxboost as jb
+    from jaxboost import boosting, grower, histogram
+
+    rng = np.random.default_rng(11)
+    X = rng.normal(size=(3000, 6)).astype(np.float32)
+    X[rng.uniform(size=X.shape) < 0.05] = np.nan
+    y = (np.nan_to_num(X[:, 0]) + np.sin(np.nan_to_num(X[:, 1])) + 0.5 * rng.normal(size=3000) > 0).astype(np.float32)
+    settings = {"loss": "logistic", "num_rounds": 8, "max_depth": 4, "learning_rate": 0.3, "max_bin": 64}
+
+    def train_with(kernel):
+        # Every histogram the grower builds goes to the chosen kernel.
+        for name in ("build_histogram", "route_and_build_histogram"):
+            if hasattr(grower, name):
+                monkeypatch.setattr(grower, name, partial(getattr(histogram, name), kernel=kernel))
+        boosting.compiled_round.cache_clear()  # the kernel is chosen when a round is traced
+        return jb.train(X, y, **settings)
+
+    with_native = train_with("native")
+    with_xla = train_with("xla")
+    boosting.compiled_round.cache_clear()
+    same_structure = np.mean((with_native.trees.feature == with_xla.trees.feature)
+                             & (with_native.trees.threshold_bin == with_xla.trees.threshold_bin))
+    assert same_structure > 0.98, f"only {same_structure:.3f} of the nodes agree"
+    np.testing.assert_allclose(with_native.predict(X), with_xla.predict(X), rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# route_and_build_histogram: row routing fused with the smaller children's histograms
+# --------------------------------------------------------------------------------------------
+
+def route_case(seed, n_rows, n_features, num_nodes, max_bin):
+    X_binned, node_index, gradients, hessians, _ = histogram_case(seed, n_rows, n_features, num_nodes, max_bin)
+    rng = np.random.default_rng(seed + 100)
+    level = {
+        "split_feature": rng.integers(0, n_features, num_nodes).astype(np.int32),
+        "split_threshold_bin": rng.integers(0, max_bin - 1, num_nodes).astype(np.int32),
+        "split_default_left": rng.uniform(size=num_nodes) < 0.5,
+        "splits": rng.uniform(size=num_nodes) < 0.75,
+        "left_is_smaller": rng.uniform(size=num_nodes) < 0.5,
+    }
+    return X_binned, node_index, gradients, hessians, level
+
+
+def naive_route(X_binned, node_index, level, max_bin):
+    code = X_binned[np.arange(len(node_index)), level["split_feature"][node_index]]
+    goes_right = np.where(code == max_bin - 1, ~level["split_default_left"][node_index],
+                          code > level["split_threshold_bin"][node_index])
+    in_smaller = level["splits"][node_index] & (goes_right != level["left_is_smaller"][node_index])
+    return 2 * node_index + goes_right.astype(np.int32), in_smaller
+
+
+@pytest.mark.parametrize("kernel,threads", [("xla", 1), pytest.param("native", 1, marks=needs_native),
+                                            pytest.param("native", 2, marks=needs_native)])
+@pytest.mark.parametrize("num_nodes,max_bin", [(1, 256), (6, 32)])
+def test_route_and_build_histogram_matches_numpy(kernel, threads, num_nodes, max_bin):
+    X_binned, node_index, gradients, hessians, level = route_case(9, 5000, 5, num_nodes, max_bin)
+    X_binned[::7, 2] = max_bin - 1  # missing codes follow the default direction
+    expected_child, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, in_smaller, num_nodes, max_bin)
+    route = jax.jit(partial(route_and_build_histogram, max_bin=max_bin, kernel=kernel, threads=threads))
+    child, smaller = route(jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients),
+                           jnp.asarray(hessians), **{k: jnp.asarray(v) for k, v in level.items()})
+    np.testing.assert_array_equal(np.asarray(child), expected_child)
+    np.testing.assert_allclose(np.asarray(smaller), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
+def test_route_and_build_histogram_under_vmap_and_shard_map(kernel):
+    from jax.sharding import Mesh, PartitionSpec
+
+    X_binned, node_index, _, _, level = route_case(10, 2000, 3, 4, 16)
+    rng = np.random.default_rng(10)
+    gradients = rng.normal(size=(2, 2000)).astype(np.float32)
+    hessians = rng.uniform(0.1, 1.0, size=(2, 2000)).astype(np.float32)
+    expected_child, in_smaller = naive_route(X_binned, node_index, level, 16)
+    level = {k: jnp.asarray(v) for k, v in level.items()}
+
+    def route(X_T, nodes, g, h):
+        return route_and_build_histogram(X_T, nodes, g, h, **level, max_bin=16, kernel=kernel)
+
+    # vmap over models (gradients), shared codes and nodes.
+    children, smaller = jax.jit(jax.vmap(route, in_axes=(None, None, 0, 0)))(
+        jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
+    for model in range(2):
+        np.testing.assert_array_equal(np.asarray(children[model]), expected_child)
+        expected = masked_naive_histogram(X_binned, node_index, gradients[model], hessians[model], in_smaller, 4, 16)
+        np.testing.assert_allclose(np.asarray(smaller[model]), expected, rtol=1e-5, atol=1e-4)
+    if len(jax.devices()) < 2:
+        return
+    mesh = Mesh(np.array(jax.devices()[:2]), ("rows",))
+    rows = PartitionSpec("rows")
+
+    def local(X_T, nodes, g, h):
+        child, hist = route(X_T, nodes, g, h)
+        return child, jax.lax.psum(hist, "rows")
+
+    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(None, "rows"), rows, rows, rows),
+                                    out_specs=(rows, PartitionSpec())))
+    child, smaller = sharded(jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients[0]),
+                             jnp.asarray(hessians[0]))
+    np.testing.assert_array_equal(np.asarray(child), expected_child)
+    expected = masked_naive_histogram(X_binned, node_index, gradients[0], hessians[0], in_smaller, 4, 16)
+    np.testing.assert_allclose(np.asarray(smaller), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_route_and_build_histogram_rejects_mismatched_levels():
+    X_T, nodes, g = jnp.zeros((2, 10), jnp.uint8), jnp.zeros(10, jnp.int32), jnp.ones(10)
+    flags = jnp.ones(3, bool)
+    with pytest.raises(ValueError, match="split_feature must have shape"):
+        route_and_build_histogram(X_T, nodes, g, g, jnp.zeros(2, jnp.int32), jnp.zeros(3, jnp.int32), flags, flags,
+                                  flags, max_bin=4)

@@ -1,0 +1,113 @@
+"""Native CPU kernels: compiling, caching and registering them with XLA as FFI custom calls.
+
+The C++ sources ship with the package and are compiled on first use with the system C++
+compiler against the XLA FFI headers of the installed jaxlib (``jax.ffi.include_dir()``), so the
+library always matches the running jaxlib and installing needs no compiler. The shared library
+is cached in ``JAXBOOST_NATIVE_DIR`` (default ``~/.cache/jaxboost/native``, or a temporary
+folder when that is not writable), keyed by the source, the jaxlib version and the compiler
+command. When anything fails (no compiler, no headers, a read-only disk) the kernels are
+reported absent, a debug message is logged once, and callers use their XLA versions.
+``JAXBOOST_NATIVE=0`` turns the native kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+HISTOGRAM_TARGET = "jaxboost_histogram"
+ROUTE_HISTOGRAM_TARGET = "jaxboost_route_histogram"
+_SOURCE = Path(__file__).with_name("histogram_kernel.cc")
+_SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram"}
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w"]
+_COMPILE_TIMEOUT_S = 300
+
+
+def native_enabled() -> bool:
+    """False when ``JAXBOOST_NATIVE`` is set to 0/false/off/no."""
+    return os.environ.get("JAXBOOST_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _cache_folders() -> list[Path]:
+    chosen = os.environ.get("JAXBOOST_NATIVE_DIR")
+    if chosen:
+        return [Path(chosen)]
+    return [Path.home() / ".cache" / "jaxboost" / "native",
+            Path(tempfile.gettempdir()) / f"jaxboost-native-{os.getuid() if hasattr(os, 'getuid') else 0}"]
+
+
+def _compile(compiler: list[str], include_dir: str, target: Path) -> None:
+    folder = target.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: concurrent processes never load a partial file.
+    handle, partial = tempfile.mkstemp(prefix=target.stem + ".", suffix=".partial", dir=folder)
+    os.close(handle)
+    try:
+        command = [*compiler, *_FLAGS, f"-I{include_dir}", str(_SOURCE), "-o", partial]
+        finished = subprocess.run(command, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, check=False)
+        if finished.returncode != 0:
+            raise RuntimeError(f"{shlex.join(command)} failed:\n{finished.stderr[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+@functools.cache
+def _load_library() -> ctypes.CDLL | None:
+    if sys.platform not in ("linux", "darwin"):
+        raise RuntimeError(f"native kernels are built only on Linux and macOS, not {sys.platform}")
+    compiler = shlex.split(os.environ.get("CXX", "c++"))
+    if not compiler or shutil.which(compiler[0]) is None:
+        raise RuntimeError(f"no C++ compiler found (tried {compiler[:1]}; set CXX to choose one)")
+    include_dir = jax.ffi.include_dir()
+    if not (Path(include_dir) / "xla" / "ffi" / "api" / "ffi.h").exists():
+        raise RuntimeError(f"the XLA FFI headers are missing from jaxlib ({include_dir})")
+    import jaxlib
+    key = hashlib.sha256("\n".join([_SOURCE.read_text(), jaxlib.__version__, shlex.join(compiler + _FLAGS),
+                                    platform.machine(), sys.platform]).encode()).hexdigest()[:20]
+    errors = []
+    for folder in _cache_folders():
+        target = folder / f"jaxboost_kernels_{key}.so"
+        try:
+            if not target.exists():
+                logger.info("compiling jaxboost's native CPU kernels into %s (once)", target)
+                _compile(compiler, include_dir, target)
+            return ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            errors.append(f"{folder}: {error}")
+    raise RuntimeError("could not build the native kernels; " + "; ".join(errors))
+
+
+@functools.cache
+def _registered_targets() -> frozenset[str]:
+    try:
+        library = _load_library()
+        for name, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    except Exception as error:  # noqa: BLE001 - whatever went wrong, the XLA kernels remain
+        logger.debug("jaxboost native CPU kernels unavailable, using the XLA kernels: %s", error)
+        return frozenset()
+    return frozenset(_SYMBOLS)
+
+
+def native_target(name: str) -> str | None:
+    """The registered FFI target ``name`` for CPU, building the kernels on first use; None when
+    native kernels are off or could not be built (the caller then uses its XLA version)."""
+    if not native_enabled():
+        return None
+    return name if name in _registered_targets() else None
