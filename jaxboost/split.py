@@ -90,7 +90,10 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     loss_change = jnp.where(valid, loss_change, -jnp.inf).reshape(num_nodes, -1)
 
     # The first index of the maximum (argmax's tie rule) by two plain reductions: a variadic
-    # (value, index) reduce is several times slower on CPU.
+    # (value, index) reduce is several times slower on CPU. The barrier makes both reductions
+    # read one computed array; fused separately, the gains could be recomputed with different
+    # rounding and the maximum then matches nothing.
+    loss_change = jax.lax.optimization_barrier(loss_change)
     candidates = jnp.arange(loss_change.shape[1], dtype=jnp.int32)
     best_value = jnp.max(loss_change, axis=1, keepdims=True)
     best = jnp.min(jnp.where(loss_change == best_value, candidates, loss_change.shape[1] - 1), axis=1)
