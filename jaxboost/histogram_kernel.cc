@@ -9,6 +9,7 @@
 // feature. Threads, when asked for, each take a range of features (disjoint cells, no reduction).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -247,6 +248,80 @@ XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
                            .Attr<int64_t>("threads")
                            .Ret<ffi::Buffer<ffi::F32>>());
 
+// Prediction on raw features: every row walks every tree (rounds x outputs) of the heap layout
+// and adds the leaf value to its raw prediction, round after round in float32 (the order the
+// training loop uses). A row goes left when x < threshold, the bin edge of the split (exactly
+// "bin <= threshold_bin"), and NaN follows the node's default direction, so no binning is
+// needed. ``packed`` holds feature << 10 | threshold_bin << 2 | default_left << 1 | is_leaf.
+ffi::Error PredictImpl(ffi::Buffer<ffi::F32> features, ffi::Buffer<ffi::S32> packed, ffi::Buffer<ffi::F32> thresholds,
+                       ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> initial, ffi::ResultBuffer<ffi::F32> raw) {
+  const auto feature_dims = features.dimensions();
+  const auto tree_dims = packed.dimensions();
+  if (feature_dims.size() != 2 || tree_dims.size() != 3) {
+    return ffi::Error::InvalidArgument("predict kernel: X (n, d), trees (rounds, outputs, nodes) expected");
+  }
+  const int64_t n_rows = feature_dims[0], n_features = feature_dims[1];
+  const int64_t rounds = tree_dims[0], outputs = tree_dims[1], nodes = tree_dims[2];
+  if (static_cast<int64_t>(values.element_count()) != rounds * outputs * nodes ||
+      static_cast<int64_t>(thresholds.element_count()) != rounds * outputs * nodes ||
+      static_cast<int64_t>(initial.element_count()) != n_rows * outputs ||
+      static_cast<int64_t>(raw->element_count()) != n_rows * outputs) {
+    return ffi::Error::InvalidArgument("predict kernel: inconsistent shapes");
+  }
+  if (n_features == 0) return ffi::Error::InvalidArgument("predict kernel: no features");
+  const float* x = features.typed_data();
+  const int32_t* node_info = packed.typed_data();
+  const float* split_at = thresholds.typed_data();
+  const float* leaf_values = values.typed_data();
+  float* out = raw->typed_data();
+  std::copy(initial.typed_data(), initial.typed_data() + n_rows * outputs, out);
+  int64_t depth = 0;
+  while ((int64_t{2} << depth) - 1 < nodes) ++depth;  // nodes = 2^(depth+1) - 1
+  // Checked once here, so the walk itself needs no bounds checks.
+  if ((int64_t{2} << depth) - 1 != nodes) return ffi::Error::InvalidArgument("predict kernel: not a full heap");
+  for (int64_t i = 0; i < rounds * outputs * nodes; ++i) {
+    const int64_t feature = node_info[i] >> 10;
+    if ((node_info[i] & 1) == 0 && (feature < 0 || feature >= n_features)) {
+      return ffi::Error::InvalidArgument("predict kernel: split feature out of range");
+    }
+  }
+  // Blocks of rows walk one tree together, a fixed number of levels with no data-dependent
+  // branch (a leaf keeps its row), so the independent rows overlap in the pipeline.
+  constexpr int64_t kPredictBlock = 16;
+  int64_t node_of[kPredictBlock];
+  for (int64_t first = 0; first < n_rows; first += kPredictBlock) {
+    const int64_t block = std::min<int64_t>(kPredictBlock, n_rows - first);
+    for (int64_t tree = 0; tree < rounds * outputs; ++tree) {
+      const int32_t* info = node_info + tree * nodes;
+      const float* threshold = split_at + tree * nodes;
+      for (int64_t r = 0; r < block; ++r) node_of[r] = 0;
+      for (int64_t level = 0; level < depth; ++level) {
+        for (int64_t r = 0; r < block; ++r) {
+          const int64_t node = node_of[r];
+          const int32_t word = info[node];
+          const float value = x[(first + r) * n_features + (word >> 10)];
+          // NaN fails every comparison: it goes right unless the node sends missing values left.
+          const bool goes_right = value != value ? (word & 2) == 0 : !(value < threshold[node]);
+          // Leaves keep their row; a leaf on the last level never reaches this line.
+          node_of[r] = (word & 1) ? node : 2 * node + 1 + static_cast<int64_t>(goes_right);
+        }
+      }
+      const int64_t output = tree % outputs;
+      for (int64_t r = 0; r < block; ++r) out[(first + r) * outputs + output] += leaf_values[tree * nodes + node_of[r]];
+    }
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kPredictHandler, PredictImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Ret<ffi::Buffer<ffi::F32>>());
+
 }  // namespace
 
 extern "C" XLA_FFI_Error* JaxboostHistogram(XLA_FFI_CallFrame* call_frame) {
@@ -255,4 +330,8 @@ extern "C" XLA_FFI_Error* JaxboostHistogram(XLA_FFI_CallFrame* call_frame) {
 
 extern "C" XLA_FFI_Error* JaxboostRouteHistogram(XLA_FFI_CallFrame* call_frame) {
   return kRouteHistogramHandler(call_frame);
+}
+
+extern "C" XLA_FFI_Error* JaxboostPredict(XLA_FFI_CallFrame* call_frame) {
+  return kPredictHandler(call_frame);
 }

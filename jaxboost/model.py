@@ -7,6 +7,7 @@ few bucket sizes so that predicting on many batch sizes compiles only a few prog
 
 from __future__ import annotations
 
+from functools import partial
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from .binning import BinEdges, apply_bins
 from .devices import replicated, row_mesh, row_sharding
-from .predictor import predict_leaf_binned, predict_raw_binned
+from .predictor import native_feature_predictor, packed_nodes, predict_leaf_binned, predict_raw_binned
 from .tree import Tree
 from .validation import check_base_margin, check_features
 
@@ -89,20 +90,38 @@ class Model:
         Uses rounds ``[0, best_iteration]`` after early stopping unless ``iteration_range``
         (rounds ``a .. b-1``) says otherwise.
         """
-        X_binned = self._binned(X)
-        n_rows = X_binned.shape[0]
+        features, _ = check_features(X, n_features=self.n_features)
+        n_rows = features.shape[0]
         margin = check_base_margin(base_margin, n_rows, self.num_outputs)
         initial = np.broadcast_to(self.base_score, (n_rows, self.num_outputs)) if margin is None else margin
         start, stop = self._rounds(iteration_range)
+        trees = jax.tree_util.tree_map(lambda a: np.asarray(a)[start:stop], self.trees)
+        split_features = trees.feature[~trees.is_leaf]
+        if np.any((split_features < 0) | (split_features >= self.n_features)):
+            raise ValueError(f"the model's trees split on feature indices out of range for its {self.n_features} "
+                             "features: the model is corrupt")
         # Rows are sharded over the devices (every core on a CPU) like in training.
         mesh = row_mesh(n_rows)
         size = padded_size(n_rows, mesh.size)
-        X_padded = np.zeros((size, X_binned.shape[1]), np.uint8)
-        X_padded[:n_rows] = X_binned
         initial_padded = np.zeros((size, self.num_outputs), np.float32)
         initial_padded[:n_rows] = initial
-        trees = jax.device_put(jax.tree_util.tree_map(lambda a: a[start:stop], self.trees), replicated(mesh))
-        raw = np.asarray(predict_raw_binned(trees, jax.device_put(X_padded, row_sharding(mesh, 2)),
+        native = native_feature_predictor(mesh)
+        if native is not None:
+            # Raw features against the splits' bin edges: the same routing, without binning.
+            thresholds = self.bin_edges.edges[trees.feature, np.minimum(trees.threshold_bin,
+                                                                        self.bin_edges.edges.shape[1] - 1)]
+            X_padded = np.zeros((size, features.shape[1]), np.float32)
+            X_padded[:n_rows] = features
+            put = partial(jax.device_put, device=replicated(mesh))
+            raw = np.asarray(native(put(packed_nodes(trees)), put(thresholds.astype(np.float32)),
+                                    put(trees.value.astype(np.float32)),
+                                    jax.device_put(X_padded, row_sharding(mesh, 2)),
+                                    jax.device_put(initial_padded, row_sharding(mesh, 2))))[:n_rows]
+            return raw[:, 0] if self.num_outputs == 1 else raw
+        X_padded = np.zeros((size, features.shape[1]), np.uint8)
+        X_padded[:n_rows] = apply_bins(features, self.bin_edges)
+        raw = np.asarray(predict_raw_binned(jax.device_put(trees, replicated(mesh)),
+                                            jax.device_put(X_padded, row_sharding(mesh, 2)),
                                             jax.device_put(initial_padded, row_sharding(mesh, 2)),
                                             missing_bin=self.bin_edges.missing_bin, mesh=mesh))[:n_rows]
         return raw[:, 0] if self.num_outputs == 1 else raw

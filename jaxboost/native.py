@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 
 HISTOGRAM_TARGET = "jaxboost_histogram"
 ROUTE_HISTOGRAM_TARGET = "jaxboost_route_histogram"
+PREDICT_TARGET = "jaxboost_predict"
 _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
-_SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram"}
+_SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
+            PREDICT_TARGET: "JaxboostPredict"}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w"]
 _COMPILE_TIMEOUT_S = 300
 

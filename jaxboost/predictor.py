@@ -15,7 +15,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from .native import PREDICT_TARGET, native_target
 from .tree import Tree, depth_of_heap
+
+
+def packed_nodes(tree: Tree) -> jax.Array:
+    """Everything a row needs about a node in one int32: feature, threshold bin, missing
+    direction and leaf flag (``feature << 10 | threshold_bin << 2 | default_left << 1 | is_leaf``)."""
+    return ((tree.feature << 10) | (tree.threshold_bin << 2) | (tree.default_left.astype(jnp.int32) << 1)
+            | tree.is_leaf.astype(jnp.int32))
 
 
 def leaf_index(tree: Tree, X_binned: jax.Array, missing_bin: int) -> jax.Array:
@@ -24,8 +32,7 @@ def leaf_index(tree: Tree, X_binned: jax.Array, missing_bin: int) -> jax.Array:
     n_rows = X_binned.shape[0]
     row_ids = jnp.arange(n_rows)
     # One gather per level reads everything a row needs about its node.
-    packed = ((tree.feature << 10) | (tree.threshold_bin << 2) | (tree.default_left.astype(jnp.int32) << 1)
-              | tree.is_leaf.astype(jnp.int32))
+    packed = packed_nodes(tree)
     node = jnp.zeros(n_rows, jnp.int32)
     for _ in range(max_depth):
         info = packed[node]
@@ -51,6 +58,31 @@ def _predict_raw_local(trees: Tree, X_binned: jax.Array, initial: jax.Array, mis
 
     raw_prediction, _ = lax.scan(add_round, initial, trees)
     return raw_prediction
+
+
+def _native_predict_raw_local(target: str, packed: jax.Array, thresholds: jax.Array, values: jax.Array,
+                              X: jax.Array, initial: jax.Array) -> jax.Array:
+    result = jax.ShapeDtypeStruct(initial.shape, jnp.float32)
+    return jax.ffi.ffi_call(target, result, vmap_method="sequential")(X, packed, thresholds, values, initial)
+
+
+def native_feature_predictor(mesh: Mesh):
+    """On CPU with the native kernels built: ``f(packed, thresholds, values, X, initial) -> raw``
+    predicting from raw float32 ``X`` (no binning; a row goes left when ``x < threshold``, the
+    split's bin edge, which is exactly "bin <= threshold_bin"). None elsewhere: bin and use
+    ``predict_raw_binned``."""
+    if mesh.devices.flat[0].platform != "cpu":
+        return None
+    target = native_target(PREDICT_TARGET)
+    return None if target is None else _sharded_feature_predictor(mesh, target)
+
+
+@lru_cache(maxsize=16)
+def _sharded_feature_predictor(mesh: Mesh, target: str):
+    rows = PartitionSpec(mesh.axis_names[0])
+    return jax.jit(jax.shard_map(partial(_native_predict_raw_local, target), mesh=mesh,
+                                 in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), rows, rows),
+                                 out_specs=rows, check_vma=False))
 
 
 @lru_cache(maxsize=16)

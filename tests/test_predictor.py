@@ -1,0 +1,78 @@
+"""Prediction on raw features (the native CPU kernel) against the binned XLA predictor.
+
+On CPU, ``Model.predict_raw`` walks raw float32 features against the splits' bin edges
+(``x < edge`` goes left, NaN takes the default direction) instead of binning first; it must give
+bit-identical raw predictions to the binned path, which GPU/TPU and the training loop use.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxboost as jb
+from jaxboost import predictor
+from jaxboost.binning import apply_bins
+from jaxboost.native import PREDICT_TARGET, native_target
+
+pytestmark = pytest.mark.skipif(native_target(PREDICT_TARGET) is None,
+                                reason="the native kernels could not be built here; the binned path is tested elsewhere")
+
+
+def binned_prediction(model, X, iteration_range=None, base_margin=None):
+    start, stop = model._rounds(iteration_range)
+    trees = jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a)[start:stop]), model.trees)
+    initial = (np.broadcast_to(model.base_score, (len(X), model.num_outputs)) if base_margin is None
+               else np.asarray(base_margin, np.float32).reshape(len(X), -1))
+    raw = np.asarray(jax.jit(predictor._predict_raw_local, static_argnums=3)(
+        trees, jnp.asarray(apply_bins(X, model.bin_edges)), jnp.asarray(initial, jnp.float32),
+        model.bin_edges.missing_bin))
+    return raw[:, 0] if model.num_outputs == 1 else raw
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(3000, 6)).astype(np.float32)
+    X[rng.random(X.shape) < 0.1] = np.nan
+    X[:, 5] = np.where(rng.random(3000) < 0.5, np.nan, 1.0)  # splits on it use a padded +inf edge
+    signal = np.nan_to_num(X[:, 0]) - np.nan_to_num(X[:, 1]) ** 2 + 1.5 * np.isnan(X[:, 5])
+    return X, signal
+
+
+@pytest.mark.parametrize("loss", ["squared_error", "logistic", "softmax"])
+def test_raw_feature_prediction_equals_binned_prediction_exactly(data, loss):
+    X, signal = data
+    y = {"squared_error": signal, "logistic": (signal > 0).astype(np.float32),
+         "softmax": np.digitize(signal, [-1.0, 0.5]).astype(np.float32)}[loss]
+    model = jb.train(X, y, loss=loss, num_rounds=8, max_depth=4, learning_rate=0.3)
+    assert np.any(model.trees.feature[~model.trees.is_leaf & (model.trees.loss_change > 0)] == 5)
+    X_new = np.random.default_rng(9).normal(size=(777, 6)).astype(np.float32)
+    X_new[::5, 2] = np.nan
+    X_new[::3, 5] = np.nan
+    for rows in (X, X_new):
+        np.testing.assert_array_equal(model.predict_raw(rows), binned_prediction(model, rows))
+    np.testing.assert_array_equal(model.predict_raw(X_new, iteration_range=(2, 6)),
+                                  binned_prediction(model, X_new, iteration_range=(2, 6)))
+
+
+def test_base_margin_and_fallback(data, monkeypatch):
+    X, signal = data
+    model = jb.train(X, signal, num_rounds=5, max_depth=3, base_margin=np.full(len(X), 0.5))
+    margin = np.linspace(-1, 1, len(X))
+    native = model.predict_raw(X, base_margin=margin)
+    np.testing.assert_array_equal(native, binned_prediction(model, X, base_margin=margin))
+    monkeypatch.setenv("JAXBOOST_NATIVE", "0")
+    np.testing.assert_array_equal(model.predict_raw(X, base_margin=margin), native)
+
+
+def test_a_split_on_a_missing_feature_is_an_error_not_a_crash(data):
+    X, signal = data
+    model = jb.train(X, signal, num_rounds=2, max_depth=3)
+    feature = np.array(model.trees.feature)
+    feature[0, 0, 0] = 99
+    broken = dataclasses.replace(model, trees=model.trees._replace(feature=feature))
+    with pytest.raises(Exception, match="out of range"):
+        broken.predict_raw(X)
