@@ -423,5 +423,4 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
             break
     for callback in all_callbacks:
         callback.after_training(state)
-    return build_model(state.best_iteration if early_stopping_rounds is not None or state.best_iteration is not None
-                       else None)
+    return build_model(state.best_iteration)

@@ -1,5 +1,6 @@
 """Shared test data: the small models that the interop tests (XGBoost export, treelite, SHAP)
-explain and export, trained once per session."""
+explain and export, trained once per session (test files with their own ``data`` fixture
+override it)."""
 
 import numpy as np
 import pytest
@@ -31,15 +32,15 @@ def labels(task, signal, rng):
 
 
 @pytest.fixture(scope="session")
-def interop_data():
+def data():
     X, signal, rng = make_data(0)
     X_test, _, _ = make_data(1)
     return X, signal, rng, X_test
 
 
 @pytest.fixture(scope="session")
-def interop_models(interop_data):
-    X, signal, _, _ = interop_data
+def models(data):
+    X, signal, _, _ = data
     rng = np.random.default_rng(7)
     return {task: jb.train(X, labels(task, signal, rng), loss=task, num_rounds=6, max_depth=4, max_bin=32,
                            learning_rate=0.3)

@@ -159,13 +159,3 @@ def test_shap_tree_explainer_takes_the_model(task, models, data):
     if task == "softmax":
         booster_values = np.moveaxis(booster_values, -1, 1)
     np.testing.assert_allclose(booster_values, contributions[..., :-1], rtol=0, atol=1e-4)
-
-
-@pytest.fixture(scope="module")
-def data(interop_data):
-    return interop_data
-
-
-@pytest.fixture(scope="module")
-def models(interop_models):
-    return interop_models

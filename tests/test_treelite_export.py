@@ -63,13 +63,3 @@ def test_custom_link_warns_and_exports_margins(models, data):
         tl_model = model.export_treelite()
     raw = model.predict_raw(X_test)
     np.testing.assert_allclose(treelite.gtil.predict(tl_model, X_test).reshape(raw.shape), raw, rtol=1e-5, atol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def data(interop_data):
-    return interop_data
-
-
-@pytest.fixture(scope="module")
-def models(interop_models):
-    return interop_models

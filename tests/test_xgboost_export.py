@@ -136,13 +136,3 @@ def test_best_iteration_is_kept(models, data, tmp_path):
 def test_rejects_non_json_path(models, tmp_path):
     with pytest.raises(ValueError, match=".json"):
         models["squared_error"].export_xgboost(tmp_path / "model.ubj")
-
-
-@pytest.fixture(scope="module")
-def data(interop_data):
-    return interop_data
-
-
-@pytest.fixture(scope="module")
-def models(interop_models):
-    return interop_models
