@@ -1,5 +1,10 @@
 """Boosting round: raw predictions -> g, h by autodiff -> one tree per output -> new raw predictions.
 
+With vector leaves (``multi_strategy="multi_output_tree"``) the round grows one tree for all K
+outputs from the gradients and full per-row Hessians, and hands it on as K trees that share
+their splits (one per output, holding that output's leaf values), so prediction, model files,
+exports and SHAP treat it like any other model.
+
 One jitted call per round, traced once per shape: every numeric hyperparameter is a traced
 value, and only shapes and structure (depth, bins, outputs, the loss function, the eval sets'
 layout) are static. Rows are sharded over the devices of a 1-D mesh with ``shard_map``; the
@@ -17,13 +22,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from .derivatives import output_gradient, values_gradients_and_hessians
+from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
 from .devices import ROW_AXIS, all_sum
 from .grower import GrowthParams, grow_tree, sample_features
 from .line_search import minimise_segment_offsets
 from .predictor import predict_round
-from .regularizer import Regularization, clip_leaf_value
-from .tree import num_heap_nodes
+from .regularizer import Regularization, VectorLeaves, clip_leaf_value
+from .tree import Tree, num_heap_nodes
 
 # Hessians below this are reported as negative rather than taken as rounding noise.
 NEGATIVE_HESSIAN_TOLERANCE = 1e-6
@@ -74,6 +79,7 @@ class RoundShape(NamedTuple):
     metrics: tuple  # per eval set metric functions: metric(y, raw_prediction, weight, loss_params) -> scalar
     mesh: Mesh
     hessian_mode: str = "exact"
+    vector_leaves: VectorLeaves | None = None  # one tree with vector leaves per round (else one per output)
 
 
 class RoundHealth(NamedTuple):
@@ -145,26 +151,90 @@ def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array
     return constant
 
 
+def _apply_hessian_mode(shape: RoundShape, params: RoundParams, h: jax.Array) -> jax.Array:
+    """The curvature used for splits and Newton values: per-row Hessian diagonals ``(n, K)`` or,
+    for vector leaves, matrices ``(n, K, K)`` whose diagonal the mode floors or replaces."""
+    if shape.hessian_mode == "exact":
+        return h
+    diagonal = jnp.diagonal(h, axis1=-2, axis2=-1) if h.ndim == 3 else h
+    diagonal = (jnp.maximum(diagonal, params.hessian_floor) if shape.hessian_mode == "floor"
+                else jnp.ones_like(diagonal))
+    if h.ndim == 2:
+        return diagonal
+    identity = jnp.eye(h.shape[-1], dtype=bool)
+    off_diagonal = jnp.where(identity, 0.0, h) if shape.hessian_mode == "floor" else 0.0
+    return off_diagonal + diagonal[..., :, None] * identity
+
+
+def _round_health(counted: jax.Array, values, g, h, diagonal) -> RoundHealth:
+    finite = (jnp.isfinite(values) & jnp.all(jnp.isfinite(g.reshape(g.shape[0], -1)), axis=1)
+              & jnp.all(jnp.isfinite(h.reshape(h.shape[0], -1)), axis=1))
+    negative = jnp.any(diagonal < -NEGATIVE_HESSIAN_TOLERANCE, axis=1)
+    return RoundHealth(non_finite=all_sum(jnp.sum(counted & ~finite), ROW_AXIS),
+                       negative_hessian=all_sum(jnp.sum(counted & negative), ROW_AXIS))
+
+
+def _split_hessians(counted, diagonal, row_weight):
+    # A zero Hessian (absolute error, quantile, hinge, Huber's tails) would make every node
+    # weightless: the split search uses the row's sample weight instead, as XGBoost does for
+    # absolute error. Leaf values then come from the exact refit.
+    return jnp.where(counted[:, None], jnp.where(diagonal > 0, diagonal, 1.0) * row_weight[:, None], 0.0)
+
+
+# Coordinate sweeps over the outputs when refitting vector leaves on the true loss.
+VECTOR_REFIT_SWEEPS = 2
+
+
+def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, y, row_weight, raw_prediction,
+                            feature_allowed, tree_key):
+    """Row-local body of a round with vector leaves: one tree for all K outputs."""
+    objective, leaves = shape.objective, shape.vector_leaves
+    K = objective.num_outputs
+    values, g, hessian = values_gradients_and_hessian_matrices(bind_loss(objective, params.loss_params),
+                                                               raw_prediction, y)
+    counted = row_weight > 0
+    hessian = _apply_hessian_mode(shape, params, hessian)
+    diagonal = jnp.diagonal(hessian, axis1=-2, axis2=-1)
+    health = _round_health(counted, values, g, hessian, diagonal)
+    identity = jnp.eye(K, dtype=bool)
+    hessian = jnp.where(identity, _split_hessians(counted, diagonal, row_weight)[..., :, None],
+                        jnp.where(counted[:, None, None], hessian * row_weight[:, None, None], 0.0))
+    gradients = jnp.where(counted[:, None], g * row_weight[:, None], 0.0)
+    tree, row_leaf, _ = grow_tree(X_binned_T, gradients, leaves.pack_hessian(hessian), feature_allowed, tree_key,
+                                  params.growth, shape.max_depth, shape.max_bin, ROW_AXIS, shape.sample_columns,
+                                  leaves)
+    if shape.leaf_refit:
+        num_nodes = num_heap_nodes(shape.max_depth)
+
+        def refit_output(step, offsets):
+            # Coordinate descent: each output's leaf offsets exactly, given the others'.
+            output = step % K
+            others = offsets.at[:, output].set(0.0)
+            offset = minimise_offsets(objective, raw_prediction + others[row_leaf], y, row_weight, row_leaf,
+                                      num_nodes, output, params.growth.reg, ROW_AXIS, params.loss_params)
+            return offsets.at[:, output].set(offset)
+
+        offsets = jax.lax.fori_loop(0, VECTOR_REFIT_SWEEPS * K, refit_output, jnp.zeros((num_nodes, K)))
+        refit = params.growth.learning_rate * clip_leaf_value(offsets, params.growth.reg)
+        tree = tree._replace(value=jnp.where(tree.is_leaf[:, None], refit, tree.value))
+    shared = [jnp.broadcast_to(field, (K,) + field.shape) for field in tree]
+    trees = Tree(*shared)._replace(value=tree.value.T, sum_hessians=tree.sum_hessians.T)
+    return raw_prediction + tree.value[row_leaf], trees, health
+
+
 def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row_weight, raw_prediction,
                       feature_allowed, tree_key):
     """Row-local body of a round (inside ``shard_map``): derivatives, K trees, refits, update."""
+    if shape.vector_leaves is not None:
+        return _grow_round_vector_tree(shape, params, X_binned_T, y, row_weight, raw_prediction, feature_allowed,
+                                       tree_key)
     objective = shape.objective
     values, g, h = loss_derivatives(objective, raw_prediction, y, params.loss_params)
-    counted = (row_weight > 0)[:, None]
-    finite = jnp.isfinite(values)[:, None] & jnp.isfinite(g) & jnp.isfinite(h)
-    gradients = jnp.where(counted, g * row_weight[:, None], 0.0)
-    if shape.hessian_mode == "floor":
-        h = jnp.maximum(h, params.hessian_floor)
-    elif shape.hessian_mode == "constant":
-        h = jnp.ones_like(h)
-    health = RoundHealth(
-        non_finite=all_sum(jnp.sum(counted & ~finite), ROW_AXIS),
-        negative_hessian=all_sum(jnp.sum(counted & (h < -NEGATIVE_HESSIAN_TOLERANCE)), ROW_AXIS),
-    )
-    # A zero Hessian (absolute error, quantile, hinge, Huber's tails) would make every node
-    # weightless: the split search uses the row's sample weight instead, as XGBoost does for
-    # absolute error. Leaf values then come from the exact refit below.
-    split_hessians = jnp.where(counted, jnp.where(h > 0, h, 1.0) * row_weight[:, None], 0.0)
+    counted = row_weight > 0
+    h = _apply_hessian_mode(shape, params, h)
+    health = _round_health(counted, values, g, h, h)
+    gradients = jnp.where(counted[:, None], g * row_weight[:, None], 0.0)
+    split_hessians = _split_hessians(counted, h, row_weight)
     num_nodes = num_heap_nodes(shape.max_depth)
 
     def one_output(output):

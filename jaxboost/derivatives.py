@@ -3,8 +3,8 @@
 The loss is ``loss(raw_prediction, y) -> scalar`` for ONE example, the optax convention;
 ``raw_prediction`` is a scalar for single-output losses and a length-K vector otherwise. The
 gradient comes from ``jax.grad`` and the Hessian diagonal from forward-over-reverse
-(``jax.jvp`` of the gradient), both in one pass; rows are batched with ``jax.vmap``. Nobody
-writes a derivative by hand.
+(``jax.jvp`` of the gradient), both in one pass (the whole K x K matrix for vector leaves);
+rows are batched with ``jax.vmap``. Nobody writes a derivative by hand.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 
-def _example_value_gradient_and_hessian_diagonal(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
+def _example_value_gradient_and_hessian(loss: Callable, raw_prediction: jax.Array, y: jax.Array,
+                                        full: bool = False):
     def value_and_gradient(f):
         return jax.value_and_grad(loss)(f, y)
 
@@ -23,10 +24,10 @@ def _example_value_gradient_and_hessian_diagonal(loss: Callable, raw_prediction:
         (value, g), (_, h) = jax.jvp(value_and_gradient, (raw_prediction,), (jnp.ones_like(raw_prediction),))
         return value, g, h
 
-    # One Hessian-vector product per output, keeping the diagonal entry of each.
+    # One Hessian-vector product per output: the columns of the Hessian.
     basis = jnp.eye(raw_prediction.shape[0], dtype=raw_prediction.dtype)
     (value, g), (_, hessian_columns) = jax.vmap(lambda e: jax.jvp(value_and_gradient, (raw_prediction,), (e,)))(basis)
-    return value[0], g[0], jnp.diagonal(hessian_columns)
+    return value[0], g[0], hessian_columns if full else jnp.diagonal(hessian_columns)
 
 
 def values_gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
@@ -41,7 +42,14 @@ def values_gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: 
       values ``(n,)``, and ``(g, h)`` shaped like ``raw_prediction``; ``h`` is the Hessian
       diagonal.
     """
-    return jax.vmap(lambda f, label: _example_value_gradient_and_hessian_diagonal(loss, f, label))(raw_prediction, y)
+    return jax.vmap(lambda f, label: _example_value_gradient_and_hessian(loss, f, label))(raw_prediction, y)
+
+
+def values_gradients_and_hessian_matrices(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
+    """Row-wise loss values ``(n,)``, gradients ``(n, K)`` and full Hessians ``(n, K, K)`` of a
+    vector loss (vector leaves solve with the whole matrix, not just its diagonal)."""
+    return jax.vmap(lambda f, label: _example_value_gradient_and_hessian(loss, f, label, full=True))(
+        raw_prediction, y)
 
 
 def gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: jax.Array):

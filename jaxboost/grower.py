@@ -11,6 +11,11 @@ Constraints travel with the nodes of a level: monotone constraints as value boun
 interaction constraints as the set of features used on the path to each node (a node may split
 on a feature only if some allowed group holds it and every feature already on its path).
 
+Vector leaves (``leaves``, XGBoost's ``multi_output_tree``): one tree serves K outputs; rows
+carry K gradients and a packed Hessian (``regularizer.VectorLeaves``), histograms carry those
+channels, and each node's value is a K-vector (``value`` and ``sum_hessians`` get a trailing K
+axis: the value and the Hessian diagonal).
+
 Rows may be sharded over devices: pass the mapped ``axis_name`` and every sum over rows
 (histograms, row counts) is completed with ``psum``; everything else is row-local or replicated.
 """
@@ -23,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from .devices import all_sum
-from .histogram import build_histogram, route_and_build_histogram
-from .regularizer import Regularization, leaf_value
-from .split import NodeBounds, find_best_splits_over_devices
+from .histogram import build_statistics_histogram, route_and_build_statistics_histogram
+from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
+from .split import NodeBounds, find_best_splits_over_devices, hessian_mass
 from .tree import Tree, num_heap_nodes
 
 # XGBoost's kRtEps: a split must improve the objective by more than this.
@@ -63,11 +68,19 @@ def sample_features(key: jax.Array, allowed: jax.Array, fraction: jax.Array) -> 
     return allowed & (scores <= cut)
 
 
-def empty_tree(num_nodes: int) -> Tree:
+def empty_tree(num_nodes: int, num_outputs: int | None = None) -> Tree:
+    """Zeroed node arrays; ``num_outputs`` gives ``value`` and ``sum_hessians`` a trailing axis
+    (vector leaves)."""
     zeros_f = jnp.zeros(num_nodes, jnp.float32)
     zeros_i = jnp.zeros(num_nodes, jnp.int32)
     zeros_b = jnp.zeros(num_nodes, bool)
-    return Tree(zeros_i, zeros_i, zeros_b, zeros_b, zeros_f, zeros_f, zeros_f)
+    per_output = zeros_f if num_outputs is None else jnp.zeros((num_nodes, num_outputs), jnp.float32)
+    return Tree(zeros_i, zeros_i, zeros_b, zeros_b, per_output, zeros_f, per_output)
+
+
+def _where_nodes(condition: jax.Array, x: jax.Array, y) -> jax.Array:
+    """``where`` with a per-node condition over per-node arrays that may have trailing axes."""
+    return jnp.where(condition.reshape(condition.shape + (1,) * (x.ndim - condition.ndim)), x, y)
 
 
 def _children(nodes: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
@@ -105,7 +118,7 @@ def prune_by_gamma(tree: Tree, max_depth: int, gamma: jax.Array) -> tuple[Tree, 
     # importance, split counts) see only the tree that predicts.
     unreachable = closed & ~is_leaf
     pruned = tree._replace(is_leaf=is_leaf, loss_change=jnp.where(is_leaf, 0.0, tree.loss_change))
-    pruned = Tree(*(jnp.where(unreachable, jnp.zeros_like(field), field) for field in pruned))
+    pruned = Tree(*(_where_nodes(unreachable, jnp.zeros_like(field), field) for field in pruned))
     return pruned, surviving_leaf
 
 
@@ -121,9 +134,9 @@ class _LevelState(NamedTuple):
     node_of_row: jax.Array  # (n,) position of each row's node within the current level
     row_leaf: jax.Array  # (n,) heap index of the leaf a row stopped in (valid once it stopped)
     active: jax.Array  # (capacity,) the level's nodes that exist and may split
-    level_gradients: jax.Array  # (capacity,)
-    level_hessians: jax.Array  # (capacity,)
-    histograms: jax.Array | None  # (capacity, d, bins, 2); None on the leaf level
+    level_gradients: jax.Array  # (capacity,), vector leaves (capacity, K)
+    level_hessians: jax.Array  # (capacity,), vector leaves (capacity, Hessian channels)
+    histograms: jax.Array | None  # (capacity, d, bins, channels); None on the leaf level
     lower: jax.Array  # (capacity,) value bounds from monotone constraints (+-inf when free)
     upper: jax.Array
     path_features: jax.Array | None  # (capacity, d) features split on above each node
@@ -131,17 +144,21 @@ class _LevelState(NamedTuple):
 
 def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, feature_allowed: jax.Array,
               key: jax.Array, params: GrowthParams, max_depth: int, max_bin: int,
-              axis_name: str | None = None, sample_columns: bool = True) -> tuple[Tree, jax.Array, tuple]:
+              axis_name: str | None = None, sample_columns: bool = True,
+              leaves: VectorLeaves | None = None) -> tuple[Tree, jax.Array, tuple]:
     """Grow one tree.
 
     Args:
       X_binned_T: uint8 ``(n_features, n_rows)``.
       gradients, hessians: float32 ``(n_rows,)``, sample weights already applied; rows out of
-        the sample (or padding) carry zeros.
+        the sample (or padding) carry zeros. Vector leaves: ``(n_rows, K)`` gradients and
+        ``(n_rows, leaves.hessian_channels)`` packed Hessians.
       feature_allowed: bool ``(n_features,)``, the features sampled for this tree.
       key: PRNG key for per-level and per-node column sampling.
       sample_columns: False when ``colsample_bylevel`` and ``colsample_bynode`` are both 1, so
         the sampling is left out of the compiled program.
+      leaves: the vector-leaf layout, or None for one scalar output (monotone constraints
+        apply to scalar leaves only).
 
     Returns:
       ``(tree, row_leaf, (lower, upper))``: the tree's node arrays (values times the learning
@@ -156,19 +173,30 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     num_nodes = num_heap_nodes(max_depth)
     row_ids = jnp.arange(n_rows)
     monotone = params.monotone
+    if leaves is not None and monotone is not None:
+        raise ValueError("monotone constraints apply to scalar leaves only, not to vector leaves")
+    K = None if leaves is None else leaves.num_outputs
+    if leaves is None:
+        statistics = jnp.stack([gradients, hessians], axis=-1)
+    else:
+        statistics = jnp.concatenate([gradients, hessians], axis=-1)
     node_bounds = (jnp.full(num_nodes, -jnp.inf), jnp.full(num_nodes, jnp.inf))
 
     def record_values(tree, bounds, depth, state):
         active = state.active
         positions = jnp.arange(active.shape[0])
         heap_index = jnp.where(positions < 2 ** depth, 2 ** depth - 1 + positions, num_nodes)
-        values = params.learning_rate * leaf_value(state.level_gradients, state.level_hessians, params.reg,
-                                                   state.lower, state.upper)
+        if leaves is None:
+            values = leaf_value(state.level_gradients, state.level_hessians, params.reg, state.lower, state.upper)
+            cover = state.level_hessians
+        else:
+            values, _ = vector_value_and_score(state.level_gradients, state.level_hessians, params.reg, leaves)
+            cover = leaves.diagonal(state.level_hessians)
+        values = params.learning_rate * values
         bounds = tuple(b.at[heap_index].set(level, mode="drop") for b, level in zip(bounds, (state.lower, state.upper)))
         return tree._replace(
-            value=tree.value.at[heap_index].set(jnp.where(active, values, 0.0), mode="drop"),
-            sum_hessians=tree.sum_hessians.at[heap_index].set(jnp.where(active, state.level_hessians, 0.0),
-                                                              mode="drop"),
+            value=tree.value.at[heap_index].set(_where_nodes(active, values, 0.0), mode="drop"),
+            sum_hessians=tree.sum_hessians.at[heap_index].set(_where_nodes(active, cover, 0.0), mode="drop"),
         ), bounds, heap_index
 
     def split_level(depth, carry, next_capacity: int, children_split: bool):
@@ -189,7 +217,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
                                             params.colsample_bynode)
         level_bounds = None if monotone is None else NodeBounds(monotone, state.lower, state.upper)
         split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
-                                              axis_name, level_bounds)
+                                              axis_name, level_bounds, leaves)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
             feature=tree.feature.at[heap_index].set(jnp.where(splits, split.feature, 0), mode="drop"),
@@ -217,9 +245,9 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         else:
             # Histogram only the child with fewer rows; the sibling's is the parent's minus it.
             # The smaller child by Hessian sum: known on every device without counting rows.
-            left_is_smaller = split.left_hessians <= split.right_hessians
-            child_of_row, smaller = route_and_build_histogram(
-                X_binned_T, node_of_row, gradients, hessians, split.feature, split.threshold_bin,
+            left_is_smaller = hessian_mass(split.left_hessians, leaves) <= hessian_mass(split.right_hessians, leaves)
+            child_of_row, smaller = route_and_build_statistics_histogram(
+                X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin,
                 split.default_left, splits, left_is_smaller, max_bin)
             smaller = all_sum(smaller, axis_name)
             larger = state.histograms - smaller
@@ -249,14 +277,19 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     looped_capacity = min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))
     looped_levels = looped_capacity.bit_length() - 1  # levels whose children fit in looped_capacity
     root_index = jnp.zeros(n_rows, jnp.int32)
+
+    def root_level(per_row):
+        return jnp.zeros((looped_capacity,) + per_row.shape[1:]).at[0].set(all_sum(jnp.sum(per_row, axis=0),
+                                                                                   axis_name))
+
     state = _LevelState(
-        tree=empty_tree(num_nodes),
+        tree=empty_tree(num_nodes, K),
         node_of_row=root_index,
         row_leaf=root_index,
         active=jnp.zeros(looped_capacity, bool).at[0].set(True),
-        level_gradients=jnp.zeros(looped_capacity).at[0].set(all_sum(jnp.sum(gradients), axis_name)),
-        level_hessians=jnp.zeros(looped_capacity).at[0].set(all_sum(jnp.sum(hessians), axis_name)),
-        histograms=all_sum(build_histogram(X_binned_T, root_index, gradients, hessians, looped_capacity, max_bin),
+        level_gradients=root_level(gradients),
+        level_hessians=root_level(hessians),
+        histograms=all_sum(build_statistics_histogram(X_binned_T, root_index, statistics, looped_capacity, max_bin),
                            axis_name),
         lower=jnp.full(looped_capacity, -jnp.inf),
         upper=jnp.full(looped_capacity, jnp.inf),

@@ -196,3 +196,43 @@ def _xla_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num
     per_feature = lax.map(one_feature, X_binned_T)  # (d, nodes * bins) complex64
     per_feature = per_feature.reshape(n_features, num_nodes, max_bin).transpose(1, 0, 2)
     return jnp.stack([per_feature.real, per_feature.imag], axis=-1)
+
+
+def _channel_pairs(statistics: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+    """``(n, C)`` statistics as the ``(gradients, hessians)`` pairs the kernels take (the last
+    pair padded with zeros when C is odd)."""
+    channels = statistics.shape[1]
+    if channels % 2:
+        statistics = jnp.concatenate([statistics, jnp.zeros_like(statistics[:, :1])], axis=1)
+    return [(statistics[:, i], statistics[:, i + 1]) for i in range(0, statistics.shape[1], 2)]
+
+
+def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array, statistics: jax.Array,
+                               num_nodes: int, max_bin: int, row_mask: jax.Array | None = None) -> jax.Array:
+    """``build_histogram`` for any number of per-row channels (vector leaves: K gradients and
+    the packed Hessian), two channels per kernel pass.
+
+    Returns float32 ``(num_nodes, n_features, max_bin, C)`` for ``statistics`` ``(n_rows, C)``.
+    """
+    parts = [build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask)
+             for first, second in _channel_pairs(statistics)]
+    return jnp.concatenate(parts, axis=-1)[..., :statistics.shape[1]]
+
+
+def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, statistics: jax.Array,
+                                         split_feature: jax.Array, split_threshold_bin: jax.Array,
+                                         split_default_left: jax.Array, splits: jax.Array,
+                                         left_is_smaller: jax.Array, max_bin: int) -> tuple[jax.Array, jax.Array]:
+    """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
+    while routing, the others afterwards over the rows of the smaller children only."""
+    pairs = _channel_pairs(statistics)
+    child_of_row, first = route_and_build_histogram(
+        X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
+        left_is_smaller, max_bin)
+    if len(pairs) == 1:
+        return child_of_row, first[..., :statistics.shape[1]]
+    goes_right = (child_of_row - 2 * node_of_row) == 1
+    in_smaller_child = splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
+    rest = [build_histogram(X_binned_T, node_of_row, g, h, splits.shape[0], max_bin, in_smaller_child)
+            for g, h in pairs[1:]]
+    return child_of_row, jnp.concatenate([first] + rest, axis=-1)[..., :statistics.shape[1]]

@@ -9,7 +9,7 @@ count (every node on a path from the root through split nodes); the kinds are XG
   cover        average Hessian sum (``sum_hessians``) of the split nodes
   total_cover  summed Hessian sum
 
-Every tree of every output counts. By default the rounds are those ``predict`` uses (up to
+Every tree of every output counts (a vector-leaf tree once). By default the rounds are those ``predict`` uses (up to
 ``best_iteration`` after early stopping); XGBoost's ``get_score`` counts every tree, which is
 ``iteration_range=(0, model.num_rounds)`` here.
 """
@@ -73,7 +73,13 @@ def importance_from_trees(trees, n_features: int, kind: str = "gain") -> tuple[n
 
 def _selected_trees(model, iteration_range):
     start, stop = model._rounds(iteration_range)
-    return type(model.trees)(*(np.asarray(field)[start:stop] for field in model.trees))
+    trees = type(model.trees)(*(np.asarray(field)[start:stop] for field in model.trees))
+    if model.params.get("multi_strategy") == "multi_output_tree":
+        # The K trees of a round are one vector-leaf tree: count each split once, with the
+        # Hessian trace as its cover.
+        trees = trees._replace(sum_hessians=np.sum(trees.sum_hessians, axis=1, keepdims=True))
+        trees = type(trees)(*(field[:, :1] for field in trees))
+    return trees
 
 
 def importance_array(model, kind: str = "gain", iteration_range: tuple[int, int] | None = None) -> np.ndarray:

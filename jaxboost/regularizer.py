@@ -237,3 +237,145 @@ def split_loss_change(left_gradients, left_hessians, right_gradients, right_hess
     if parent_score is None:
         parent_score = node_score(left_gradients + right_gradients, left_hessians + right_hessians, reg)
     return node_score(left_gradients, left_hessians, reg) + node_score(right_gradients, right_hessians, reg) - parent_score
+
+
+# ---------------------------------------------------------------------------------------------
+# Vector leaves (multi_strategy="multi_output_tree"): one leaf value vector w of K outputs.
+#
+#     objective(w) = G.w + 1/2 w' (H + lambda I) w            (full Hessian)
+#     objective(w) = sum_k objective_k(w_k)                    (diagonal: K scalar problems)
+#
+# The per-row Hessians of a vector loss can be singular (softmax) or indefinite (Gaussian NLL
+# on (mu, log sigma) away from its optimum), and so can a node's summed H. A positive
+# semi-definite H (up to rounding) is solved in full, lambda > 0 keeping the solve well posed
+# along null directions. An H with a clearly negative eigenvalue falls back to its diagonal
+# (always >= 0: the per-row diagonals are checked): the projection onto the PSD cone would leave
+# that direction with lambda as its only curvature, i.e. a step of G / lambda, enormous for a
+# node of many rows. The diagonal form is also the large-K option (XGBoost's vector leaves), and it
+# takes every scalar penalty (alpha, custom), applied per output.
+
+# A Cholesky pivot below -PSD_TOLERANCE x the largest diagonal entry is not rounding.
+PSD_TOLERANCE = 1e-5
+# A trust region for the full solve: a direction of almost no curvature (a nearly singular H,
+# as the Gaussian NLL in (mu, log sigma) has away from its optimum) makes the quadratic model
+# promise a decrease the loss does not have. Softmax's null direction (1, ..., 1) carries no
+# gradient and is unaffected.
+MAX_FULL_TO_DIAGONAL_SCORE = 2
+
+
+@dataclass(frozen=True)
+class VectorLeaves:
+    """Static layout of vector-leaf statistics: per row (and in every histogram cell) the K
+    gradients come first, then the Hessian: its upper triangle, row by row (``full``), or its
+    diagonal."""
+
+    num_outputs: int
+    full_hessian: bool = True
+
+    @property
+    def hessian_channels(self) -> int:
+        K = self.num_outputs
+        return K * (K + 1) // 2 if self.full_hessian else K
+
+    def pack_hessian(self, hessian: jax.Array) -> jax.Array:
+        """``(..., K, K)`` -> ``(..., hessian_channels)``."""
+        if not self.full_hessian:
+            return jnp.diagonal(hessian, axis1=-2, axis2=-1)
+        rows, columns = np.triu_indices(self.num_outputs)
+        return hessian[..., rows, columns]
+
+    def unpack_hessian(self, packed: jax.Array) -> jax.Array:
+        """``(..., hessian_channels)`` -> symmetric ``(..., K, K)``."""
+        K = self.num_outputs
+        if not self.full_hessian:
+            return packed[..., :, None] * jnp.eye(K, dtype=packed.dtype)
+        rows, columns = np.triu_indices(K)
+        channel = np.zeros((K, K), np.int32)
+        channel[rows, columns] = channel[columns, rows] = np.arange(rows.size)
+        return packed[..., channel]
+
+    def diagonal(self, packed: jax.Array) -> jax.Array:
+        """The Hessian diagonal ``(..., K)`` of packed statistics."""
+        if not self.full_hessian:
+            return packed
+        rows, columns = np.triu_indices(self.num_outputs)
+        return packed[..., np.flatnonzero(rows == columns)]
+
+
+def check_vector_regularization(reg: Regularization, leaves: VectorLeaves) -> None:
+    """Host-side: a full-Hessian solve needs lambda > 0 and only the L2 penalty."""
+    if not leaves.full_hessian:
+        return
+    if float(np.asarray(reg.reg_lambda)) <= 0:
+        raise ValueError("vector leaves with the full Hessian need reg_lambda > 0: the summed Hessian of a node "
+                         "can be singular (e.g. softmax); use multi_output_hessian='diagonal' otherwise")
+    if float(np.asarray(reg.reg_alpha)) != 0 or reg.penalty is not None:
+        raise ValueError("vector leaves with the full Hessian take the L2 penalty only (reg_lambda); for L1 or a "
+                         "custom penalty use multi_output_hessian='diagonal'")
+
+
+def _cholesky(matrix: list, tolerance) -> tuple[list, jax.Array]:
+    """Lower Cholesky factor of symmetric positive semi-definite matrices given as nested lists
+    of ``(...)`` arrays, element-wise: every candidate split of a level is one lane of the same
+    arithmetic, which XLA fuses (a batched LAPACK call per candidate would not be). A pivot at
+    or below ``tolerance`` (a null direction) zeroes its column. Returns the factor and whether
+    every pivot was above ``-tolerance`` (the matrix is PSD up to rounding)."""
+    K = len(matrix)
+    factor = [[None] * K for _ in range(K)]
+    semi_definite = jnp.ones_like(matrix[0][0], dtype=bool)
+    for j in range(K):
+        pivot = matrix[j][j] - sum((factor[j][k] * factor[j][k] for k in range(j)), 0.0)
+        semi_definite = semi_definite & (pivot >= -tolerance)
+        positive = pivot > tolerance
+        root = jnp.sqrt(jnp.where(positive, pivot, 1.0))
+        factor[j][j] = jnp.where(positive, root, 0.0)
+        for i in range(j + 1, K):
+            off = matrix[i][j] - sum((factor[i][k] * factor[j][k] for k in range(j)), 0.0)
+            factor[i][j] = jnp.where(positive, off / root, 0.0)
+    return factor, semi_definite
+
+
+def _cholesky_solve(factor: list, rhs: list) -> list:
+    """``x`` with ``L L' x = rhs`` (lanes whose factor has a zero pivot get garbage, finite)."""
+    K = len(factor)
+    pivots = [jnp.where(factor[i][i] > 0, factor[i][i], 1.0) for i in range(K)]
+    y = [None] * K
+    for i in range(K):
+        y[i] = (rhs[i] - sum((factor[i][k] * y[k] for k in range(i)), 0.0)) / pivots[i]
+    x = [None] * K
+    for i in reversed(range(K)):
+        x[i] = (y[i] - sum((factor[k][i] * x[k] for k in range(i + 1, K)), 0.0)) / pivots[i]
+    return x
+
+
+def vector_value_and_score(sum_gradients: jax.Array, packed_hessians: jax.Array, reg: Regularization,
+                           leaves: VectorLeaves) -> tuple[jax.Array, jax.Array]:
+    """The vector leaf value ``(..., K)`` and ``-2 x`` the objective there ``(...)``.
+
+    Full Hessian: ``w = -(H + lambda I)^-1 G`` (Cholesky) when ``H`` is PSD up to rounding and
+    the solve predicts at most ``MAX_FULL_TO_DIAGONAL_SCORE`` times the diagonal solution's
+    decrease; else the diagonal solution. Each component is clipped to ``max_delta_step``; the
+    score is evaluated at the clipped value, so a split's gain is always the drop of the
+    objective its leaves reach.
+    """
+    diagonal_w, diagonal_score = value_and_score(sum_gradients, leaves.diagonal(packed_hessians), reg)
+    diagonal_score = jnp.sum(diagonal_score, axis=-1)
+    if not leaves.full_hessian:
+        return diagonal_w, diagonal_score
+    K = leaves.num_outputs
+    hessian = leaves.unpack_hessian(packed_hessians)
+    h = [[hessian[..., i, j] for j in range(K)] for i in range(K)]
+    g = [sum_gradients[..., i] for i in range(K)]
+    scale = jnp.max(jnp.abs(leaves.diagonal(packed_hessians)), axis=-1)
+    _, semi_definite = _cholesky(h, PSD_TOLERANCE * scale)
+    # H + lambda I is positive definite once H is PSD and lambda > 0.
+    damped = [[h[i][j] + (reg.reg_lambda if i == j else 0.0) for j in range(K)] for i in range(K)]
+    damped_factor, _ = _cholesky(damped, 0.0)
+    solvable = semi_definite & (reg.reg_lambda > 0)
+    w = _cholesky_solve(damped_factor, [-gi for gi in g])
+    w = clip_leaf_value(jnp.stack(w, axis=-1), reg)
+    objective = (jnp.sum(sum_gradients * w, axis=-1)
+                 + 0.5 * sum(w[..., i] * damped[i][j] * w[..., j] for i in range(K) for j in range(K)))
+    full_score = -2.0 * objective
+    use_full = solvable & (full_score <= MAX_FULL_TO_DIAGONAL_SCORE * diagonal_score)
+    return jnp.where(use_full[..., None], w, diagonal_w), jnp.where(use_full, full_score, diagonal_score)

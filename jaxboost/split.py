@@ -11,6 +11,11 @@ values are clipped to the parent's bounds, gains are scored at the clipped value
 on a feature constrained to increase (decrease) is excluded when the left child's value is above
 (below) the right child's. A per-feature ``split_cost`` of the regularizer is subtracted from
 every gain.
+
+Vector leaves (``leaves``, one tree for K outputs): every histogram cell holds K gradient sums
+and the packed Hessian sums (``VectorLeaves``); each child's value vector and score come from
+``vector_value_and_score``, and ``min_child_weight`` applies to every output's Hessian sum.
+The gradient and Hessian fields of the choice then carry those channels on a trailing axis.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .regularizer import Regularization, node_score, split_loss_change, value_and_score
+from .regularizer import (Regularization, VectorLeaves, node_score, split_loss_change, value_and_score,
+                          vector_value_and_score)
 
 
 class SplitChoice(NamedTuple):
-    """The best split of each node of a level; every field has shape ``(num_nodes,)``."""
+    """The best split of each node of a level; every field has shape ``(num_nodes,)``, with a
+    trailing channel axis for the statistics and values of vector leaves."""
 
     loss_change: jax.Array  # -inf where no candidate is valid
     feature: jax.Array  # int32
@@ -46,16 +53,23 @@ class NodeBounds(NamedTuple):
     upper: jax.Array  # (num_nodes,)
 
 
+def hessian_mass(sum_hessians: jax.Array, leaves: VectorLeaves | None) -> jax.Array:
+    """A node's Hessian sum as one number: for vector leaves, the trace."""
+    return sum_hessians if leaves is None else jnp.sum(leaves.diagonal(sum_hessians), axis=-1)
+
+
 def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
-                     min_child_weight: jax.Array, bounds: NodeBounds | None = None) -> SplitChoice:
+                     min_child_weight: jax.Array, bounds: NodeBounds | None = None,
+                     leaves: VectorLeaves | None = None) -> SplitChoice:
     """Best split per node.
 
     Args:
-      histograms: float32 ``(num_nodes, n_features, max_bin, 2)``; the last bin holds the
-        missing values.
+      histograms: float32 ``(num_nodes, n_features, max_bin, channels)``: gradient and Hessian
+        sums (2 channels, or the ``leaves`` layout); the last bin holds the missing values.
       feature_allowed: bool ``(num_nodes, n_features)`` (column sampling, interaction
         constraints).
-      bounds: monotone constraints, or None when there are none.
+      bounds: monotone constraints, or None when there are none (scalar leaves only).
+      leaves: the vector-leaf layout, or None for scalar leaves.
     """
     num_nodes, n_features, max_bin, _ = histograms.shape
     n_value_bins = max_bin - 1
@@ -66,13 +80,26 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     # Direction axis: index 0 sends missing values left, index 1 sends them right.
     left = jnp.stack([value_cumsum + missing, value_cumsum], axis=2)  # (K, d, 2, B-1, 2)
     right = node_total[:, :, None] - left
-    left_gradients, left_hessians = left[..., 0], left[..., 1]
-    right_gradients, right_hessians = right[..., 0], right[..., 1]
+    K = 1 if leaves is None else leaves.num_outputs
+    if leaves is None:
+        left_gradients, left_hessians = left[..., 0], left[..., 1]
+        right_gradients, right_hessians = right[..., 0], right[..., 1]
+        left_weight, right_weight = left_hessians, right_hessians
+    else:
+        left_gradients, left_hessians = left[..., :K], left[..., K:]
+        right_gradients, right_hessians = right[..., :K], right[..., K:]
+        left_weight = jnp.min(leaves.diagonal(left_hessians), axis=-1)
+        right_weight = jnp.min(leaves.diagonal(right_hessians), axis=-1)
 
     valid = (feature_allowed[:, :, None, None]
-             & (left_hessians >= min_child_weight) & (right_hessians >= min_child_weight)
-             & (left_hessians > 0) & (right_hessians > 0))
-    if bounds is None:
+             & (left_weight >= min_child_weight) & (right_weight >= min_child_weight)
+             & (left_weight > 0) & (right_weight > 0))
+    if leaves is not None:
+        _, parent_score = vector_value_and_score(node_total[..., :K], node_total[..., K:], reg, leaves)
+        left_value, left_score = vector_value_and_score(left_gradients, left_hessians, reg, leaves)
+        right_value, right_score = vector_value_and_score(right_gradients, right_hessians, reg, leaves)
+        loss_change = left_score + right_score - parent_score[:, :, None]
+    elif bounds is None:
         parent_score = node_score(node_total[..., 0], node_total[..., 1], reg)[:, :, None]  # (K, d, 1, 1)
         loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg,
                                         parent_score)
@@ -100,7 +127,10 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     feature, direction, threshold_bin = jnp.unravel_index(best, (n_features, 2, n_value_bins))
 
     def pick(values):
-        return jnp.take_along_axis(values.reshape(num_nodes, -1), best[:, None], axis=1)[:, 0]
+        channels = values.shape[4:]  # trailing axis of vector statistics
+        flat = values.reshape((num_nodes, -1) + channels)
+        index = best.reshape((num_nodes, 1) + (1,) * len(channels))
+        return jnp.take_along_axis(flat, index, axis=1)[:, 0]
 
     return SplitChoice(
         loss_change=pick(loss_change),
@@ -111,14 +141,17 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         left_hessians=pick(left_hessians),
         right_gradients=pick(right_gradients),
         right_hessians=pick(right_hessians),
-        left_value=jnp.zeros(num_nodes) if left_value is None else pick(left_value),
-        right_value=jnp.zeros(num_nodes) if right_value is None else pick(right_value),
+        left_value=jnp.zeros((num_nodes,) + (() if leaves is None else (K,))) if left_value is None
+        else pick(left_value),
+        right_value=jnp.zeros((num_nodes,) + (() if leaves is None else (K,))) if right_value is None
+        else pick(right_value),
     )
 
 
 def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                                   min_child_weight: jax.Array, axis_name: str | None,
-                                  bounds: NodeBounds | None = None) -> SplitChoice:
+                                  bounds: NodeBounds | None = None, leaves: VectorLeaves | None = None
+                                  ) -> SplitChoice:
     """``find_best_splits`` with the features divided among the devices of ``axis_name``.
 
     Every device holds the summed histograms; each scans its own block of features and the
@@ -129,7 +162,7 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     n_features = histograms.shape[1]
     if devices == 1 or n_features < devices:
-        return find_best_splits(histograms, feature_allowed, reg, min_child_weight, bounds)
+        return find_best_splits(histograms, feature_allowed, reg, min_child_weight, bounds, leaves)
     block = -(-n_features // devices)
     start = jnp.minimum(jax.lax.axis_index(axis_name) * block, n_features - block)
 
@@ -140,11 +173,18 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     local_reg = reg.replace(split_cost=features_of_block(split_cost, 0)) if split_cost.ndim == 1 else reg
     local_bounds = None if bounds is None else bounds._replace(monotone=features_of_block(bounds.monotone, 0))
     local = find_best_splits(features_of_block(histograms, 1), features_of_block(feature_allowed, 1),
-                             local_reg, min_child_weight, local_bounds)
+                             local_reg, min_child_weight, local_bounds, leaves)
     local = local._replace(feature=local.feature + start)
     # One collective for all fields: integers and flags travel exactly as float32 (< 2^24).
-    packed = jnp.stack([field.astype(jnp.float32) for field in local])  # (fields, nodes)
-    gathered = jax.lax.all_gather(packed, axis_name)  # (devices, fields, nodes)
-    winner = jnp.argmax(gathered[:, 0, :], axis=0)  # field 0 is loss_change
-    best = jnp.take_along_axis(gathered, winner[None, None, :], axis=0)[0]
-    return SplitChoice(*(best[i].astype(field.dtype) for i, field in enumerate(local)))
+    num_nodes = local.feature.shape[0]
+    columns = [field.reshape(num_nodes, -1).astype(jnp.float32) for field in local]
+    packed = jnp.concatenate(columns, axis=1).T  # (channels of all fields, nodes)
+    gathered = jax.lax.all_gather(packed, axis_name)  # (devices, channels, nodes)
+    winner = jnp.argmax(gathered[:, 0, :], axis=0)  # channel 0 is loss_change
+    best = jnp.take_along_axis(gathered, winner[None, None, :], axis=0)[0].T  # (nodes, channels)
+    fields, start_column = [], 0
+    for field, column in zip(local, columns):
+        part = best[:, start_column:start_column + column.shape[1]]
+        fields.append(part.reshape(field.shape).astype(field.dtype))
+        start_column += column.shape[1]
+    return SplitChoice(*fields)

@@ -26,7 +26,7 @@ from .grower import GrowthParams, empty_tree
 from .model import Model, padded_size
 from .objective import ResolvedLoss, higher_is_better, resolve_loss, resolve_metrics
 from .predictor import predict_raw_binned
-from .regularizer import Regularization, check_regularization
+from .regularizer import Regularization, VectorLeaves, check_regularization, check_vector_regularization
 from .tree import Tree, num_heap_nodes
 from .validation import check_base_margin
 
@@ -130,6 +130,27 @@ def _raise_if_unhealthy(health, loss_name: str, round_index: int):
                          "or train with hessian='floor' or 'constant'")
 
 
+MULTI_STRATEGIES = ("one_output_per_tree", "multi_output_tree")
+MULTI_OUTPUT_HESSIANS = ("full", "diagonal")
+
+
+def vector_leaves(multi_strategy: str, multi_output_hessian: str, num_outputs: int, regularizer: Regularization,
+                  monotone) -> VectorLeaves | None:
+    """The vector-leaf layout for ``multi_strategy`` (None: one tree per output), checked."""
+    if multi_strategy not in MULTI_STRATEGIES:
+        raise ValueError(f"multi_strategy must be one of {MULTI_STRATEGIES}; got {multi_strategy!r}")
+    if multi_output_hessian not in MULTI_OUTPUT_HESSIANS:
+        raise ValueError(f"multi_output_hessian must be one of {MULTI_OUTPUT_HESSIANS}; got {multi_output_hessian!r}")
+    if multi_strategy == "one_output_per_tree":
+        return None
+    if monotone is not None:
+        raise ValueError("monotone_constraints are not supported with multi_strategy='multi_output_tree' (a "
+                         "vector leaf has no single direction to constrain); use 'one_output_per_tree'")
+    leaves = VectorLeaves(num_outputs, full_hessian=multi_output_hessian == "full")
+    check_vector_regularization(regularizer, leaves)
+    return leaves
+
+
 def _feature_index(feature, feature_names, n_features: int, what: str) -> int:
     if isinstance(feature, str):
         if feature_names is None or feature not in feature_names:
@@ -214,7 +235,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
           sample_weight=None, base_margin=None, scale_pos_weight: float = 1.0, max_delta_step: float = 0.0,
           regularizer: Regularization | None = None, hessian: str = "exact", hessian_floor: float = 1e-3,
           monotone_constraints=None, interaction_constraints=None, multi_strategy: str = "one_output_per_tree",
-          link=None, num_outputs: int | None = None, leaf_refit: bool | None = None, eval_set=None,
+          multi_output_hessian: str = "full", link=None, num_outputs: int | None = None,
+          leaf_refit: bool | None = None, eval_set=None,
           eval_metric=None, early_stopping_rounds: int | None = None, verbose: bool | int = False,
           callbacks: list[Callback] | None = None, init_model: Model | None = None, seed: int = 0) -> Model:
     """Train a gradient-boosted tree ensemble.
@@ -242,7 +264,13 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
       interaction_constraints: lists of features (indices or names) allowed to interact: every
         path of a tree uses features of one list only.
       multi_strategy: ``"one_output_per_tree"`` (one tree per output and round, as XGBoost's
-        default). ``"multi_output_tree"`` (vector leaves) is not implemented yet.
+        default) or ``"multi_output_tree"``: one tree per round whose leaves hold a K-vector,
+        solving ``(H + lambda I) w = -G`` with the leaf's summed K x K Hessian (projected onto
+        the positive semi-definite cone; needs ``reg_lambda > 0``). Such a model keeps K trees
+        per round that share their splits.
+      multi_output_hessian: for ``"multi_output_tree"``: ``"full"`` (the whole Hessian, for
+        small K) or ``"diagonal"`` (per-output, XGBoost's vector leaves; cheaper for large K,
+        and takes ``reg_alpha`` and custom penalties).
       sample_weight: per-row non-negative weights.
       base_margin: per-row offsets of the raw prediction; the starting value is then 0 (as
         XGBoost), and ``predict`` needs the same offsets.
@@ -270,11 +298,6 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     if hessian not in HESSIAN_MODES:
         raise ValueError(f"hessian must be one of {HESSIAN_MODES}; got {hessian!r}")
     _check_range("hessian_floor", hessian_floor, 0, np.inf, low_open=True, high_open=True)
-    if multi_strategy == "multi_output_tree":
-        raise NotImplementedError("multi_strategy='multi_output_tree' (one tree with vector leaves for all outputs) "
-                                  "is not implemented yet; use 'one_output_per_tree'")
-    if multi_strategy != "one_output_per_tree":
-        raise ValueError(f"multi_strategy must be 'one_output_per_tree' or 'multi_output_tree'; got {multi_strategy!r}")
     if init_model is not None:
         if not isinstance(init_model, Model):
             raise TypeError(f"init_model must be a jaxboost Model; got {type(init_model).__name__}")
@@ -301,6 +324,10 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     check_regularization(regularizer, dataset.n_features)
     monotone = monotone_array(monotone_constraints, dataset.feature_names, dataset.n_features)
     groups = interaction_groups(interaction_constraints, dataset.feature_names, dataset.n_features)
+    leaves = vector_leaves(multi_strategy, multi_output_hessian, K, regularizer, monotone)
+    if init_model is not None and init_model.params.get("multi_strategy", "one_output_per_tree") != multi_strategy:
+        raise ValueError(f"init_model was trained with multi_strategy="
+                         f"{init_model.params.get('multi_strategy', 'one_output_per_tree')!r}; continue it with the same")
     weights = np.where(dataset.y == 1, dataset.sample_weight * np.float32(scale_pos_weight), dataset.sample_weight)
 
     mesh = row_mesh(dataset.n_rows)
@@ -342,7 +369,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        leaf_refit=bool(leaf_refit),
                        sample_columns=min(colsample_bytree, colsample_bylevel, colsample_bynode) < 1,
                        sample_rows=subsample < 1, metrics=(metrics,) * len(eval_rows), mesh=mesh,
-                       hessian_mode=hessian)
+                       hessian_mode=hessian, vector_leaves=leaves)
     boosting_round = compiled_round(shape)
     schedule = _Schedule(learning_rate)
     first_round = 0 if init_model is None else init_model.num_rounds
@@ -381,6 +408,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                                  colsample_bylevel=colsample_bylevel, colsample_bynode=colsample_bynode,
                                  max_delta_step=max_delta_step, scale_pos_weight=scale_pos_weight,
                                  leaf_refit=bool(leaf_refit), hessian=hessian, seed=seed,
+                                 multi_strategy=multi_strategy,
+                                 multi_output_hessian=None if leaves is None else multi_output_hessian,
                                  loss_params={name: np.asarray(value).tolist()
                                               for name, value in resolved.loss_params.items()}),
                      feature_names=dataset.feature_names)

@@ -22,7 +22,7 @@ from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .regularizer import Regularization, check_regularization
 from .training import (_as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
-                       interaction_groups, monotone_array)
+                       interaction_groups, monotone_array, vector_leaves)
 
 # Hyperparameters that may differ between the models, with jb.train's defaults.
 BATCHABLE = dict(learning_rate=0.1, reg_lambda=1.0, reg_alpha=0.0, gamma=0.0, min_child_weight=1.0, subsample=1.0,
@@ -45,7 +45,8 @@ def _number_of_models(batch: dict, seeds, sample_weights) -> int:
 def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_weights=None, loss="squared_error",
                loss_params: dict | None = None, num_rounds: int = 100, max_depth: int = 6, max_bin: int = 256,
                scale_pos_weight: float = 1.0, hessian: str = "exact", hessian_floor: float = 1e-3,
-               monotone_constraints=None, interaction_constraints=None, link=None, num_outputs: int | None = None,
+               monotone_constraints=None, interaction_constraints=None, multi_strategy: str = "one_output_per_tree",
+               multi_output_hessian: str = "full", link=None, num_outputs: int | None = None,
                leaf_refit: bool | None = None, eval_set=None, eval_metric=None, **settings) -> list[Model]:
     """Train M models in one compiled program and return them as a list of ordinary Models.
 
@@ -139,6 +140,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         reg = Regularization(jnp.float32(values["reg_lambda"]), jnp.float32(values["reg_alpha"]),
                              jnp.float32(values["max_delta_step"]), jnp.float32(0.0))
         check_regularization(reg, dataset.n_features)
+        leaves = vector_leaves(multi_strategy, multi_output_hessian, K, reg, monotone)
         regularizers.append(reg)
     f32 = np.float32
 
@@ -173,7 +175,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
                        leaf_refit=bool(leaf_refit), sample_columns=min(sampled) < 1,
                        sample_rows=min(v["subsample"] for v in per_model) < 1, metrics=(metrics,) * len(eval_rows),
-                       mesh=mesh, hessian_mode=hessian)
+                       mesh=mesh, hessian_mode=hessian, vector_leaves=leaves)
     boosting_rounds = compiled_many_rounds(shape, params_axes)
 
     history = [[] for _ in eval_rows]
@@ -202,6 +204,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
             loss_name=resolved.name, evals_result=evals_result,
             params=dict(loss=resolved.name, num_rounds=num_rounds, max_depth=max_depth, max_bin=dataset.max_bin,
                         scale_pos_weight=scale_pos_weight, leaf_refit=bool(leaf_refit), hessian=hessian,
-                        seed=int(model_seeds[k]), loss_params=model_loss_params[k], **values),
+                        seed=int(model_seeds[k]), loss_params=model_loss_params[k], multi_strategy=multi_strategy,
+                        multi_output_hessian=None if leaves is None else multi_output_hessian, **values),
             feature_names=dataset.feature_names))
     return models

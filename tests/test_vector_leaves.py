@@ -1,0 +1,245 @@
+"""Vector leaves (``multi_strategy="multi_output_tree"``): the K x K Newton solve against a dense
+NumPy solve, multi-channel histograms against NumPy, a grown tree's leaves against per-leaf
+solves, whole models against XGBoost's ``multi_output_tree``, and the model machinery (save,
+SHAP, importance) on a vector-leaf softmax model."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+import xgboost as xgb
+
+import jaxboost as jb
+from jaxboost.grower import GrowthParams, grow_tree
+from jaxboost.histogram import build_statistics_histogram, route_and_build_statistics_histogram
+from jaxboost.regularizer import MAX_FULL_TO_DIAGONAL_SCORE, VectorLeaves, vector_value_and_score
+
+F32 = jnp.float32
+
+
+def _dense_solution(G, H, reg_lambda):
+    w = -np.linalg.solve(H + reg_lambda * np.eye(H.shape[-1]), G[..., None])[..., 0]
+    return w, -np.einsum("...k,...k->...", G, w)  # score = G' (H + lambda I)^-1 G
+
+
+def _random_psd(rng, batch, K):
+    A = rng.normal(size=(batch, K, K))
+    return np.einsum("bij,bkj->bik", A, A)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 5])
+def test_full_solve_matches_dense_solve_and_minimises(K):
+    rng = np.random.default_rng(K)
+    G, H = rng.normal(size=(200, K)), _random_psd(rng, 200, K) + 0.5 * np.eye(K)
+    leaves = VectorLeaves(K)
+    w, score = vector_value_and_score(jnp.asarray(G, F32), leaves.pack_hessian(jnp.asarray(H, F32)),
+                                      jb.regularizers.l2(1.0), leaves)
+    w_dense, score_dense = _dense_solution(G, H, 1.0)
+    # The trust region: the full solve where it promises at most MAX_FULL_TO_DIAGONAL_SCORE x the
+    # diagonal solve's decrease, the diagonal solve elsewhere.
+    diagonal = np.diagonal(H, axis1=1, axis2=2) + 1.0
+    diagonal_score = np.sum(G**2 / diagonal, axis=1)
+    full = score_dense <= MAX_FULL_TO_DIAGONAL_SCORE * diagonal_score
+    assert full.mean() > 0.5
+    expected_w = np.where(full[:, None], w_dense, -G / diagonal)
+    np.testing.assert_allclose(w, expected_w, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(score, np.where(full, score_dense, diagonal_score), rtol=1e-4, atol=1e-5)
+    # The value is a stationary point of the penalised quadratic, and the score is -2 x its value there.
+    w = np.asarray(w, np.float64)
+    objective_gradient = G + np.einsum("bij,bj->bi", H + np.eye(K), w)
+    np.testing.assert_allclose(objective_gradient[full], 0.0, atol=1e-4)
+    curvature = np.where(full[:, None, None], H, H * np.eye(K)) + np.eye(K)
+    objective = np.einsum("bk,bk->b", G, w) + 0.5 * np.einsum("bi,bij,bj->b", w, curvature, w)
+    np.testing.assert_allclose(np.asarray(score), -2 * objective, rtol=1e-4, atol=1e-5)
+
+
+def test_singular_softmax_hessian_is_solved_in_full_and_indefinite_falls_back_to_diagonal():
+    p = np.array([0.2, 0.3, 0.5])
+    H = 50 * (np.diag(p) - np.outer(p, p))  # singular along (1, 1, 1), like a softmax leaf
+    G = np.array([3.0, -1.0, -2.0])  # softmax gradients sum to 0: no component along the null direction
+    leaves = VectorLeaves(3)
+    w, score = vector_value_and_score(jnp.asarray(G, F32), leaves.pack_hessian(jnp.asarray(H, F32)),
+                                      jb.regularizers.l2(1.0), leaves)
+    w_dense, score_dense = _dense_solution(G, H, 1.0)
+    np.testing.assert_allclose(w, w_dense, rtol=1e-4)
+    np.testing.assert_allclose(score, score_dense, rtol=1e-4)
+
+    indefinite = np.array([[4.0, 5.0], [5.0, 4.0]])  # eigenvalues 9 and -1
+    G2 = np.array([1.0, -2.0])
+    leaves2 = VectorLeaves(2)
+    w, score = vector_value_and_score(jnp.asarray(G2, F32), leaves2.pack_hessian(jnp.asarray(indefinite, F32)),
+                                      jb.regularizers.l2(1.0), leaves2)
+    np.testing.assert_allclose(w, -G2 / 5.0, rtol=1e-6)
+    np.testing.assert_allclose(score, np.sum(G2**2) / 5.0, rtol=1e-6)
+
+
+def test_max_delta_step_clips_each_output_and_scores_the_clipped_value():
+    leaves = VectorLeaves(2)
+    G, H = np.array([-40.0, 6.0]), np.array([[3.0, 1.0], [1.0, 2.0]])
+    reg = jb.regularizers.l2(1.0).replace(max_delta_step=F32(0.5))
+    w, score = vector_value_and_score(jnp.asarray(G, F32), leaves.pack_hessian(jnp.asarray(H, F32)), reg, leaves)
+    assert np.all(np.abs(np.asarray(w)) <= 0.5 + 1e-7)
+    w = np.asarray(w, np.float64)
+    np.testing.assert_allclose(score, -2 * (G @ w + 0.5 * w @ (H + np.eye(2)) @ w), rtol=1e-5)
+
+
+def test_statistics_histograms_match_numpy():
+    rng = np.random.default_rng(0)
+    n, d, max_bin, C, nodes = 700, 3, 16, 5, 4
+    X_binned_T = rng.integers(0, max_bin, size=(d, n)).astype(np.uint8)
+    node_of_row = rng.integers(0, nodes, size=n).astype(np.int32)
+    statistics = rng.normal(size=(n, C)).astype(np.float32)
+    mask = rng.random(n) < 0.6
+
+    def naive(node_index, rows):
+        out = np.zeros((nodes, d, max_bin, C))
+        for f in range(d):
+            np.add.at(out, (node_index[rows], f, X_binned_T[f, rows].astype(int)), statistics[rows])
+        return out
+
+    histogram = build_statistics_histogram(jnp.asarray(X_binned_T), jnp.asarray(node_of_row), jnp.asarray(statistics),
+                                           nodes, max_bin, jnp.asarray(mask))
+    np.testing.assert_allclose(histogram, naive(node_of_row, mask), atol=1e-4)
+
+    feature = rng.integers(0, d, size=nodes).astype(np.int32)
+    threshold = rng.integers(0, max_bin - 1, size=nodes).astype(np.int32)
+    default_left = rng.random(nodes) < 0.5
+    splits = np.array([True, True, False, True])
+    left_is_smaller = rng.random(nodes) < 0.5
+    child, smaller = route_and_build_statistics_histogram(
+        jnp.asarray(X_binned_T), jnp.asarray(node_of_row), jnp.asarray(statistics), jnp.asarray(feature),
+        jnp.asarray(threshold), jnp.asarray(default_left), jnp.asarray(splits), jnp.asarray(left_is_smaller), max_bin)
+    code = X_binned_T[feature[node_of_row], np.arange(n)]
+    right = np.where(code == max_bin - 1, ~default_left[node_of_row], code > threshold[node_of_row])
+    np.testing.assert_array_equal(child, 2 * node_of_row + right)
+    in_smaller = splits[node_of_row] & (right != left_is_smaller[node_of_row])
+    np.testing.assert_allclose(smaller, naive(node_of_row, in_smaller), atol=1e-4)
+
+
+def test_grown_vector_tree_leaves_are_the_per_leaf_solves():
+    rng = np.random.default_rng(1)
+    n, d, max_bin, K = 3000, 3, 16, 3
+    X_binned_T = rng.integers(0, max_bin - 1, size=(d, n)).astype(np.uint8)
+    g = rng.normal(size=(n, K)) + 0.5 * (X_binned_T[0] > 7)[:, None]
+    H = _random_psd(rng, n, K) / K + 0.1 * np.eye(K)
+    leaves = VectorLeaves(K)
+    params = GrowthParams(jb.regularizers.l2(1.0), F32(0.3), F32(0), F32(1.0), F32(1), F32(1))
+    grow = jax.jit(lambda X, g, h: grow_tree(X, g, h, jnp.ones(d, bool), jax.random.PRNGKey(0), params, 3, max_bin,
+                                             None, False, leaves))
+    tree, row_leaf, _ = grow(jnp.asarray(X_binned_T), jnp.asarray(g, F32), leaves.pack_hessian(jnp.asarray(H, F32)))
+    row_leaf = np.asarray(row_leaf)
+    assert len(np.unique(row_leaf)) >= 4
+    for leaf in np.unique(row_leaf):
+        rows = row_leaf == leaf
+        assert tree.is_leaf[leaf]
+        w_dense, _ = _dense_solution(g[rows].sum(0), H[rows].sum(0), 1.0)
+        np.testing.assert_allclose(tree.value[leaf], 0.3 * w_dense, rtol=2e-3, atol=1e-5)
+        np.testing.assert_allclose(tree.sum_hessians[leaf], np.diagonal(H[rows].sum(0)), rtol=1e-4)
+    # The root's loss_chg is the drop of the objective its children reach.
+    feature, threshold = int(tree.feature[0]), int(tree.threshold_bin[0])
+    left = X_binned_T[feature] <= threshold
+    scores = [_dense_solution(g[rows].sum(0), H[rows].sum(0), 1.0)[1] for rows in (left, ~left, np.ones(n, bool))]
+    np.testing.assert_allclose(tree.loss_change[0], scores[0] + scores[1] - scores[2], rtol=1e-3)
+
+
+def _integer_data(n=3000, seed=0):
+    # Few distinct values per feature: each value is its own bin in jaxboost and XGBoost.
+    rng = np.random.default_rng(seed)
+    X = rng.integers(0, 30, size=(n, 4)).astype(np.float32)
+    Y = np.stack([X[:, 0] + 0.3 * rng.normal(size=n), 2 * np.sin(X[:, 1] / 5) + X[:, 0]], axis=1).astype(np.float32)
+    return X, Y
+
+
+@pytest.mark.parametrize("multi_output_hessian", ["full", "diagonal"])
+def test_multi_output_tree_matches_xgboost(multi_output_hessian):
+    """A two-target squared error (identity Hessians: full and diagonal coincide) against
+    XGBoost's multi_output_tree, both starting from 0. Labels are row ids that the loss looks
+    up, since jaxboost labels are one value per row."""
+    X, Y = _integer_data()
+    targets = jnp.asarray(Y)
+
+    def two_target_squared_error(raw_prediction, row):
+        return 0.5 * jnp.sum((raw_prediction - targets[row.astype(jnp.int32)]) ** 2)
+
+    zeros = np.zeros_like(Y)
+    model = jb.train(X, np.arange(len(Y), dtype=np.float32), loss=two_target_squared_error, num_outputs=2,
+                     num_rounds=10, max_depth=3, multi_strategy="multi_output_tree",
+                     multi_output_hessian=multi_output_hessian, base_margin=zeros)
+    booster = xgb.train(dict(tree_method="hist", multi_strategy="multi_output_tree", max_depth=3, learning_rate=0.1,
+                             reg_lambda=1.0, max_bin=256, base_score=0.0, nthread=2), xgb.DMatrix(X, Y), 10)
+    expected = booster.predict(xgb.DMatrix(X), output_margin=True)
+    np.testing.assert_allclose(model.predict_raw(X, base_margin=zeros), expected, atol=2e-5)
+    # One tree per round: the K stored trees share every split.
+    for field in ("feature", "threshold_bin", "is_leaf", "default_left"):
+        stored = getattr(model.trees, field)
+        np.testing.assert_array_equal(stored[:, 0], stored[:, 1])
+
+
+@pytest.fixture(scope="module")
+def softmax_model(data):
+    X, signal, rng, _ = data
+    y = np.digitize(signal + 0.3 * rng.normal(size=signal.shape), [-0.5, 1.0])
+    model = jb.train(X, y, loss="softmax", num_rounds=8, max_depth=3, learning_rate=0.3,
+                     multi_strategy="multi_output_tree")
+    return model, X, y
+
+
+def test_softmax_vector_tree_model_trains_saves_and_explains(softmax_model, tmp_path):
+    model, X, y = softmax_model
+    probabilities = model.predict(X)
+    start = np.log(np.bincount(y) / len(y))
+    assert -np.mean(np.log(probabilities[np.arange(len(y)), y])) < -np.mean(start[y]) - 0.2
+    assert model.params["multi_strategy"] == "multi_output_tree"
+
+    path = tmp_path / "vector.json"
+    model.save(path)
+    loaded = jb.load(path)
+    assert loaded.params["multi_strategy"] == "multi_output_tree"
+    np.testing.assert_array_equal(loaded.predict_raw(X), model.predict_raw(X))
+
+    contributions = model.predict_contributions(X[:50])
+    np.testing.assert_allclose(contributions.sum(axis=-1), model.predict_raw(X[:50]), atol=1e-4)
+
+    # Importance counts each vector-leaf split once.
+    weights = model.feature_importance("weight")
+    splits = ~model.trees.is_leaf[:, 0] & (model.trees.loss_change[:, 0] > 0)
+    assert sum(weights.values()) == int(splits.sum())
+
+
+def test_gaussian_vector_tree_recovers_the_noise_scale():
+    rng = np.random.default_rng(3)
+    X = rng.uniform(size=(4000, 3)).astype(np.float32)
+    sigma = 0.2 + X[:, 0]
+    y = (np.sin(3 * X[:, 1]) + sigma * rng.normal(size=4000)).astype(np.float32)
+    model = jb.train(X, y, loss="gaussian_nll", num_rounds=150, max_depth=3, learning_rate=0.1,
+                     min_child_weight=5.0, multi_strategy="multi_output_tree")
+    predicted_sigma = model.predict(X)[:, 1]
+    assert np.median(np.abs(predicted_sigma / sigma - 1)) < 0.12
+
+
+def test_vector_leaf_settings_are_checked(data):
+    X, signal, _, _ = data
+    y = (signal > 0).astype(np.float64)
+    with pytest.raises(ValueError, match="monotone"):
+        jb.train(X, y, loss="gaussian_nll", num_rounds=1, multi_strategy="multi_output_tree",
+                 monotone_constraints=[1, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="reg_lambda > 0"):
+        jb.train(X, y, loss="gaussian_nll", num_rounds=1, multi_strategy="multi_output_tree", reg_lambda=0.0)
+    with pytest.raises(ValueError, match="multi_output_hessian"):
+        jb.train(X, y, loss="gaussian_nll", num_rounds=1, multi_strategy="multi_output_tree",
+                 multi_output_hessian="block")
+    with pytest.raises(ValueError, match="multi_strategy"):
+        jb.train(X, y, num_rounds=1, multi_strategy="vector")
+
+
+def test_train_many_vector_trees_equal_models_trained_alone(data):
+    X, signal, rng, _ = data
+    y = np.digitize(signal + 0.3 * rng.normal(size=signal.shape), [-0.5, 1.0])
+    settings = dict(loss="softmax", num_rounds=3, max_depth=3, multi_strategy="multi_output_tree")
+    models = jb.train_many(X, y, batch={"reg_lambda": np.array([0.5, 4.0])}, **settings)
+    for model, reg_lambda in zip(models, [0.5, 4.0]):
+        alone = jb.train(X, y, reg_lambda=reg_lambda, **settings)
+        np.testing.assert_array_equal(model.trees.feature, alone.trees.feature)
+        np.testing.assert_allclose(model.predict_raw(X), alone.predict_raw(X), atol=1e-5)
+    assert not np.allclose(models[0].predict_raw(X), models[1].predict_raw(X))
