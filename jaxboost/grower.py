@@ -132,7 +132,6 @@ class _LevelState(NamedTuple):
 
     tree: Tree
     node_of_row: jax.Array  # (n,) position of each row's node within the current level
-    row_leaf: jax.Array  # (n,) heap index of the leaf a row stopped in (valid once it stopped)
     active: jax.Array  # (capacity,) the level's nodes that exist and may split
     level_gradients: jax.Array  # (capacity,), vector leaves (capacity, K)
     level_hessians: jax.Array  # (capacity,), vector leaves (capacity, Hessian channels)
@@ -229,8 +228,6 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         )
 
         node_of_row = state.node_of_row
-        row_splits = splits[node_of_row]
-        row_leaf = jnp.where(active[node_of_row] & ~row_splits, heap_index[node_of_row], state.row_leaf)
 
         def children(left, right):
             # The next level's nodes all sit in its first next_capacity positions.
@@ -268,7 +265,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             path_features = path_features | (jax.nn.one_hot(split.feature, n_features, dtype=bool) & splits[:, None])
             path_features = children(path_features, path_features)
         return _LevelState(
-            tree=tree, node_of_row=child_of_row, row_leaf=row_leaf, active=children(splits, splits),
+            tree=tree, node_of_row=child_of_row, active=children(splits, splits),
             level_gradients=children(split.left_gradients, split.right_gradients),
             level_hessians=children(split.left_hessians, split.right_hessians), histograms=histograms,
             lower=children(left_lower, right_lower), upper=children(left_upper, right_upper),
@@ -285,7 +282,6 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     state = _LevelState(
         tree=empty_tree(num_nodes, K),
         node_of_row=root_index,
-        row_leaf=root_index,
         active=jnp.zeros(looped_capacity, bool).at[0].set(True),
         level_gradients=root_level(gradients),
         level_hessians=root_level(hessians),
@@ -304,6 +300,20 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
 
     tree, node_bounds, heap_index = record_values(state.tree, node_bounds, max_depth, state)
     tree = tree._replace(is_leaf=tree.is_leaf.at[heap_index].set(state.active, mode="drop"))
-    row_leaf = jnp.where(state.active[state.node_of_row], heap_index[state.node_of_row], state.row_leaf)
     tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
-    return tree, surviving_leaf[row_leaf], node_bounds
+    # One gather per row at the end, not a leaf update per level: a row's last-level position
+    # names its path, and the table gives the leaf on that path.
+    return tree, surviving_leaf[leaf_of_position(tree.is_leaf, max_depth)][state.node_of_row], node_bounds
+
+
+def leaf_of_position(is_leaf: jax.Array, max_depth: int) -> jax.Array:
+    """For each last-level position ``p`` (``2^max_depth`` of them), the heap index of the
+    shallowest leaf on the path to it. Rows keep moving below the node where they stopped (a
+    node that did not split still routes them), so their last-level position lies under their
+    leaf."""
+    positions = jnp.arange(2 ** max_depth)
+    leaf = 2 ** max_depth - 1 + positions
+    for depth in reversed(range(max_depth)):
+        ancestor = 2 ** depth - 1 + (positions >> (max_depth - depth))
+        leaf = jnp.where(is_leaf[ancestor], ancestor, leaf)
+    return leaf

@@ -431,6 +431,10 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
 
     raw_prediction = train_rows.raw_prediction
     eval_raw = tuple(rows.raw_prediction for rows in eval_rows)
+    # With nothing to read between rounds (no eval sets, no callbacks), a round's health is
+    # checked once the next round has been dispatched, so the device never waits for the host.
+    defer_health_check = not eval_rows and not all_callbacks
+    unchecked = None
     for round_index in range(first_round, first_round + num_rounds):
         state.round_index = round_index
         if any([callback.before_iteration(state) for callback in all_callbacks]):
@@ -443,13 +447,20 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         raw_prediction, trees, health, eval_raw, metric_values = boosting_round(
             params, train_rows.X_binned_T_device, train_rows.y_device, train_rows.sample_weight_device,
             raw_prediction, seed_key, jnp.int32(round_index), eval_data)
-        _raise_if_unhealthy(health, resolved.name, round_index)
+        if unchecked is not None:
+            _raise_if_unhealthy(*unchecked)
+        unchecked = (health, resolved.name, round_index)
+        if not defer_health_check:
+            _raise_if_unhealthy(*unchecked)
+            unchecked = None
         round_trees.append(trees)
         for name, set_values in zip(eval_names, metric_values):
             for metric, value in zip(metrics, np.asarray(set_values)):
                 history[name][metric.name].append(float(value))
         if any([callback.after_iteration(state) for callback in all_callbacks]):
             break
+    if unchecked is not None:
+        _raise_if_unhealthy(*unchecked)
     for callback in all_callbacks:
         callback.after_training(state)
     return build_model(state.best_iteration)
