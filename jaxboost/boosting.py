@@ -147,6 +147,8 @@ def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array
         return (change > SWEEP_TOLERANCE) & (sweeps < (1 if objective.num_outputs == 1 else MAX_SWEEPS))
 
     start = jnp.zeros(objective.num_outputs, raw_prediction.dtype)
+    if objective.num_outputs == 1:
+        return solve_output(0, start)  # one exact minimisation: no sweep loop to compile
     constant, _, _ = jax.lax.while_loop(unsettled, sweep, (start, jnp.float32(jnp.inf), 0))
     return constant
 
