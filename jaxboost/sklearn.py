@@ -60,7 +60,7 @@ class _JaxBoostEstimator(BaseEstimator):
                  gamma=0.0, min_child_weight=1.0, max_bin=256, subsample=1.0, colsample_bytree=1.0,
                  colsample_bylevel=1.0, colsample_bynode=1.0, max_delta_step=0.0, scale_pos_weight=1.0,
                  loss=None, early_stopping_rounds=None, eval_metric=None, importance_type="gain",
-                 random_state=None):
+                 random_state=None, multi_strategy="one_output_per_tree"):
         self.n_estimators = n_estimators
         self.max_depth = max_depth
         self.learning_rate = learning_rate
@@ -80,6 +80,7 @@ class _JaxBoostEstimator(BaseEstimator):
         self.eval_metric = eval_metric
         self.importance_type = importance_type
         self.random_state = random_state
+        self.multi_strategy = multi_strategy
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -110,7 +111,8 @@ class _JaxBoostEstimator(BaseEstimator):
             colsample_bylevel=self.colsample_bylevel, colsample_bynode=self.colsample_bynode,
             max_delta_step=self.max_delta_step, scale_pos_weight=self.scale_pos_weight,
             sample_weight=sample_weight, eval_set=eval_pairs, eval_metric=self.eval_metric,
-            early_stopping_rounds=self.early_stopping_rounds, verbose=verbose, seed=_seed(self.random_state))
+            early_stopping_rounds=self.early_stopping_rounds, verbose=verbose, seed=_seed(self.random_state),
+            multi_strategy=self.multi_strategy)
         if hasattr(self, "feature_names_in_"):
             booster = dataclasses.replace(booster, feature_names=tuple(str(name) for name in self.feature_names_in_))
         self._booster = booster
@@ -184,14 +186,14 @@ class JaxBoostRegressor(RegressorMixin, _JaxBoostEstimator):
                  gamma=0.0, min_child_weight=1.0, max_bin=256, subsample=1.0, colsample_bytree=1.0,
                  colsample_bylevel=1.0, colsample_bynode=1.0, max_delta_step=0.0, scale_pos_weight=1.0,
                  loss="squared_error", link=None, early_stopping_rounds=None, eval_metric=None,
-                 importance_type="gain", random_state=None):
+                 importance_type="gain", random_state=None, multi_strategy="one_output_per_tree"):
         super().__init__(n_estimators=n_estimators, max_depth=max_depth, learning_rate=learning_rate,
                          reg_lambda=reg_lambda, reg_alpha=reg_alpha, gamma=gamma, min_child_weight=min_child_weight,
                          max_bin=max_bin, subsample=subsample, colsample_bytree=colsample_bytree,
                          colsample_bylevel=colsample_bylevel, colsample_bynode=colsample_bynode,
                          max_delta_step=max_delta_step, scale_pos_weight=scale_pos_weight, loss=loss,
                          early_stopping_rounds=early_stopping_rounds, eval_metric=eval_metric,
-                         importance_type=importance_type, random_state=random_state)
+                         importance_type=importance_type, random_state=random_state, multi_strategy=multi_strategy)
         self.link = link
 
     def fit(self, X, y, sample_weight=None, eval_set=None, verbose=False):

@@ -243,3 +243,12 @@ def test_train_many_vector_trees_equal_models_trained_alone(data):
         np.testing.assert_array_equal(model.trees.feature, alone.trees.feature)
         np.testing.assert_allclose(model.predict_raw(X), alone.predict_raw(X), atol=1e-5)
     assert not np.allclose(models[0].predict_raw(X), models[1].predict_raw(X))
+
+
+def test_sklearn_classifier_takes_multi_strategy(softmax_model):
+    from jaxboost.sklearn import JaxBoostClassifier
+
+    model, X, y = softmax_model
+    classifier = JaxBoostClassifier(n_estimators=8, max_depth=3, learning_rate=0.3,
+                                    multi_strategy="multi_output_tree").fit(X, y)
+    np.testing.assert_allclose(classifier.predict_proba(X), model.predict(X), atol=1e-6)
