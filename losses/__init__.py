@@ -22,7 +22,7 @@ import jax
 
 from . import _validation
 from ._classification import exponential, hinge, logistic, softmax
-from ._count import gamma, poisson, tweedie
+from ._count import gamma, negative_binomial, poisson, tweedie
 from ._distributional import (
     gaussian_nll,
     gaussian_quantile,
@@ -59,6 +59,7 @@ __all__ = [
     "student_t_nll",
     "student_t_quantile",
     "tweedie",
+    "negative_binomial",
 ]
 
 
@@ -97,6 +98,7 @@ BUILTINS: dict[str, BuiltinLoss] = {
         _record(poisson, "exp", _validation.non_negative),
         _record(gamma, "exp", _validation.positive),
         _record(tweedie, "exp", _validation.non_negative),
+        _record(negative_binomial, "exp", _validation.non_negative),
         _record(exponential, "sigmoid_2x", _validation.binary),
         _record(hinge, "step", _validation.binary, leaf_refit=True),
         _record(gaussian_nll, location_scale, _validation.any_finite, num_outputs=2,

@@ -56,3 +56,30 @@ def tweedie(
         -y * jnp.exp((1.0 - power) * raw_prediction) / (1.0 - power)
         + jnp.exp((2.0 - power) * raw_prediction) / (2.0 - power)
     )
+
+
+def negative_binomial(
+    raw_prediction: jax.typing.ArrayLike, y: jax.typing.ArrayLike, alpha: float = 1.0
+) -> jax.Array:
+    """Negative binomial (NB2) negative log-likelihood of a count, with mean ``mu = exp(F)`` and
+    variance ``mu + alpha mu^2``: a Poisson-gamma mixture for over-dispersed counts.
+
+    ``(y + 1/alpha) log(1 + alpha mu) - y log(alpha mu) - log Gamma(y + 1/alpha)
+    + log Gamma(1/alpha) + log Gamma(y + 1)``, written with ``softplus`` so that it stays
+    finite for any ``F``. The exact likelihood, so that it can be compared across ``alpha``
+    (e.g. to choose it on validation data); as ``alpha -> 0`` it tends to the Poisson.
+
+    Args:
+      raw_prediction: the log of the predicted mean, ``F``, for one example, a scalar.
+      y: the count, a scalar ``>= 0``.
+      alpha: the dispersion, ``> 0``.
+
+    Returns:
+      the loss, a scalar.
+    """
+    check_parameter("negative_binomial", "alpha", alpha, lambda value: value > 0, "alpha > 0")
+    size = 1.0 / alpha
+    log_alpha_mu = jnp.log(alpha) + raw_prediction
+    return ((y + size) * jax.nn.softplus(log_alpha_mu) - y * log_alpha_mu
+            - jax.scipy.special.gammaln(y + size) + jax.scipy.special.gammaln(size)
+            + jax.scipy.special.gammaln(y + 1.0))
