@@ -141,8 +141,8 @@ def vector_leaves(multi_strategy: str, multi_output_hessian: str, num_outputs: i
         raise ValueError(f"multi_strategy must be one of {MULTI_STRATEGIES}; got {multi_strategy!r}")
     if multi_output_hessian not in MULTI_OUTPUT_HESSIANS:
         raise ValueError(f"multi_output_hessian must be one of {MULTI_OUTPUT_HESSIANS}; got {multi_output_hessian!r}")
-    if multi_strategy == "one_output_per_tree":
-        return None
+    if multi_strategy == "one_output_per_tree" or num_outputs == 1:
+        return None  # one output: a vector leaf is a scalar leaf
     if monotone is not None:
         raise ValueError("monotone_constraints are not supported with multi_strategy='multi_output_tree' (a "
                          "vector leaf has no single direction to constrain); use 'one_output_per_tree'")
