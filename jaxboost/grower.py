@@ -205,8 +205,6 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         active = state.active
         tree, bounds, heap_index = record_values(state.tree, bounds, depth, state)
         node_features = jnp.broadcast_to(feature_allowed, (capacity, n_features))
-        if params.interaction_groups is not None:
-            node_features = node_features & interaction_allowed(state.path_features, params.interaction_groups)
         if sample_columns:
             level_key = jax.random.fold_in(key, depth)
             level_features = sample_features(jax.random.fold_in(level_key, 0), feature_allowed,
@@ -214,6 +212,9 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             node_features = sample_features(jax.random.fold_in(level_key, 1),
                                             jnp.broadcast_to(level_features, (capacity, n_features)),
                                             params.colsample_bynode)
+        if params.interaction_groups is not None:
+            # After sampling, as XGBoost does: constraints filter the sampled features.
+            node_features = node_features & interaction_allowed(state.path_features, params.interaction_groups)
         level_bounds = None if monotone is None else NodeBounds(monotone, state.lower, state.upper)
         split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
                                               axis_name, level_bounds, leaves)

@@ -281,15 +281,26 @@ def test_constraints_match_xgboost(regression_data, kind):
         steps = np.diff(unconstrained.predict(grid.reshape(-1, 4)).reshape(8, 40), axis=0)
         assert np.any(steps < -1e-3), "the data do not test the constraint: unconstrained is monotone too"
     else:
-        trees = model.trees
-        for r in range(trees.feature.shape[0]):
-            feature, is_leaf = trees.feature[r, 0], trees.is_leaf[r, 0]
-            for leaf in np.flatnonzero(is_leaf):
-                path, node = set(), leaf
-                while node > 0:
-                    node = (node - 1) // 2
-                    path.add(int(feature[node]))
-                assert path <= {0, 1} or path <= {2, 3}, f"round {r} leaf {leaf} mixes groups: {path}"
+        _assert_paths_within_groups(model.trees, [{0, 1}, {2, 3}])
+
+
+def _assert_paths_within_groups(trees, groups):
+    for r in range(trees.feature.shape[0]):
+        feature, is_leaf = trees.feature[r, 0], trees.is_leaf[r, 0]
+        for leaf in np.flatnonzero(is_leaf):
+            path, node = set(), leaf
+            while node > 0:
+                node = (node - 1) // 2
+                path.add(int(feature[node]))
+            assert any(path <= group for group in groups), f"round {r} leaf {leaf} mixes groups: {path}"
+
+
+@pytest.mark.parametrize("sampling", [{"colsample_bynode": 0.5}, {"colsample_bylevel": 0.6}])
+def test_interaction_constraints_hold_under_column_sampling(regression_data, sampling):
+    X, y = regression_data
+    model = jb.train(X, y, num_rounds=6, max_depth=4, learning_rate=0.3, max_bin=16,
+                     interaction_constraints=[[0, 1], [2, 3]], **sampling)
+    _assert_paths_within_groups(model.trees, [{0, 1}, {2, 3}])
 
 
 def test_monotone_constraint_holds_after_leaf_refit(regression_data):
