@@ -119,7 +119,8 @@ def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:
 
 
 def _raise_if_unhealthy(health, loss_name: str, round_index: int):
-    non_finite, negative = int(np.sum(health.non_finite)), int(np.sum(health.negative_hessian))
+    # np.asarray first: np.sum of a JAX array would dispatch one more JAX computation per round.
+    non_finite, negative = int(np.asarray(health.non_finite).sum()), int(np.asarray(health.negative_hessian).sum())
     if non_finite:
         raise FloatingPointError(f"loss {loss_name!r} produced non-finite values, gradients or Hessians for {non_finite} "
                                  f"row(s) at round {round_index}; check the loss for overflow, log(0) or 0/0 at "
