@@ -28,7 +28,8 @@ class Dataset:
     def __init__(self, X, y=None, sample_weight=None, max_bin: int = 256, *, reference: "Dataset | None" = None,
                  bin_edges: BinEdges | None = None, base_margin=None):
         features, self.feature_names = check_features(
-            X, n_features=None if reference is None else reference.n_features)
+            X, n_features=None if reference is None else reference.n_features,
+            expected_names=None if reference is None else reference.feature_names)
         self.n_rows, self.n_features = features.shape
         self.y = None if y is None else check_labels(y, self.n_rows)
         self.sample_weight = check_sample_weight(sample_weight, self.n_rows)

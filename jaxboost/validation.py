@@ -9,13 +9,25 @@ from __future__ import annotations
 import numpy as np
 
 
-def check_features(X, n_features: int | None = None, what: str = "X") -> tuple[np.ndarray, tuple[str, ...] | None]:
+def check_features(X, n_features: int | None = None, what: str = "X",
+                   expected_names: tuple[str, ...] | None = None) -> tuple[np.ndarray, tuple[str, ...] | None]:
     """``X`` as a C-contiguous float32 (n, d) array, plus its column names if it had any.
 
-    NaN marks a missing value; infinite values and non-numeric columns are errors.
+    NaN marks a missing value; infinite values and non-numeric columns are errors. When ``X``
+    has column names and ``expected_names`` (the training columns) are given, they must match
+    in order: a DataFrame with its columns reordered would otherwise be predicted on silently
+    wrong features.
     """
     columns = getattr(X, "columns", None)
     feature_names = None if columns is None else tuple(str(c) for c in columns)
+    if feature_names is not None and expected_names is not None and feature_names != tuple(expected_names):
+        if sorted(feature_names) == sorted(expected_names):
+            raise ValueError(f"{what}'s columns are in a different order than the training features "
+                             f"{list(expected_names)[:10]}; select them in that order, e.g. X[model.feature_names]")
+        missing = [name for name in expected_names if name not in feature_names]
+        extra = [name for name in feature_names if name not in expected_names]
+        raise ValueError(f"{what}'s columns do not match the training features: missing {missing[:10]}, "
+                         f"unexpected {extra[:10]}")
     try:
         array = np.asarray(X)
     except Exception as error:  # pandas extension types and ragged input

@@ -294,6 +294,22 @@ def test_length_mismatch_and_feature_count_and_non_numeric():
         jb.train(np.where(X > 2, np.inf, X), y)
 
 
+def test_dataframe_columns_must_match_the_training_columns():
+    pd = pytest.importorskip("pandas")
+    X, y = _regression_data()
+    names = [f"f{i}" for i in range(X.shape[1])]
+    frame = pd.DataFrame(X, columns=names)
+    model = jb.train(frame, y, num_rounds=1, max_depth=DEPTH)
+    reordered = frame[names[::-1]]
+    with pytest.raises(ValueError, match="different order"):
+        model.predict(reordered)
+    with pytest.raises(ValueError, match=r"missing \['f0'\], unexpected \['g0'\]"):
+        model.predict(frame.rename(columns={"f0": "g0"}))
+    with pytest.raises(ValueError, match="different order"):
+        jb.train(frame, y, num_rounds=1, max_depth=DEPTH, eval_set=[(reordered, y)])
+    np.testing.assert_array_equal(model.predict(reordered[names]), model.predict(X))  # plain arrays carry no names
+
+
 def test_custom_loss_with_non_finite_gradients_names_loss_and_round():
     X, y = _regression_data()
 
