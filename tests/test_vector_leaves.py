@@ -277,3 +277,12 @@ def test_vector_leaf_refit_lowers_the_true_loss():
     refit = jb.train(X, y, leaf_refit=True, **settings)
     plain = jb.train(X, y, leaf_refit=False, **settings)
     assert training_loss(refit) < training_loss(plain) - 0.01
+
+
+def test_continuation_keeps_the_tree_mode(softmax_model):
+    model, X, y = softmax_model
+    with pytest.raises(ValueError, match="multi_strategy='multi_output_tree'"):
+        jb.train(X, y, loss="softmax", num_rounds=1, max_depth=3, init_model=model)
+    continued = jb.train(X, y, loss="softmax", num_rounds=2, max_depth=3, learning_rate=0.3, init_model=model,
+                         multi_strategy="multi_output_tree")
+    assert continued.num_rounds == model.num_rounds + 2
