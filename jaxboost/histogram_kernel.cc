@@ -11,13 +11,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -253,8 +260,405 @@ XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
 // training loop uses). A row goes left when x < threshold, the bin edge of the split (exactly
 // "bin <= threshold_bin"), and NaN follows the node's default direction, so no binning is
 // needed. ``packed`` holds feature << 10 | threshold_bin << 2 | default_left << 1 | is_leaf.
+
+// The trees re-laid for the walk. A leaf above the last level becomes a split that sends every
+// finite value and NaN left (+inf threshold, missing values left) over a subtree whose
+// last-level leaves all hold its value, so every row walks exactly `depth` levels with no leaf
+// test, and the leaf it ends on is `node - internal` (whichever way an infinite value went).
+struct PredictForest {
+  int64_t trees = 0, depth = 0, internal = 0, leaves = 0;
+  // Padded so that the vector kernels may load whole registers of a level's nodes or leaves.
+  int64_t split_stride = 0, leaf_stride = 0;
+  std::vector<float> threshold;  // (trees, split_stride), heap order
+  std::vector<int32_t> split;    // (trees, split_stride): feature | default_left << 31
+  std::vector<int32_t> feature;  // (trees, split_stride): the feature alone
+  std::vector<float> leaf;       // (trees, leaf_stride)
+  // The distinct features split on (only their NaN matter), those of the first kPickedLevels
+  // levels (the vector kernels copy only these columns of a block), and which of the latter each
+  // of those nodes reads: (trees, kPickedNodes).
+  std::vector<int32_t> used_feature, picked_feature, picked_slot;
+};
+
+constexpr int32_t kDefaultLeft = INT32_MIN;
+constexpr int32_t kFeatureMask = INT32_MAX;
+// Levels whose values the vector kernels pick from a block's columns rather than gather
+// (measured: a fourth level of 8 candidates was slower than its gather).
+constexpr int64_t kPickedLevels = 3;
+constexpr int64_t kPickedNodes = (1 << kPickedLevels) - 1;
+
+PredictForest BuildForest(const int32_t* packed, const float* thresholds, const float* values, int64_t trees,
+                          int64_t depth, int64_t n_features) {
+  PredictForest forest;
+  forest.trees = trees;
+  forest.depth = depth;
+  forest.internal = (int64_t{1} << depth) - 1;
+  forest.leaves = int64_t{1} << depth;
+  forest.split_stride = std::max<int64_t>(64, (forest.internal + 15) / 16 * 16);
+  forest.leaf_stride = std::max<int64_t>(64, forest.leaves);
+  forest.threshold.assign(trees * forest.split_stride, 0.0f);
+  forest.split.assign(trees * forest.split_stride, 0);
+  forest.feature.assign(trees * forest.split_stride, 0);
+  forest.leaf.assign(trees * forest.leaf_stride, 0.0f);
+  // A former leaf reads slot 0 (whatever its value, the row ends on the leaf's value).
+  forest.picked_slot.assign(trees * kPickedNodes, 0);
+  std::vector<char> used(n_features, 0);
+  std::vector<int32_t> slot_of(n_features, -1);
+  const int64_t nodes = forest.internal + forest.leaves;
+  std::vector<char> inherited(nodes);
+  std::vector<float> carried(nodes);
+  for (int64_t t = 0; t < trees; ++t) {
+    const int32_t* word = packed + t * nodes;
+    float* threshold = forest.threshold.data() + t * forest.split_stride;
+    int32_t* split = forest.split.data() + t * forest.split_stride;
+    std::fill(inherited.begin(), inherited.end(), 0);
+    // Heap order visits parents first, so a leaf's value reaches its whole subtree.
+    for (int64_t i = 0; i < nodes; ++i) {
+      const float value = inherited[i] ? carried[i] : values[t * nodes + i];
+      if (i >= forest.internal) {
+        forest.leaf[t * forest.leaf_stride + i - forest.internal] = value;
+      } else if (inherited[i] || (word[i] & 1)) {
+        threshold[i] = std::numeric_limits<float>::infinity();
+        split[i] = kDefaultLeft;
+        for (int64_t child = 2 * i + 1; child <= 2 * i + 2; ++child) {
+          inherited[child] = 1;
+          carried[child] = value;
+        }
+      } else {
+        threshold[i] = thresholds[t * nodes + i];
+        split[i] = (word[i] >> 10) | ((word[i] & 2) ? kDefaultLeft : 0);
+        const int32_t feature = word[i] >> 10;
+        forest.feature[t * forest.split_stride + i] = feature;
+        used[feature] = 1;
+        if (i < kPickedNodes) {
+          if (slot_of[feature] < 0) {
+            slot_of[feature] = static_cast<int32_t>(forest.picked_feature.size());
+            forest.picked_feature.push_back(feature);
+          }
+          forest.picked_slot[t * kPickedNodes + i] = slot_of[feature];
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < n_features; ++j) {
+    if (used[j]) forest.used_feature.push_back(static_cast<int32_t>(j));
+  }
+  return forest;
+}
+
+// Rows of a block walk one tree together, level by level: the rows are independent, so their
+// loads overlap in the pipeline. The block's raw predictions stay in `acc` (outputs, rows)
+// across all trees, so each row's sum is accumulated in the training loop's order.
+template <int64_t kRows>
+void PredictBlockScalar(const PredictForest& f, const float* x, int64_t n_features, int64_t outputs, int64_t rows,
+                        float* acc, float* /*scratch*/) {
+  int32_t node_of[kRows];
+  for (int64_t tree = 0; tree < f.trees; ++tree) {
+    const float* threshold = f.threshold.data() + tree * f.split_stride;
+    const int32_t* split = f.split.data() + tree * f.split_stride;
+    for (int64_t r = 0; r < rows; ++r) node_of[r] = 0;
+    for (int64_t level = 0; level < f.depth; ++level) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int32_t node = node_of[r];
+        const int32_t word = split[node];
+        const float value = x[r * n_features + (word & kFeatureMask)];
+        // NaN fails every comparison: it goes right unless the node sends missing values left.
+        const bool goes_right = value != value ? word >= 0 : !(value < threshold[node]);
+        node_of[r] = 2 * node + 1 + static_cast<int32_t>(goes_right);
+      }
+    }
+    const float* leaf = f.leaf.data() + tree * f.leaf_stride;
+    float* sum = acc + (tree % outputs) * kRows;
+    for (int64_t r = 0; r < rows; ++r) sum[r] += leaf[node_of[r] - f.internal];
+  }
+}
+
+// Walks the first n_rows rows in blocks of kRows with `block` (given a scratch buffer of a
+// column of kRows floats per picked feature), loading the block's starting values from `out`
+// (which holds them) and writing its raw predictions back.
+template <int64_t kRows, typename Block>
+void PredictRows(const PredictForest& f, const float* x, int64_t n_features, int64_t outputs, int64_t n_rows,
+                 float* out, Block block) {
+  std::vector<float> acc(outputs * kRows), scratch(std::max<size_t>(1, f.picked_feature.size()) * kRows, 0.0f);
+  for (int64_t first = 0; first < n_rows; first += kRows) {
+    const int64_t rows = std::min(kRows, n_rows - first);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t k = 0; k < outputs; ++k) acc[k * kRows + r] = out[(first + r) * outputs + k];
+    }
+    block(f, x + first * n_features, n_features, outputs, rows, acc.data(), scratch.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t k = 0; k < outputs; ++k) out[(first + r) * outputs + k] = acc[k * kRows + r];
+    }
+  }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define JAXBOOST_X86_DISPATCH 1
+
+// The vector kernels are compiled for their instruction sets alone (the library itself stays
+// baseline x86-64) and chosen at run time. A lane is a row. The nodes of a tree's first levels
+// fit in a few registers, so they are looked up with in-register permutes rather than gathers;
+// the row's feature value is picked from a few columns on the first levels and gathered below
+// (the gathers are most of the time). Leaves above the last level cost nothing (see
+// PredictForest), and a block without NaN skips the default-direction test.
+constexpr int64_t kVectorBlockRows = 64;
+
+// Copies the block's picked columns into `columns` (picked features, kVectorBlockRows): the
+// first levels have few nodes, so a lane's value is picked from those nodes' columns (plain
+// loads) instead of gathered from its row. Returns whether a feature split on is NaN in the
+// block (without, the default directions are never needed).
+inline bool BlockColumns(const PredictForest& f, const float* x, int64_t n_features, float* columns) {
+  for (size_t slot = 0; slot < f.picked_feature.size(); ++slot) {
+    for (int64_t r = 0; r < kVectorBlockRows; ++r) {
+      columns[slot * kVectorBlockRows + r] = x[r * n_features + f.picked_feature[slot]];
+    }
+  }
+  bool missing = false;
+  for (int64_t r = 0; r < kVectorBlockRows; ++r) {
+    for (const int32_t feature : f.used_feature) missing |= std::isnan(x[r * n_features + feature]);
+  }
+  return missing;
+}
+
+// Lane i gets column[position_i][offset + i] (position < kCount): kCount loads and a tree of
+// blends, cheaper than a gather while the candidates are few.
+template <int kCount>
+__attribute__((target("avx512f"))) inline __m512 PickColumn(const float* const* column, __m512i position,
+                                                            int64_t offset) {
+  __m512 candidate[kCount];
+  for (int j = 0; j < kCount; ++j) candidate[j] = _mm512_loadu_ps(column[j] + offset);
+  for (int width = kCount, bit = 1; width > 1; width /= 2, bit *= 2) {
+    const __mmask16 odd = _mm512_test_epi32_mask(position, _mm512_set1_epi32(bit));
+    for (int j = 0; j < width / 2; ++j) {
+      candidate[j] = _mm512_mask_blend_ps(odd, candidate[2 * j], candidate[2 * j + 1]);
+    }
+  }
+  return candidate[0];
+}
+
+// One tree for the block's rows; kMissing: whether a feature split on is NaN in the block. A
+// lane keeps its node's position p within its level (heap index 2^level - 1 + p), which indexes
+// that level's registers of nodes directly.
+template <bool kMissing>
+__attribute__((target("avx512f"))) inline void WalkTreeAvx512(const PredictForest& f, int64_t tree, const float* x,
+                                                              int64_t n_features, const float* columns,
+                                                              __m512i row_offset, float* sum) {
+  constexpr int kLanes = 16, kVectors = kVectorBlockRows / kLanes;
+  const float* threshold = f.threshold.data() + tree * f.split_stride;
+  const int32_t* split = (kMissing ? f.split.data() : f.feature.data()) + tree * f.split_stride;
+  const float* column[kPickedNodes];
+  for (int j = 0; j < kPickedNodes; ++j) {
+    column[j] = columns + f.picked_slot[tree * kPickedNodes + j] * kVectorBlockRows;
+  }
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i position[kVectors];
+  for (int v = 0; v < kVectors; ++v) position[v] = _mm512_setzero_si512();
+  for (int64_t level = 0; level < f.depth; ++level) {
+    // Levels 0-4 fit one register of nodes, level 5 two; deeper ones gather.
+    const int64_t start = (int64_t{1} << level) - 1;
+    const __m512 t0 = _mm512_loadu_ps(threshold + start), t1 = _mm512_loadu_ps(threshold + start + 16);
+    const __m512i s0 = _mm512_loadu_si512(split + start), s1 = _mm512_loadu_si512(split + start + 16);
+    for (int v = 0; v < kVectors; ++v) {
+      const __m512i p = position[v];
+      __m512 bound, value;
+      __m512i word;
+      if (level <= 4) {
+        bound = _mm512_permutexvar_ps(p, t0);
+        word = _mm512_permutexvar_epi32(p, s0);
+      } else if (level == 5) {
+        bound = _mm512_permutex2var_ps(t0, p, t1);
+        word = _mm512_permutex2var_epi32(s0, p, s1);
+      } else {
+        bound = _mm512_i32gather_ps(p, threshold + start, 4);
+        word = _mm512_i32gather_epi32(p, split + start, 4);
+      }
+      if (level < kPickedLevels) {
+        const int64_t offset = v * kLanes;
+        value = level == 0   ? PickColumn<1>(column, p, offset)
+                : level == 1 ? PickColumn<2>(column + 1, p, offset)
+                             : PickColumn<4>(column + 3, p, offset);
+      } else {
+        const __m512i feature = kMissing ? _mm512_and_si512(word, _mm512_set1_epi32(kFeatureMask)) : word;
+        value = _mm512_i32gather_ps(_mm512_add_epi32(row_offset, feature), x + v * kLanes * n_features, 4);
+      }
+      // NaN fails every comparison: it goes right unless the node sends missing values left.
+      __mmask16 goes_right = _mm512_cmp_ps_mask(value, bound, _CMP_NLT_UQ);
+      if (kMissing) {
+        goes_right &= ~(_mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q) &
+                        _mm512_cmplt_epi32_mask(word, _mm512_setzero_si512()));
+      }
+      position[v] = _mm512_mask_add_epi32(_mm512_add_epi32(p, p), goes_right, _mm512_add_epi32(p, p), one);
+    }
+  }
+  const float* leaf = f.leaf.data() + tree * f.leaf_stride;
+  for (int v = 0; v < kVectors; ++v) {
+    __m512 value;
+    if (f.leaves <= 64) {
+      const __m512 low = _mm512_permutex2var_ps(_mm512_loadu_ps(leaf), position[v], _mm512_loadu_ps(leaf + 16));
+      const __m512 high =
+          _mm512_permutex2var_ps(_mm512_loadu_ps(leaf + 32), position[v], _mm512_loadu_ps(leaf + 48));
+      value = _mm512_mask_blend_ps(_mm512_test_epi32_mask(position[v], _mm512_set1_epi32(32)), low, high);
+    } else {
+      value = _mm512_i32gather_ps(position[v], leaf, 4);
+    }
+    _mm512_storeu_ps(sum + v * kLanes, _mm512_add_ps(_mm512_loadu_ps(sum + v * kLanes), value));
+  }
+}
+
+__attribute__((target("avx512f"))) void PredictBlockAvx512(const PredictForest& f, const float* x,
+                                                          int64_t n_features, int64_t outputs, int64_t rows,
+                                                          float* acc, float* columns) {
+  if (rows < kVectorBlockRows) {
+    return PredictBlockScalar<kVectorBlockRows>(f, x, n_features, outputs, rows, acc, columns);
+  }
+  const bool missing = BlockColumns(f, x, n_features, columns);
+  const __m512i row_offset = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(n_features)));
+  for (int64_t tree = 0; tree < f.trees; ++tree) {
+    float* sum = acc + (tree % outputs) * kVectorBlockRows;
+    if (missing) {
+      WalkTreeAvx512<true>(f, tree, x, n_features, columns, row_offset, sum);
+    } else {
+      WalkTreeAvx512<false>(f, tree, x, n_features, columns, row_offset, sum);
+    }
+  }
+}
+
+// PickColumn for AVX2.
+template <int kCount>
+__attribute__((target("avx2"))) inline __m256 PickColumnAvx2(const float* const* column, __m256i position,
+                                                             int64_t offset) {
+  __m256 candidate[kCount];
+  for (int j = 0; j < kCount; ++j) candidate[j] = _mm256_loadu_ps(column[j] + offset);
+  for (int width = kCount, bit = 0; width > 1; width /= 2, ++bit) {
+    // blendv reads the sign bit: move the position's bit there.
+    const __m256 odd = _mm256_castsi256_ps(_mm256_slli_epi32(position, 31 - bit));
+    for (int j = 0; j < width / 2; ++j) {
+      candidate[j] = _mm256_blendv_ps(candidate[2 * j], candidate[2 * j + 1], odd);
+    }
+  }
+  return candidate[0];
+}
+
+__attribute__((target("avx2"))) inline __m256i Blend(__m256i a, __m256i b, __m256 mask) {
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), mask));
+}
+
+// WalkTreeAvx512 for AVX2: half the lanes, and fewer nodes per register.
+template <bool kMissing>
+__attribute__((target("avx2"))) inline void WalkTreeAvx2(const PredictForest& f, int64_t tree, const float* x,
+                                                         int64_t n_features, const float* columns,
+                                                         __m256i row_offset, float* sum) {
+  constexpr int kLanes = 8, kVectors = kVectorBlockRows / kLanes;
+  const float* threshold = f.threshold.data() + tree * f.split_stride;
+  const int32_t* split = (kMissing ? f.split.data() : f.feature.data()) + tree * f.split_stride;
+  const float* column[kPickedNodes];
+  for (int j = 0; j < kPickedNodes; ++j) {
+    column[j] = columns + f.picked_slot[tree * kPickedNodes + j] * kVectorBlockRows;
+  }
+  __m256i position[kVectors];
+  for (int v = 0; v < kVectors; ++v) position[v] = _mm256_setzero_si256();
+  for (int64_t level = 0; level < f.depth; ++level) {
+    // Levels 0-3 fit one register of nodes, level 4 two, level 5 four; deeper ones gather.
+    const int64_t start = (int64_t{1} << level) - 1;
+    __m256 t[4];
+    __m256i s[4];
+    for (int i = 0; i < 4; ++i) {
+      t[i] = _mm256_loadu_ps(threshold + start + 8 * i);
+      s[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(split + start + 8 * i));
+    }
+    for (int v = 0; v < kVectors; ++v) {
+      const __m256i p = position[v];
+      __m256 bound, value;
+      __m256i word;
+      if (level <= 5) {
+        bound = _mm256_permutevar8x32_ps(t[0], p);
+        word = _mm256_permutevar8x32_epi32(s[0], p);
+        // Bits 3 and 4 of the position pick the register (blendv reads the sign bit).
+        if (level >= 4) {
+          const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(p, 28));
+          bound = _mm256_blendv_ps(bound, _mm256_permutevar8x32_ps(t[1], p), bit3);
+          word = Blend(word, _mm256_permutevar8x32_epi32(s[1], p), bit3);
+          if (level == 5) {
+            const __m256 high =
+                _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[2], p), _mm256_permutevar8x32_ps(t[3], p), bit3);
+            const __m256i high_word =
+                Blend(_mm256_permutevar8x32_epi32(s[2], p), _mm256_permutevar8x32_epi32(s[3], p), bit3);
+            const __m256 bit4 = _mm256_castsi256_ps(_mm256_slli_epi32(p, 27));
+            bound = _mm256_blendv_ps(bound, high, bit4);
+            word = Blend(word, high_word, bit4);
+          }
+        }
+      } else {
+        bound = _mm256_i32gather_ps(threshold + start, p, 4);
+        word = _mm256_i32gather_epi32(split + start, p, 4);
+      }
+      if (level < kPickedLevels) {
+        const int64_t offset = v * kLanes;
+        value = level == 0   ? PickColumnAvx2<1>(column, p, offset)
+                : level == 1 ? PickColumnAvx2<2>(column + 1, p, offset)
+                             : PickColumnAvx2<4>(column + 3, p, offset);
+      } else {
+        const __m256i feature = kMissing ? _mm256_and_si256(word, _mm256_set1_epi32(kFeatureMask)) : word;
+        value = _mm256_i32gather_ps(x + v * kLanes * n_features, _mm256_add_epi32(row_offset, feature), 4);
+      }
+      // NaN fails every comparison: it goes right unless the node sends missing values left.
+      __m256 goes_right = _mm256_cmp_ps(value, bound, _CMP_NLT_UQ);
+      if (kMissing) {
+        const __m256 missing_left = _mm256_and_ps(_mm256_cmp_ps(value, value, _CMP_UNORD_Q),
+                                                  _mm256_castsi256_ps(_mm256_srai_epi32(word, 31)));
+        goes_right = _mm256_andnot_ps(missing_left, goes_right);
+      }
+      // goes_right is all ones (-1) where the row goes right.
+      position[v] = _mm256_sub_epi32(_mm256_add_epi32(p, p), _mm256_castps_si256(goes_right));
+    }
+  }
+  const float* leaf = f.leaf.data() + tree * f.leaf_stride;
+  for (int v = 0; v < kVectors; ++v) {
+    const __m256 value = _mm256_i32gather_ps(leaf, position[v], 4);
+    _mm256_storeu_ps(sum + v * kLanes, _mm256_add_ps(_mm256_loadu_ps(sum + v * kLanes), value));
+  }
+}
+
+__attribute__((target("avx2"))) void PredictBlockAvx2(const PredictForest& f, const float* x, int64_t n_features,
+                                                      int64_t outputs, int64_t rows, float* acc, float* columns) {
+  if (rows < kVectorBlockRows) {
+    return PredictBlockScalar<kVectorBlockRows>(f, x, n_features, outputs, rows, acc, columns);
+  }
+  const bool missing = BlockColumns(f, x, n_features, columns);
+  const __m256i row_offset = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                _mm256_set1_epi32(static_cast<int32_t>(n_features)));
+  for (int64_t tree = 0; tree < f.trees; ++tree) {
+    float* sum = acc + (tree % outputs) * kVectorBlockRows;
+    if (missing) {
+      WalkTreeAvx2<true>(f, tree, x, n_features, columns, row_offset, sum);
+    } else {
+      WalkTreeAvx2<false>(f, tree, x, n_features, columns, row_offset, sum);
+    }
+  }
+}
+#endif
+
+enum class PredictKernel { kScalar, kAvx2, kAvx512 };
+
+// The widest kernel this CPU runs; JAXBOOST_PREDICT_SIMD=avx2 or =none asks for a narrower one
+// (to compare them, or to test the others on a machine that has them all).
+PredictKernel ChoosePredictKernel() {
+  const char* asked = std::getenv("JAXBOOST_PREDICT_SIMD");
+  const std::string limit = asked == nullptr ? "" : asked;
+#ifdef JAXBOOST_X86_DISPATCH
+  __builtin_cpu_init();
+  if (limit != "none" && limit != "avx2" && __builtin_cpu_supports("avx512f")) return PredictKernel::kAvx512;
+  if (limit != "none" && __builtin_cpu_supports("avx2")) return PredictKernel::kAvx2;
+#endif
+  return PredictKernel::kScalar;
+}
+
+// Only the first `walked` rows (one int32) walk the trees: the others are padding, whose raw
+// prediction is left at its starting value.
 ffi::Error PredictImpl(ffi::Buffer<ffi::F32> features, ffi::Buffer<ffi::S32> packed, ffi::Buffer<ffi::F32> thresholds,
-                       ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> initial, ffi::ResultBuffer<ffi::F32> raw) {
+                       ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> initial, ffi::Buffer<ffi::S32> walked,
+                       ffi::ResultBuffer<ffi::F32> raw) {
   const auto feature_dims = features.dimensions();
   const auto tree_dims = packed.dimensions();
   if (feature_dims.size() != 2 || tree_dims.size() != 3) {
@@ -269,46 +673,42 @@ ffi::Error PredictImpl(ffi::Buffer<ffi::F32> features, ffi::Buffer<ffi::S32> pac
     return ffi::Error::InvalidArgument("predict kernel: inconsistent shapes");
   }
   if (n_features == 0) return ffi::Error::InvalidArgument("predict kernel: no features");
+  if (walked.element_count() != 1 || walked.typed_data()[0] < 0 || walked.typed_data()[0] > n_rows) {
+    return ffi::Error::InvalidArgument("predict kernel: the count of rows to walk must be one int in [0, n]");
+  }
+  const int64_t n_walked = walked.typed_data()[0];
   const float* x = features.typed_data();
   const int32_t* node_info = packed.typed_data();
-  const float* split_at = thresholds.typed_data();
-  const float* leaf_values = values.typed_data();
   float* out = raw->typed_data();
   std::copy(initial.typed_data(), initial.typed_data() + n_rows * outputs, out);
+  if (n_walked == 0 || outputs == 0) return ffi::Error::Success();
   int64_t depth = 0;
   while ((int64_t{2} << depth) - 1 < nodes) ++depth;  // nodes = 2^(depth+1) - 1
   // Checked once here, so the walk itself needs no bounds checks.
   if ((int64_t{2} << depth) - 1 != nodes) return ffi::Error::InvalidArgument("predict kernel: not a full heap");
+  // Node positions and gather offsets (within 64 rows of X) are int32.
+  if (depth > 24 || n_features > INT32_MAX / 64) {
+    return ffi::Error::InvalidArgument("predict kernel: trees or rows too large");
+  }
   for (int64_t i = 0; i < rounds * outputs * nodes; ++i) {
     const int64_t feature = node_info[i] >> 10;
     if ((node_info[i] & 1) == 0 && (feature < 0 || feature >= n_features)) {
       return ffi::Error::InvalidArgument("predict kernel: split feature out of range");
     }
   }
-  // Blocks of rows walk one tree together, a fixed number of levels with no data-dependent
-  // branch (a leaf keeps its row), so the independent rows overlap in the pipeline.
-  constexpr int64_t kPredictBlock = 16;
-  int64_t node_of[kPredictBlock];
-  for (int64_t first = 0; first < n_rows; first += kPredictBlock) {
-    const int64_t block = std::min<int64_t>(kPredictBlock, n_rows - first);
-    for (int64_t tree = 0; tree < rounds * outputs; ++tree) {
-      const int32_t* info = node_info + tree * nodes;
-      const float* threshold = split_at + tree * nodes;
-      for (int64_t r = 0; r < block; ++r) node_of[r] = 0;
-      for (int64_t level = 0; level < depth; ++level) {
-        for (int64_t r = 0; r < block; ++r) {
-          const int64_t node = node_of[r];
-          const int32_t word = info[node];
-          const float value = x[(first + r) * n_features + (word >> 10)];
-          // NaN fails every comparison: it goes right unless the node sends missing values left.
-          const bool goes_right = value != value ? (word & 2) == 0 : !(value < threshold[node]);
-          // Leaves keep their row; a leaf on the last level never reaches this line.
-          node_of[r] = (word & 1) ? node : 2 * node + 1 + static_cast<int64_t>(goes_right);
-        }
-      }
-      const int64_t output = tree % outputs;
-      for (int64_t r = 0; r < block; ++r) out[(first + r) * outputs + output] += leaf_values[tree * nodes + node_of[r]];
-    }
+  const PredictForest forest =
+      BuildForest(node_info, thresholds.typed_data(), values.typed_data(), rounds * outputs, depth, n_features);
+  switch (ChoosePredictKernel()) {
+#ifdef JAXBOOST_X86_DISPATCH
+    case PredictKernel::kAvx512:
+      PredictRows<kVectorBlockRows>(forest, x, n_features, outputs, n_walked, out, PredictBlockAvx512);
+      break;
+    case PredictKernel::kAvx2:
+      PredictRows<kVectorBlockRows>(forest, x, n_features, outputs, n_walked, out, PredictBlockAvx2);
+      break;
+#endif
+    default:
+      PredictRows<64>(forest, x, n_features, outputs, n_walked, out, PredictBlockScalar<64>);
   }
   return ffi::Error::Success();
 }
@@ -320,6 +720,7 @@ XLA_FFI_DEFINE_HANDLER(kPredictHandler, PredictImpl,
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::Buffer<ffi::F32>>());
 
 }  // namespace

@@ -34,6 +34,15 @@ def padded_size(n_rows: int, multiple: int = 1) -> int:
     return -(-bucket // multiple) * multiple
 
 
+def _aligned_empty(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
+    """An uninitialised float32 array whose data starts on an ``alignment``-byte boundary (what
+    JAX's CPU client needs to use host memory in place)."""
+    n_bytes = int(np.prod(shape)) * 4
+    buffer = np.empty(n_bytes + alignment, np.uint8)
+    offset = -buffer.ctypes.data % alignment
+    return buffer[offset:offset + n_bytes].view(np.float32).reshape(shape)
+
+
 @dataclass(frozen=True)
 class Model:
     """A trained jaxboost ensemble.
@@ -103,21 +112,12 @@ class Model:
         # Rows are sharded over the devices (every core on a CPU) like in training.
         mesh = row_mesh(n_rows)
         size = padded_size(n_rows, mesh.size)
-        initial_padded = np.zeros((size, self.num_outputs), np.float32)
-        initial_padded[:n_rows] = initial
         native = native_feature_predictor(mesh)
         if native is not None:
-            # Raw features against the splits' bin edges: the same routing, without binning.
-            thresholds = self.bin_edges.edges[trees.feature, np.minimum(trees.threshold_bin,
-                                                                        self.bin_edges.edges.shape[1] - 1)]
-            X_padded = np.zeros((size, features.shape[1]), np.float32)
-            X_padded[:n_rows] = features
-            put = partial(jax.device_put, device=replicated(mesh))
-            raw = np.asarray(native(put(packed_nodes(trees)), put(thresholds.astype(np.float32)),
-                                    put(trees.value.astype(np.float32)),
-                                    jax.device_put(X_padded, row_sharding(mesh, 2)),
-                                    jax.device_put(initial_padded, row_sharding(mesh, 2))))[:n_rows]
+            raw = self._predict_raw_native(native, mesh, size, features, initial, trees)
             return raw[:, 0] if self.num_outputs == 1 else raw
+        initial_padded = np.zeros((size, self.num_outputs), np.float32)
+        initial_padded[:n_rows] = initial
         X_padded = np.zeros((size, features.shape[1]), np.uint8)
         X_padded[:n_rows] = apply_bins(features, self.bin_edges)
         raw = np.asarray(predict_raw_binned(jax.device_put(trees, replicated(mesh)),
@@ -125,6 +125,37 @@ class Model:
                                             jax.device_put(initial_padded, row_sharding(mesh, 2)),
                                             missing_bin=self.bin_edges.missing_bin, mesh=mesh))[:n_rows]
         return raw[:, 0] if self.num_outputs == 1 else raw
+
+    def _predict_raw_native(self, native, mesh, size: int, features: np.ndarray, initial: np.ndarray,
+                            trees: Tree) -> np.ndarray:
+        """``predict_raw`` on CPU: raw features against the splits' bin edges, the same routing
+        as the binned path without binning. Each device takes an equal share of the rows followed
+        by its padding, which the kernel skips, so the devices finish together and no time goes
+        to padding rows."""
+        n_rows, n_features = features.shape
+        devices, outputs = mesh.size, self.num_outputs
+        shares = np.full(devices, n_rows // devices, np.int32)
+        shares[:n_rows % devices] += 1
+        per_device = size // devices
+        # 64-byte aligned, so device_put hands each device its slice without copying it.
+        X_padded = _aligned_empty((devices, per_device, n_features))
+        initial_padded = _aligned_empty((devices, per_device, outputs))
+        begin = 0
+        for device, share in enumerate(shares):
+            X_padded[device, :share] = features[begin:begin + share]
+            X_padded[device, share:] = 0
+            initial_padded[device, :share] = initial[begin:begin + share]
+            initial_padded[device, share:] = 0
+            begin += share
+        thresholds = self.bin_edges.edges[trees.feature, np.minimum(trees.threshold_bin,
+                                                                    self.bin_edges.edges.shape[1] - 1)]
+        put = partial(jax.device_put, device=replicated(mesh))
+        raw = np.asarray(native(put(packed_nodes(trees)), put(thresholds.astype(np.float32)),
+                                put(trees.value.astype(np.float32)),
+                                jax.device_put(X_padded.reshape(size, n_features), row_sharding(mesh, 2)),
+                                jax.device_put(initial_padded.reshape(size, outputs), row_sharding(mesh, 2)),
+                                jax.device_put(shares, row_sharding(mesh, 1))))
+        return np.concatenate([part[:share] for part, share in zip(raw.reshape(devices, per_device, outputs), shares)])
 
     def predict(self, X, *, iteration_range: tuple[int, int] | None = None, base_margin=None) -> np.ndarray:
         """Predictions after the link: probabilities for logistic, class probabilities for softmax."""

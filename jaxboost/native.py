@@ -8,6 +8,11 @@ folder when that is not writable), keyed by the source, the jaxlib version and t
 command. When anything fails (no compiler, no headers, a read-only disk) the kernels are
 reported absent, a debug message is logged once, and callers use their XLA versions.
 ``JAXBOOST_NATIVE=0`` turns the native kernels off.
+
+The library is built for the baseline of its architecture, so one build runs on every CPU of
+it; the prediction kernel also holds AVX2 and AVX-512 versions, compiled for those instruction
+sets alone and chosen at run time by what the CPU has. ``JAXBOOST_PREDICT_SIMD=avx2`` or
+``=none`` asks for a narrower one (to compare them, or to test them all on one machine).
 """
 
 from __future__ import annotations

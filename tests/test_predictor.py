@@ -76,3 +76,22 @@ def test_a_split_on_a_missing_feature_is_an_error_not_a_crash(data):
     broken = dataclasses.replace(model, trees=model.trees._replace(feature=feature))
     with pytest.raises(Exception, match="out of range"):
         broken.predict_raw(X)
+
+
+@pytest.mark.parametrize("simd", ["", "avx2", "none"])
+def test_every_cpu_kernel_matches_the_binned_path(data, simd, monkeypatch):
+    """The AVX-512, AVX2 and scalar walks (picked at run time; narrowed by the environment) on
+    trees with leaves above the last level, depths 1 to 7 (more than the 3 levels the vector
+    kernels pick from a block) and row counts that leave partial 64-row blocks."""
+    monkeypatch.setenv("JAXBOOST_PREDICT_SIMD", simd)
+    X, signal = data
+    rows = np.random.default_rng(11).normal(size=(200, 6)).astype(np.float32)
+    rows[::4, 0] = np.nan
+    rows[::7, 1] = 40.0  # beyond every bin edge
+    for depth, min_child_weight in ((1, 1.0), (4, 1.0), (7, 150.0)):
+        model = jb.train(X, signal, num_rounds=6, max_depth=depth, learning_rate=0.5,
+                         min_child_weight=min_child_weight)
+        if depth == 7:  # leaves above the last level are re-laid as pass-through splits
+            assert np.any(model.trees.is_leaf[:, :, :(1 << depth) - 1])
+        for n in (1, 63, 65, 200):
+            np.testing.assert_array_equal(model.predict_raw(rows[:n]), binned_prediction(model, rows[:n]))
