@@ -229,6 +229,46 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   return ffi::Error::Success();
 }
 
+// Routing alone, for the last level (whose children get no histograms).
+ffi::Error RouteImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_of_row, ffi::Buffer<ffi::S32> feature,
+                     ffi::Buffer<ffi::S32> threshold_bin, ffi::Buffer<ffi::PRED> default_left, int64_t missing_bin,
+                     ffi::ResultBuffer<ffi::S32> child_of_row) {
+  const auto code_dims = codes.dimensions();
+  if (code_dims.size() != 2) return ffi::Error::InvalidArgument("route kernel: codes must be 2-D");
+  const int64_t n_features = code_dims[0], n_rows = code_dims[1];
+  const int64_t num_nodes = static_cast<int64_t>(feature.element_count());
+  if (n_features == 0) return ffi::Error::InvalidArgument("route kernel: no features");
+  if (static_cast<int64_t>(threshold_bin.element_count()) != num_nodes ||
+      static_cast<int64_t>(default_left.element_count()) != num_nodes ||
+      static_cast<int64_t>(node_of_row.element_count()) != n_rows ||
+      static_cast<int64_t>(child_of_row->element_count()) != n_rows) {
+    return ffi::Error::InvalidArgument("route kernel: inconsistent shapes");
+  }
+  std::vector<int32_t> safe_feature(static_cast<size_t>(num_nodes));
+  for (int64_t node = 0; node < num_nodes; ++node) {
+    safe_feature[node] =
+        static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(feature.typed_data()[node], 0), n_features - 1));
+  }
+  // No split of the level builds a histogram: only the routing of RouteRows is used.
+  std::unique_ptr<bool[]> no_splits(new bool[static_cast<size_t>(std::max<int64_t>(num_nodes, 1))]());
+  std::unique_ptr<bool[]> unused(new bool[static_cast<size_t>(std::max<int64_t>(n_rows, 1))]);
+  const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
+                            no_splits.get(), no_splits.get(), num_nodes, missing_bin};
+  RouteRows(codes.typed_data(), n_rows, node_of_row.typed_data(), level, 0, n_rows, child_of_row->typed_data(),
+            unused.get());
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kRouteHandler, RouteImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::U8>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::PRED>>()
+                           .Attr<int64_t>("missing_bin")
+                           .Ret<ffi::Buffer<ffi::S32>>());
+
 XLA_FFI_DEFINE_HANDLER(kRouteHistogramHandler, RouteHistogramImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::U8>>()
@@ -732,6 +772,8 @@ extern "C" XLA_FFI_Error* JaxboostHistogram(XLA_FFI_CallFrame* call_frame) {
 extern "C" XLA_FFI_Error* JaxboostRouteHistogram(XLA_FFI_CallFrame* call_frame) {
   return kRouteHistogramHandler(call_frame);
 }
+
+extern "C" XLA_FFI_Error* JaxboostRoute(XLA_FFI_CallFrame* call_frame) { return kRouteHandler(call_frame); }
 
 extern "C" XLA_FFI_Error* JaxboostPredict(XLA_FFI_CallFrame* call_frame) {
   return kPredictHandler(call_frame);

@@ -37,9 +37,10 @@ logger = logging.getLogger(__name__)
 HISTOGRAM_TARGET = "jaxboost_histogram"
 ROUTE_HISTOGRAM_TARGET = "jaxboost_route_histogram"
 PREDICT_TARGET = "jaxboost_predict"
+ROUTE_TARGET = "jaxboost_route"
 _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
 _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
-            PREDICT_TARGET: "JaxboostPredict"}
+            PREDICT_TARGET: "JaxboostPredict", ROUTE_TARGET: "JaxboostRoute"}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w"]
 _COMPILE_TIMEOUT_S = 300
 

@@ -16,7 +16,7 @@ import pytest
 
 from jaxboost import native
 from jaxboost.grower import MIN_LOSS_CHANGE, GrowthParams, grow_tree
-from jaxboost.histogram import HISTOGRAM_TARGET, build_histogram, route_and_build_histogram
+from jaxboost.histogram import HISTOGRAM_TARGET, build_histogram, route_and_build_histogram, route_rows
 from jaxboost.regularizer import Regularization
 from jaxboost.tree import num_heap_nodes
 
@@ -465,7 +465,7 @@ def test_training_with_native_kernel_matches_xla_kernel(monkeypatch):
 
     def train_with(kernel):
         # Every histogram the grower builds goes to the chosen kernel.
-        for name in ("build_histogram", "route_and_build_histogram"):
+        for name in ("build_histogram", "route_and_build_histogram", "route_rows"):
             if hasattr(grower, name):
                 monkeypatch.setattr(grower, name, partial(getattr(histogram, name), kernel=kernel))
         boosting.compiled_round.cache_clear()  # the kernel is chosen when a round is traced
@@ -518,6 +518,25 @@ def test_route_and_build_histogram_matches_numpy(kernel, threads, num_nodes, max
                            jnp.asarray(hessians), **{k: jnp.asarray(v) for k, v in level.items()})
     np.testing.assert_array_equal(np.asarray(child), expected_child)
     np.testing.assert_allclose(np.asarray(smaller), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
+def test_route_rows_matches_numpy(kernel):
+    """The last level's routing alone (missing codes follow the default direction), and under vmap."""
+    X_binned, node_index, _, _, level = route_case(12, 3000, 5, 8, 32)
+    X_binned[::5, 1] = 31
+    expected_child, _ = naive_route(X_binned, node_index, level, 32)
+    route = jax.jit(partial(route_rows, max_bin=32, kernel=kernel))
+    child = route(jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(level["split_feature"]),
+                  jnp.asarray(level["split_threshold_bin"]), jnp.asarray(level["split_default_left"]))
+    np.testing.assert_array_equal(np.asarray(child), expected_child)
+    # Under vmap (train_many) each batch member routes its own rows.
+    batched = jax.vmap(route, in_axes=(None, 0, None, None, None))(
+        jnp.asarray(X_binned.T), jnp.stack([jnp.asarray(node_index), jnp.asarray(node_index[::-1])]),
+        jnp.asarray(level["split_feature"]), jnp.asarray(level["split_threshold_bin"]),
+        jnp.asarray(level["split_default_left"]))
+    np.testing.assert_array_equal(np.asarray(batched[0]), expected_child)
+    np.testing.assert_array_equal(np.asarray(batched[1]), naive_route(X_binned, node_index[::-1], level, 32)[0])
 
 
 @pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
