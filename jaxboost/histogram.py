@@ -65,9 +65,9 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
       num_nodes, max_bin: static sizes.
       row_mask: optional bool ``(n_rows,)``: only these rows are summed (the native kernel
         skips the others, which is what makes building only the smaller children cheap).
-      kernel: "auto" (with a ``row_mask``: native on CPU when available, else XLA; without
-        one: XLA), "xla", or "native" (error when the native kernel is unavailable). The
-        environment variable ``JAXBOOST_NATIVE=0`` makes "auto" mean "xla".
+      kernel: "auto" (native on CPU when available, else XLA), "xla", or "native" (error when
+        the native kernel is unavailable). The environment variable ``JAXBOOST_NATIVE=0``
+        makes "auto" mean "xla".
       threads: CPU threads of the native kernel (each takes a range of features); keep 1 when
         rows are sharded over one device per core.
 
@@ -77,10 +77,6 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
     """
     if row_mask is not None and jnp.shape(row_mask) != jnp.shape(node_index):
         raise ValueError(f"row_mask must hold one flag per row, shape {node_index.shape}; got {jnp.shape(row_mask)}")
-    if kernel == "auto" and row_mask is None:
-        # Over every row the native kernel gains little, and inside a whole boosting round it
-        # measured slower than the XLA scatter; its gain is skipping the rows outside a mask.
-        kernel = "xla"
     target = _choose_native_target(HISTOGRAM_TARGET, "histogram", kernel, threads, X_binned_T, max_bin)
     args = (X_binned_T, node_index.astype(jnp.int32), gradients.astype(jnp.float32),
             hessians.astype(jnp.float32))

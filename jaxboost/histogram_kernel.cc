@@ -3,10 +3,12 @@
 // Sums gradients and Hessians per (node, feature, bin) over the rows selected by a row mask,
 // skipping the other rows, so that the smaller child of each split costs only its own rows.
 // Rows are taken in blocks: a block's selected rows are first gathered without branches (row
-// id, histogram offset of its node, gradient, Hessian), then each selected row adds to all its
-// features; the features of one row hit different cells, so the additions do not wait on each
-// other. The codes are feature-major, but a block's rows reuse the same cache lines of every
-// feature. Threads, when asked for, each take a range of features (disjoint cells, no reduction).
+// id, histogram offset of its node, gradient, Hessian), then one feature at a time adds every
+// selected row, (g, h) as one 64-bit vector add. Feature by feature, the cells written (that
+// feature's bins of every node) and the codes read (one feature-major run) stay in L1; taking
+// all features of one row at a time spread the writes over every feature's cells and was
+// 5-25% slower (measured at 400k rows, 16 nodes, 10-100% of rows kept). Threads, when asked
+// for, each take a range of features (disjoint cells, no reduction).
 
 #include <algorithm>
 #include <cmath>
@@ -30,7 +32,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kBlockRows = 2048;
+// Large blocks: each feature's pass over a block then runs long (measured: 2048 -> 32768 rows
+// made a level 10-20% faster; 131072 no faster).
+constexpr int64_t kBlockRows = 32768;
 // Every uint8 code has a slot, so a code past max_bin cannot write outside the buffer.
 constexpr int64_t kCodeSlots = 256;
 
@@ -38,14 +42,19 @@ constexpr int64_t kCodeSlots = 256;
 void AccumulateBlock(const uint8_t* codes, int64_t n_rows, int64_t feature_begin, int64_t feature_end,
                      const int64_t* rows, const int64_t* node_offsets, const float* pairs, int64_t count,
                      float* hist) {
-  for (int64_t j = 0; j < count; ++j) {
-    float* node_hist = hist + node_offsets[j];
-    const uint8_t* row_codes = codes + rows[j];
-    const float g = pairs[2 * j], h = pairs[2 * j + 1];
-    for (int64_t f = feature_begin; f < feature_end; ++f) {
-      float* cell = node_hist + f * kCodeSlots * 2 + 2 * static_cast<int64_t>(row_codes[f * n_rows]);
-      cell[0] += g;
-      cell[1] += h;
+  for (int64_t f = feature_begin; f < feature_end; ++f) {
+    const uint8_t* feature_codes = codes + f * n_rows;
+    float* feature_hist = hist + f * kCodeSlots * 2;
+    for (int64_t j = 0; j < count; ++j) {
+      float* cell = feature_hist + node_offsets[j] + 2 * static_cast<int64_t>(feature_codes[rows[j]]);
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+      const __m128 sum = _mm_add_ps(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(cell))),
+                                    _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(pairs + 2 * j))));
+      _mm_store_sd(reinterpret_cast<double*>(cell), _mm_castps_pd(sum));
+#else
+      cell[0] += pairs[2 * j];
+      cell[1] += pairs[2 * j + 1];
+#endif
     }
   }
 }

@@ -425,12 +425,14 @@ def test_fallback_to_xla_when_native_is_turned_off(monkeypatch):
 
 
 @needs_native
-def test_auto_kernel_uses_the_native_kernel_on_cpu_for_masked_rows():
+def test_auto_kernel_uses_the_native_kernel_on_cpu_with_and_without_a_mask():
     args = (jnp.zeros((2, 10), jnp.uint8), jnp.zeros(10, jnp.int32), jnp.ones(10), jnp.ones(10))
     masked = jax.jit(lambda *a: build_histogram(*a, 1, 4, row_mask=a[2] > 0)).lower(*args).as_text()
     assert HISTOGRAM_TARGET in masked
     every_row = jax.jit(lambda *a: build_histogram(*a, 1, 4)).lower(*args).as_text()
-    assert HISTOGRAM_TARGET not in every_row, "without a row mask, auto should use the XLA kernel"
+    assert HISTOGRAM_TARGET in every_row
+    xla = jax.jit(lambda *a: build_histogram(*a, 1, 4, kernel="xla")).lower(*args).as_text()
+    assert HISTOGRAM_TARGET not in xla
 
 
 def test_native_build_failures_are_reported_not_raised(monkeypatch, tmp_path):
