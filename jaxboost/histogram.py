@@ -143,10 +143,8 @@ def route_rows(X_binned_T: jax.Array, node_of_row: jax.Array, split_feature: jax
     args = (X_binned_T, node_of_row.astype(jnp.int32), split_feature.astype(jnp.int32),
             split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool))
 
-    def xla(X_binned_T, node_of_row, feature, threshold_bin, default_left):
-        code = X_binned_T[feature[node_of_row], jnp.arange(node_of_row.shape[0])]
-        goes_right = jnp.where(code == max_bin - 1, ~default_left[node_of_row], code > threshold_bin[node_of_row])
-        return 2 * node_of_row + goes_right.astype(jnp.int32)
+    def xla(*inputs):
+        return _xla_route(*inputs, max_bin=max_bin)[0]
 
     target = _choose_native_target(ROUTE_TARGET, "route", kernel, 1, X_binned_T, max_bin)
     if target is None:
@@ -161,11 +159,18 @@ def route_rows(X_binned_T: jax.Array, node_of_row: jax.Array, split_feature: jax
     return lax.platform_dependent(*args, cpu=native, default=xla)
 
 
-def _xla_route_histogram(X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left, splits,
-                         left_is_smaller, *, num_nodes, max_bin):
+def _xla_route(X_binned_T, node_of_row, feature, threshold_bin, default_left, *, max_bin):
+    """``(child_of_row, goes_right)``: codes equal to ``max_bin - 1`` are missing and follow the
+    node's default direction."""
     code = X_binned_T[feature[node_of_row], jnp.arange(node_of_row.shape[0])]
     goes_right = jnp.where(code == max_bin - 1, ~default_left[node_of_row], code > threshold_bin[node_of_row])
-    child_of_row = 2 * node_of_row + goes_right.astype(jnp.int32)
+    return 2 * node_of_row + goes_right.astype(jnp.int32), goes_right
+
+
+def _xla_route_histogram(X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left, splits,
+                         left_is_smaller, *, num_nodes, max_bin):
+    child_of_row, goes_right = _xla_route(X_binned_T, node_of_row, feature, threshold_bin, default_left,
+                                          max_bin=max_bin)
     in_smaller_child = splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
     return child_of_row, _xla_histogram(X_binned_T, node_of_row, gradients, hessians, in_smaller_child,
                                         num_nodes=num_nodes, max_bin=max_bin)
