@@ -164,8 +164,18 @@ struct SplitsOfLevel {
   int64_t missing_bin;
 };
 
+// Nodes that do not split may carry any feature: clamped, reading a code stays in bounds.
+std::vector<int32_t> ClampedFeatures(const int32_t* feature, int64_t num_nodes, int64_t n_features) {
+  std::vector<int32_t> clamped(static_cast<size_t>(num_nodes));
+  for (int64_t node = 0; node < num_nodes; ++node) {
+    clamped[node] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(feature[node], 0), n_features - 1));
+  }
+  return clamped;
+}
+
 // Rows [row_begin, row_end): the child of each row (2 * node + goes_right, as the grower numbers
-// the next level) and whether the row is in the smaller child of a node that splits.
+// the next level) and, unless in_smaller_child is null, whether the row is in the smaller child
+// of a node that splits.
 void RouteRows(const uint8_t* codes, int64_t n_rows, const int32_t* node_of_row, const SplitsOfLevel& level,
                int64_t row_begin, int64_t row_end, int32_t* child_of_row, bool* in_smaller_child) {
   for (int64_t i = row_begin; i < row_end; ++i) {
@@ -176,7 +186,9 @@ void RouteRows(const uint8_t* codes, int64_t n_rows, const int32_t* node_of_row,
     const bool goes_right = code == level.missing_bin ? !level.default_left[safe_node]
                                                       : code > level.threshold_bin[safe_node];
     child_of_row[i] = 2 * node + static_cast<int32_t>(goes_right);
-    in_smaller_child[i] = in_range && level.splits[safe_node] && (goes_right != level.left_is_smaller[safe_node]);
+    if (in_smaller_child != nullptr) {
+      in_smaller_child[i] = in_range && level.splits[safe_node] && (goes_right != level.left_is_smaller[safe_node]);
+    }
   }
 }
 
@@ -208,13 +220,8 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
       static_cast<int64_t>(hessians.element_count()) != n_rows) {
     return ffi::Error::InvalidArgument("route kernel: inconsistent shapes");
   }
-  // Nodes that do not split may carry any feature: clamp it so that reading a code stays in bounds.
-  std::vector<int32_t> safe_feature(static_cast<size_t>(num_nodes));
-  for (int64_t node = 0; node < num_nodes; ++node) {
-    safe_feature[node] = static_cast<int32_t>(
-        std::min<int64_t>(std::max<int64_t>(feature.typed_data()[node], 0), std::max<int64_t>(n_features - 1, 0)));
-  }
   if (n_features == 0) return ffi::Error::InvalidArgument("route kernel: no features");
+  const std::vector<int32_t> safe_feature = ClampedFeatures(feature.typed_data(), num_nodes, n_features);
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
                             splits.typed_data(), left_is_smaller.typed_data(), num_nodes, missing_bin};
   std::unique_ptr<bool[]> in_smaller_child(new bool[static_cast<size_t>(std::max<int64_t>(n_rows, 1))]);
@@ -253,18 +260,12 @@ ffi::Error RouteImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_of_r
       static_cast<int64_t>(child_of_row->element_count()) != n_rows) {
     return ffi::Error::InvalidArgument("route kernel: inconsistent shapes");
   }
-  std::vector<int32_t> safe_feature(static_cast<size_t>(num_nodes));
-  for (int64_t node = 0; node < num_nodes; ++node) {
-    safe_feature[node] =
-        static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(feature.typed_data()[node], 0), n_features - 1));
-  }
-  // No split of the level builds a histogram: only the routing of RouteRows is used.
-  std::unique_ptr<bool[]> no_splits(new bool[static_cast<size_t>(std::max<int64_t>(num_nodes, 1))]());
-  std::unique_ptr<bool[]> unused(new bool[static_cast<size_t>(std::max<int64_t>(n_rows, 1))]);
+  const std::vector<int32_t> safe_feature = ClampedFeatures(feature.typed_data(), num_nodes, n_features);
+  // No smaller children: the split flags are never read.
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
-                            no_splits.get(), no_splits.get(), num_nodes, missing_bin};
+                            nullptr, nullptr, num_nodes, missing_bin};
   RouteRows(codes.typed_data(), n_rows, node_of_row.typed_data(), level, 0, n_rows, child_of_row->typed_data(),
-            unused.get());
+            nullptr);
   return ffi::Error::Success();
 }
 
