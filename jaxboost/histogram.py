@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .native import HISTOGRAM_TARGET, ROUTE_HISTOGRAM_TARGET, ROUTE_TARGET, native_target
+from .native import CUMULATIVE_BINS_TARGET, HISTOGRAM_TARGET, ROUTE_HISTOGRAM_TARGET, ROUTE_TARGET, native_target
 
 KERNELS = ("auto", "xla", "native")
 
@@ -43,6 +43,12 @@ def _choose_native_target(name: str, what: str, kernel: str, threads: int, X_bin
             raise ValueError(f"the native {what} kernel needs uint8 codes and max_bin <= 256; got "
                              f"{X_binned_T.dtype} codes and max_bin={max_bin}")
         return None
+    return _available_native_target(name, what, kernel)
+
+
+def _available_native_target(name: str, what: str, kernel: str) -> str | None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
     target = None if kernel == "xla" else native_target(name)
     if kernel == "native" and target is None:
         raise RuntimeError(f"the native {what} kernel is unavailable (turned off by JAXBOOST_NATIVE=0, or it "
@@ -157,6 +163,31 @@ def route_rows(X_binned_T: jax.Array, node_of_row: jax.Array, split_feature: jax
         return _as_varying_as(child_of_row, inputs)
 
     return lax.platform_dependent(*args, cpu=native, default=xla)
+
+
+def cumulative_over_bins(histograms: jax.Array, kernel: str = "auto") -> jax.Array:
+    """Running sums over the bin axis: ``jnp.cumsum(histograms, axis=-2)`` for float32
+    ``(..., bins, channels)`` histograms. ``kernel`` as for ``build_histogram``.
+
+    On CPU a native kernel does it: XLA's CPU cumsum is a reduce-window that re-adds the whole
+    window for every bin (7 ms a tree in the split scans of a depth-6 tree, against 0.5 ms)."""
+    histograms = jnp.asarray(histograms, jnp.float32)
+    if histograms.ndim < 2:
+        raise ValueError(f"histograms must have a bin and a channel axis; got shape {histograms.shape}")
+    target = _available_native_target(CUMULATIVE_BINS_TARGET, "cumulative-bins", kernel)
+
+    def xla(values):
+        return jnp.cumsum(values, axis=-2)
+
+    if target is None:
+        return xla(histograms)
+
+    def native(values):
+        result = jax.ShapeDtypeStruct(values.shape, jnp.float32)
+        # Leading axes are batch axes to the kernel, so a vmapped call is one call.
+        return _as_varying_as(jax.ffi.ffi_call(target, result, vmap_method="expand_dims")(values), (values,))
+
+    return lax.platform_dependent(histograms, cpu=native, default=xla)
 
 
 def _xla_route(X_binned_T, node_of_row, feature, threshold_bin, default_left, *, max_bin):

@@ -291,6 +291,32 @@ ffi::Error RouteImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_of_r
   return ffi::Error::Success();
 }
 
+// Running sums over the bin axis (the second to last) of a histogram: XLA's CPU cumsum is a
+// reduce-window that re-adds the whole window for every bin (1.4 ms for 32 nodes x 14 features
+// x 255 bins, against about 0.1 ms here). Every leading axis is a batch axis.
+ffi::Error CumulativeBinsImpl(ffi::Buffer<ffi::F32> histogram, ffi::ResultBuffer<ffi::F32> cumulative) {
+  const auto dims = histogram.dimensions();
+  if (dims.size() < 2 || cumulative->element_count() != histogram.element_count()) {
+    return ffi::Error::InvalidArgument("cumulative-bins kernel: expected (..., bins, channels) in and out");
+  }
+  const int64_t bins = dims[dims.size() - 2], channels = dims[dims.size() - 1];
+  const int64_t runs = bins * channels == 0 ? 0 : static_cast<int64_t>(histogram.element_count()) / (bins * channels);
+  const float* in = histogram.typed_data();
+  float* out = cumulative->typed_data();
+  std::vector<float> running(static_cast<size_t>(channels));
+  for (int64_t run = 0; run < runs; ++run) {
+    std::fill(running.begin(), running.end(), 0.0f);
+    for (int64_t bin = 0; bin < bins; ++bin) {
+      const int64_t at = (run * bins + bin) * channels;
+      for (int64_t c = 0; c < channels; ++c) out[at + c] = running[c] += in[at + c];
+    }
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kCumulativeBinsHandler, CumulativeBinsImpl,
+                       ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER(kRouteHandler, RouteImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::U8>>()
@@ -806,6 +832,10 @@ extern "C" XLA_FFI_Error* JaxboostRouteHistogram(XLA_FFI_CallFrame* call_frame) 
 }
 
 extern "C" XLA_FFI_Error* JaxboostRoute(XLA_FFI_CallFrame* call_frame) { return kRouteHandler(call_frame); }
+
+extern "C" XLA_FFI_Error* JaxboostCumulativeBins(XLA_FFI_CallFrame* call_frame) {
+  return kCumulativeBinsHandler(call_frame);
+}
 
 extern "C" XLA_FFI_Error* JaxboostPredict(XLA_FFI_CallFrame* call_frame) {
   return kPredictHandler(call_frame);

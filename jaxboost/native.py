@@ -38,9 +38,11 @@ HISTOGRAM_TARGET = "jaxboost_histogram"
 ROUTE_HISTOGRAM_TARGET = "jaxboost_route_histogram"
 PREDICT_TARGET = "jaxboost_predict"
 ROUTE_TARGET = "jaxboost_route"
+CUMULATIVE_BINS_TARGET = "jaxboost_cumulative_bins"
 _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
 _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
-            PREDICT_TARGET: "JaxboostPredict", ROUTE_TARGET: "JaxboostRoute"}
+            PREDICT_TARGET: "JaxboostPredict", ROUTE_TARGET: "JaxboostRoute",
+            CUMULATIVE_BINS_TARGET: "JaxboostCumulativeBins"}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w"]
 _COMPILE_TIMEOUT_S = 300
 

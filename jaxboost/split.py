@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .histogram import cumulative_over_bins
 from .regularizer import (Regularization, VectorLeaves, node_score, split_loss_change, value_and_score,
                           vector_value_and_score)
 
@@ -73,7 +74,7 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     """
     num_nodes, n_features, max_bin, _ = histograms.shape
     n_value_bins = max_bin - 1
-    value_cumsum = jnp.cumsum(histograms[:, :, :n_value_bins, :], axis=2)  # (K, d, B-1, 2)
+    value_cumsum = cumulative_over_bins(histograms)[:, :, :n_value_bins, :]  # (K, d, B-1, 2)
     missing = histograms[:, :, n_value_bins, :][:, :, None, :]  # (K, d, 1, 2)
     # Per-feature node totals (rather than totals passed in) make an empty side exactly zero.
     node_total = value_cumsum[:, :, -1:, :] + missing

@@ -16,7 +16,8 @@ import pytest
 
 from jaxboost import native
 from jaxboost.grower import MIN_LOSS_CHANGE, GrowthParams, grow_tree
-from jaxboost.histogram import HISTOGRAM_TARGET, build_histogram, route_and_build_histogram, route_rows
+from jaxboost.histogram import (HISTOGRAM_TARGET, build_histogram, cumulative_over_bins, route_and_build_histogram,
+                                route_rows)
 from jaxboost.regularizer import Regularization
 from jaxboost.tree import num_heap_nodes
 
@@ -586,3 +587,20 @@ def test_route_and_build_histogram_rejects_mismatched_levels():
     with pytest.raises(ValueError, match="split_feature must have shape"):
         route_and_build_histogram(X_T, nodes, g, g, jnp.zeros(2, jnp.int32), jnp.zeros(3, jnp.int32), flags, flags,
                                   flags, max_bin=4)
+
+
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
+def test_cumulative_over_bins_matches_numpy(kernel):
+    """Running sums over the bin axis, per channel, for histograms of any leading shape and
+    under vmap (the split scan of several models at once)."""
+    rng = np.random.default_rng(3)
+    histograms = rng.normal(size=(2, 3, 4, 7, 3)).astype(np.float32)
+    cumulative = jax.jit(partial(cumulative_over_bins, kernel=kernel))
+    expected = np.cumsum(histograms.astype(np.float64), axis=-2)
+    np.testing.assert_allclose(np.asarray(cumulative(jnp.asarray(histograms))), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cumulative(jnp.asarray(histograms[0, 0, 0]))), expected[0, 0, 0],
+                               rtol=1e-5, atol=1e-5)
+    batched = jax.vmap(jax.vmap(cumulative))(jnp.asarray(histograms))
+    np.testing.assert_allclose(np.asarray(batched), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="bin and a channel axis"):
+        cumulative_over_bins(jnp.zeros(5), kernel=kernel)
