@@ -62,30 +62,26 @@ def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Arra
     newton_estimate = (jnp.abs(slope_at_zero) - reg.reg_alpha) / (segment_weights + reg.reg_lambda + 1e-12)
     first_step = jnp.maximum(jnp.nan_to_num(newton_estimate), MIN_FIRST_STEP) * direction
 
-    def brackets(upper):
-        return solved_at_zero | (derivative(upper, direction) * direction >= 0)
-
-    def expand(state):
+    # One loop, one derivative per step for every segment: a segment not yet bracketed probes
+    # its far end (doubling it until the slope turns), a bracketed one bisects. Written once,
+    # the derivative (the loss's autodiff and a segment sum) is compiled once.
+    def step(state):
         lower, upper, bracketed, iteration = state
-        lower = jnp.where(bracketed, lower, upper)
-        upper = jnp.where(bracketed, upper, 2.0 * upper)
-        return lower, upper, brackets(upper), iteration + 1
-
-    lower, upper, _, _ = lax.while_loop(
-        lambda state: jnp.any(~state[2]) & (state[3] < MAX_EXPANSIONS),
-        expand, (zero, first_step, brackets(first_step), 0))
-
-    def bisect(state):
-        lower, upper, iteration = state
         middle = 0.5 * (lower + upper)
-        below_minimiser = derivative(middle, direction) * direction < 0
-        return jnp.where(below_minimiser, middle, lower), jnp.where(below_minimiser, upper, middle), iteration + 1
+        probe = jnp.where(bracketed, middle, upper)
+        past_minimiser = derivative(probe, direction) * direction >= 0
+        newly_bracketed = ~bracketed & (past_minimiser | (iteration + 1 >= MAX_EXPANSIONS))
+        lower = jnp.where(bracketed, jnp.where(past_minimiser, lower, middle), jnp.where(past_minimiser, lower, upper))
+        upper = jnp.where(bracketed, jnp.where(past_minimiser, middle, upper),
+                          jnp.where(past_minimiser, upper, 2.0 * upper))
+        return lower, upper, bracketed | newly_bracketed, iteration + 1
 
     def unresolved(state):
-        lower, upper, iteration = state
+        lower, upper, bracketed, iteration = state
         width = jnp.abs(upper - lower)
         scale = jnp.maximum(jnp.abs(lower), jnp.abs(upper))
-        return jnp.any((width > 2e-7 * scale + 1e-30) & ~solved_at_zero) & (iteration < MAX_BISECTIONS)
+        open_segments = ~solved_at_zero & (~bracketed | (width > 2e-7 * scale + 1e-30))
+        return jnp.any(open_segments) & (iteration < MAX_EXPANSIONS + MAX_BISECTIONS)
 
-    lower, upper, _ = lax.while_loop(unresolved, bisect, (lower, upper, 0))
+    lower, upper, _, _ = lax.while_loop(unresolved, step, (zero, first_step, solved_at_zero, 0))
     return jnp.where(solved_at_zero, 0.0, 0.5 * (lower + upper))
