@@ -276,14 +276,22 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         # The root alone is summed over rows and devices; the level's other slots start empty.
         return jnp.zeros((looped_capacity,) + root.shape).at[0].set(root)
 
+    root_histogram = all_sum(build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin),
+                             axis_name)[0]
+    # Every row lies in one bin of each feature, so the first feature's bins sum to the root's
+    # totals: no separate sums over rows and devices.
+    root_totals = jnp.sum(root_histogram[0], axis=0)
+    num_gradient_channels = gradients.shape[1] if gradients.ndim == 2 else 1
+    root_gradients, root_hessians = root_totals[:num_gradient_channels], root_totals[num_gradient_channels:]
+    if leaves is None:
+        root_gradients, root_hessians = root_gradients[0], root_hessians[0]
     state = _LevelState(
         tree=empty_tree(num_nodes, K),
         node_of_row=root_index,
         active=jnp.zeros(looped_capacity, bool).at[0].set(True),
-        level_gradients=root_level(all_sum(jnp.sum(gradients, axis=0), axis_name)),
-        level_hessians=root_level(all_sum(jnp.sum(hessians, axis=0), axis_name)),
-        histograms=root_level(all_sum(build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin),
-                                      axis_name)[0]),
+        level_gradients=root_level(root_gradients),
+        level_hessians=root_level(root_hessians),
+        histograms=root_level(root_histogram),
         lower=jnp.full(looped_capacity, -jnp.inf),
         upper=jnp.full(looped_capacity, jnp.inf),
         path_features=None if params.interaction_groups is None else jnp.zeros((looped_capacity, n_features), bool),
