@@ -214,8 +214,10 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             # After sampling, as XGBoost does: constraints filter the sampled features.
             node_features = node_features & interaction_allowed(state.path_features, params.interaction_groups)
         level_bounds = None if monotone is None else NodeBounds(monotone, state.lower, state.upper)
+        # Looped levels (traced depth) fill only the first 2^depth of their slots; unrolled ones all.
+        live_nodes = None if isinstance(depth, int) else 2 ** depth
         split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
-                                              axis_name, level_bounds, leaves)
+                                              axis_name, level_bounds, leaves, live_nodes)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
             feature=tree.feature.at[heap_index].set(jnp.where(splits, split.feature, 0), mode="drop"),

@@ -149,11 +149,49 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     )
 
 
+# Nodes scanned per step when only a leading part of a level's node slots is live.
+SCAN_CHUNK_NODES = 8
+
+
+def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
+                                   min_child_weight: jax.Array, bounds: NodeBounds | None = None,
+                                   leaves: VectorLeaves | None = None, live_nodes: jax.Array | None = None
+                                   ) -> SplitChoice:
+    """``find_best_splits`` for the first ``live_nodes`` node slots only (traced; None: all).
+
+    A level's node arrays are sized for the widest level that shares its compiled loop, so the
+    root's level holds 1 live node in 32 slots. The scan runs over ``SCAN_CHUNK_NODES`` slots at
+    a time, as many times as the live nodes need; the other slots get zeros (no split).
+    """
+    num_nodes = histograms.shape[0]
+    chunk = SCAN_CHUNK_NODES
+    if live_nodes is None or num_nodes <= chunk or num_nodes % chunk:
+        return find_best_splits(histograms, feature_allowed, reg, min_child_weight, bounds, leaves)
+
+    def scan_chunk(start):
+        def nodes_of_chunk(per_node):
+            return jax.lax.dynamic_slice_in_dim(per_node, start, chunk, axis=0)
+        chunk_bounds = None if bounds is None else bounds._replace(lower=nodes_of_chunk(bounds.lower),
+                                                                    upper=nodes_of_chunk(bounds.upper))
+        return find_best_splits(nodes_of_chunk(histograms), nodes_of_chunk(feature_allowed), reg, min_child_weight,
+                                chunk_bounds, leaves)
+
+    shapes = jax.eval_shape(scan_chunk, 0)
+    empty = SplitChoice(*(jnp.zeros((num_nodes,) + field.shape[1:], field.dtype) for field in shapes))
+
+    def scan_into(index, result):
+        start = index * chunk
+        return SplitChoice(*(jax.lax.dynamic_update_slice_in_dim(whole, part, start, axis=0)
+                             for whole, part in zip(result, scan_chunk(start))))
+
+    return jax.lax.fori_loop(0, (live_nodes + chunk - 1) // chunk, scan_into, empty)
+
+
 def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                                   min_child_weight: jax.Array, axis_name: str | None,
-                                  bounds: NodeBounds | None = None, leaves: VectorLeaves | None = None
-                                  ) -> SplitChoice:
-    """``find_best_splits`` with the features divided among the devices of ``axis_name``.
+                                  bounds: NodeBounds | None = None, leaves: VectorLeaves | None = None,
+                                  live_nodes: jax.Array | None = None) -> SplitChoice:
+    """``find_best_splits_of_live_nodes`` with the features divided among the devices of ``axis_name``.
 
     Every device holds the summed histograms; each scans its own block of features and the
     blocks' winners are compared after one all-gather. Blocks are in feature order, so taking
@@ -163,7 +201,8 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     n_features = histograms.shape[1]
     if devices == 1 or n_features < devices:
-        return find_best_splits(histograms, feature_allowed, reg, min_child_weight, bounds, leaves)
+        return find_best_splits_of_live_nodes(histograms, feature_allowed, reg, min_child_weight, bounds, leaves,
+                                              live_nodes)
     block = -(-n_features // devices)
     start = jnp.minimum(jax.lax.axis_index(axis_name) * block, n_features - block)
 
@@ -173,8 +212,8 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     split_cost = jnp.asarray(reg.split_cost)
     local_reg = reg.replace(split_cost=features_of_block(split_cost, 0)) if split_cost.ndim == 1 else reg
     local_bounds = None if bounds is None else bounds._replace(monotone=features_of_block(bounds.monotone, 0))
-    local = find_best_splits(features_of_block(histograms, 1), features_of_block(feature_allowed, 1),
-                             local_reg, min_child_weight, local_bounds, leaves)
+    local = find_best_splits_of_live_nodes(features_of_block(histograms, 1), features_of_block(feature_allowed, 1),
+                                           local_reg, min_child_weight, local_bounds, leaves, live_nodes)
     local = local._replace(feature=local.feature + start)
     # One collective for all fields: integers and flags travel exactly as float32 (< 2^24).
     num_nodes = local.feature.shape[0]
