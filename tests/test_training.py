@@ -129,12 +129,21 @@ def test_absolute_error_leaves_half_below(heteroscedastic_data):
 
 
 def test_hinge_trains_a_classifier():
+    """Hinge predicts classes, about as accurately as XGBoost's ``binary:hinge`` with the same
+    rounds, depth and learning rate (0.736 there, 0.724 here on 1000 test rows, whose accuracy
+    has a standard error of about 0.014), and far above the 0.536 of the majority class."""
+    xgb = pytest.importorskip("xgboost")
     X, y = _binary_data()
     X_test, y_test = _binary_data(seed=1)
     hinge = jb.train(X, y, loss="hinge", **COMMON).predict(X_test)
     assert set(np.unique(hinge)) <= {0.0, 1.0}
-    logistic = jb.train(X, y, loss="logistic", **COMMON).predict(X_test) > 0.5
-    assert np.mean(hinge == y_test) > np.mean(logistic == y_test) - 0.03
+    booster = xgb.train({"objective": "binary:hinge", "max_depth": DEPTH, "eta": COMMON["learning_rate"],
+                         "tree_method": "hist", "max_bin": 256, "reg_lambda": 1.0}, xgb.DMatrix(X, y),
+                        COMMON["num_rounds"])
+    xgboost_accuracy = np.mean(booster.predict(xgb.DMatrix(X_test)) == y_test)
+    accuracy = np.mean(hinge == y_test)
+    assert accuracy > max(np.mean(y_test), 1 - np.mean(y_test)) + 0.1
+    assert accuracy > xgboost_accuracy - 0.03, (accuracy, xgboost_accuracy)
 
 
 def test_softmax_predicts_class_probabilities():
