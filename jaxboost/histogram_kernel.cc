@@ -48,15 +48,17 @@ inline void AddPair(float* cell, const float* pair) {
 }
 
 // Adds the selected rows of a block to `Group` consecutive features starting at `first`: one
-// read of each row's id, node and (g, h) serves the group's features.
-template <int Group>
-void AccumulateGroup(const uint8_t* codes, int64_t n_rows, int64_t first, const int64_t* rows,
+// read of each row's id, node and (g, h) serves the group's features. `AllRows`: the block's
+// rows are every row from `first_row` on, all in node 0 (the root), so there are no row ids
+// or node offsets to read.
+template <int Group, bool AllRows>
+void AccumulateGroup(const uint8_t* codes, int64_t n_rows, int64_t first, int64_t first_row, const int64_t* rows,
                      const int64_t* node_offsets, const float* pairs, int64_t count, float* hist) {
-  const uint8_t* group_codes = codes + first * n_rows;
+  const uint8_t* group_codes = codes + first * n_rows + first_row;
   float* group_hist = hist + first * kCodeSlots * 2;
   for (int64_t j = 0; j < count; ++j) {
-    const uint8_t* row_codes = group_codes + rows[j];
-    float* node_hist = group_hist + node_offsets[j];
+    const uint8_t* row_codes = group_codes + (AllRows ? j : rows[j]);
+    float* node_hist = group_hist + (AllRows ? 0 : node_offsets[j]);
 #pragma GCC unroll 8
     for (int k = 0; k < Group; ++k) {
       AddPair(node_hist + k * kCodeSlots * 2 + 2 * static_cast<int64_t>(row_codes[k * n_rows]), pairs + 2 * j);
@@ -70,15 +72,19 @@ void AccumulateGroup(const uint8_t* codes, int64_t n_rows, int64_t first, const 
 // ms, 16 nodes of half the rows 14 -> 6.5 ms, of a tenth 3.7 -> 3.0 ms; 2, 7, 14 and 28 slower).
 constexpr int64_t kFeatureGroup = 4;
 
-// Adds the selected rows of a block to features [feature_begin, feature_end).
+// Adds the selected rows of a block to features [feature_begin, feature_end); `rows` null: the
+// block's rows are every row from `first_row` on, all in node 0.
+template <bool AllRows>
 void AccumulateBlock(const uint8_t* codes, int64_t n_rows, int64_t feature_begin, int64_t feature_end,
-                     const int64_t* rows, const int64_t* node_offsets, const float* pairs, int64_t count,
-                     float* hist) {
+                     int64_t first_row, const int64_t* rows, const int64_t* node_offsets, const float* pairs,
+                     int64_t count, float* hist) {
   int64_t f = feature_begin;
   for (; f + kFeatureGroup <= feature_end; f += kFeatureGroup) {
-    AccumulateGroup<kFeatureGroup>(codes, n_rows, f, rows, node_offsets, pairs, count, hist);
+    AccumulateGroup<kFeatureGroup, AllRows>(codes, n_rows, f, first_row, rows, node_offsets, pairs, count, hist);
   }
-  for (; f < feature_end; ++f) AccumulateGroup<1>(codes, n_rows, f, rows, node_offsets, pairs, count, hist);
+  for (; f < feature_end; ++f) {
+    AccumulateGroup<1, AllRows>(codes, n_rows, f, first_row, rows, node_offsets, pairs, count, hist);
+  }
 }
 
 struct HistogramProblem {
@@ -95,10 +101,24 @@ struct HistogramProblem {
 // write disjoint cells and need no reduction.
 void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_t feature_end) {
   const int64_t node_stride = p.n_features * kCodeSlots * 2;
-  std::vector<int64_t> rows(kBlockRows), node_offsets(kBlockRows);
+  // The root's histogram (one node, no mask) reads codes in row order: no row ids to gather
+  // (measured 10 -> 8 ms for 400k rows x 28 features).
+  const bool all_rows = p.row_mask == nullptr && p.num_nodes == 1;
+  std::vector<int64_t> rows(all_rows ? 0 : kBlockRows), node_offsets(all_rows ? 0 : kBlockRows);
   std::vector<float> pairs(2 * kBlockRows);
   for (int64_t start = 0; start < p.n_rows; start += kBlockRows) {
     const int64_t stop = std::min(p.n_rows, start + kBlockRows);
+    if (all_rows) {
+      for (int64_t i = start; i < stop; ++i) {
+        // A row outside node 0 adds zeros.
+        const bool take = p.node_of_row[i] == 0;
+        pairs[2 * (i - start)] = take ? p.gradients[i] : 0.0f;
+        pairs[2 * (i - start) + 1] = take ? p.hessians[i] : 0.0f;
+      }
+      AccumulateBlock<true>(p.codes, p.n_rows, feature_begin, feature_end, start, nullptr, nullptr, pairs.data(),
+                            stop - start, p.hist);
+      continue;
+    }
     int64_t count = 0;
     for (int64_t i = start; i < stop; ++i) {
       // Branch-free gathering: every row is written, only selected rows advance the count.
@@ -110,8 +130,8 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       pairs[2 * count + 1] = p.hessians[i];
       count += take;
     }
-    AccumulateBlock(p.codes, p.n_rows, feature_begin, feature_end, rows.data(), node_offsets.data(), pairs.data(),
-                    count, p.hist);
+    AccumulateBlock<false>(p.codes, p.n_rows, feature_begin, feature_end, 0, rows.data(), node_offsets.data(),
+                           pairs.data(), count, p.hist);
   }
 }
 

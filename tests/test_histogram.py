@@ -322,11 +322,14 @@ def test_native_kernel_builds_where_a_compiler_exists():
 
 
 @needs_native
-@pytest.mark.parametrize("num_nodes,max_bin,n_features", [(1, 256, 3), (5, 256, 4), (8, 64, 5), (3, 7, 2)])
+@pytest.mark.parametrize("num_nodes,max_bin,n_features", [(1, 256, 3), (1, 256, 9), (5, 256, 4), (8, 64, 5),
+                                                         (3, 7, 2)])
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_native_histogram_matches_numpy(num_nodes, max_bin, n_features, with_mask):
-    # 5000 rows: more than two of the kernel's row blocks, the last one partial.
-    X_binned, node_index, gradients, hessians, row_mask = histogram_case(3, 5000, n_features, num_nodes, max_bin)
+    # 70,000 rows: more than two of the kernel's 32,768-row blocks, the last one partial. One
+    # node without a mask is the root's path (rows read in order); 9 features take the kernel's
+    # groups of four and a remainder.
+    X_binned, node_index, gradients, hessians, row_mask = histogram_case(3, 70_000, n_features, num_nodes, max_bin)
     row_mask = row_mask if with_mask else None
     expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, row_mask, num_nodes, max_bin)
     build = jax.jit(partial(build_histogram, num_nodes=num_nodes, max_bin=max_bin, kernel="native"))
