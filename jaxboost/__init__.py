@@ -8,10 +8,13 @@ tree-growing core: raw ``X`` -> bin edges and ``X_binned`` (``binning``) -> per 
 """
 
 from . import devices as _devices
+from . import host_memory as _host_memory
 
-# Must run before anything initialises JAX's backends: one host device per core.
+# Must run before anything initialises JAX's backends: one host device per core, and a cap on
+# malloc arenas before XLA starts its threads.
 _devices.configure_default_cpu_devices()
 _devices.configure_compilation_cache()
+_host_memory.limit_malloc_arenas()
 
 
 def _load_losses_folder():

@@ -133,15 +133,17 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         index = best.reshape((num_nodes, 1) + (1,) * len(channels))
         return jnp.take_along_axis(flat, index, axis=1)[:, 0]
 
+    # Both channels of a side in one gather; the best gain is the maximum already taken.
+    left_sums, right_sums = pick(left), pick(right)
     return SplitChoice(
-        loss_change=pick(loss_change),
+        loss_change=best_value[:, 0],
         feature=feature.astype(jnp.int32),
         threshold_bin=threshold_bin.astype(jnp.int32),
         default_left=direction == 0,
-        left_gradients=pick(left_gradients),
-        left_hessians=pick(left_hessians),
-        right_gradients=pick(right_gradients),
-        right_hessians=pick(right_hessians),
+        left_gradients=left_sums[:, 0] if leaves is None else left_sums[:, :K],
+        left_hessians=left_sums[:, 1] if leaves is None else left_sums[:, K:],
+        right_gradients=right_sums[:, 0] if leaves is None else right_sums[:, :K],
+        right_hessians=right_sums[:, 1] if leaves is None else right_sums[:, K:],
         left_value=jnp.zeros((num_nodes,) + (() if leaves is None else (K,))) if left_value is None
         else pick(left_value),
         right_value=jnp.zeros((num_nodes,) + (() if leaves is None else (K,))) if right_value is None

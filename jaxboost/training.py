@@ -84,10 +84,16 @@ class _DeviceRows:
         self.margin = None if margin is None else _pad_rows(margin, size, 0.0)
         put_rows = (lambda a: jax.device_put(a, row_sharding(mesh, a.ndim))) if shard else jnp.asarray
         self.put_rows = put_rows
-        self.X_binned = _pad_rows(dataset.X_binned, size, 0)
-        self.X_binned_T_device = (jax.device_put(np.ascontiguousarray(self.X_binned.T), row_sharding(mesh, 2, row_axis=1))
-                                  if shard else None)
-        self.X_binned_device = None if shard else jnp.asarray(self.X_binned)
+        self.X_binned = dataset.X_binned  # unpadded: the padded copies below are built once and handed over
+        if shard:
+            # Transposed and padded in one copy (not a padded copy and then its transpose).
+            X_binned_T = np.zeros((dataset.X_binned.shape[1], size), np.uint8)
+            X_binned_T[:, :dataset.n_rows] = dataset.X_binned.T
+            self.X_binned_T_device = jax.device_put(X_binned_T, row_sharding(mesh, 2, row_axis=1))
+            self.X_binned_device = None
+        else:
+            self.X_binned_T_device = None
+            self.X_binned_device = jnp.asarray(_pad_rows(dataset.X_binned, size, 0))
         self.y_device = put_rows(self.y)
         self.sample_weight_device = put_rows(self.sample_weight)
         if base_score is not None:
