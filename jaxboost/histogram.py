@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .native import CUMULATIVE_BINS_TARGET, HISTOGRAM_TARGET, ROUTE_HISTOGRAM_TARGET, ROUTE_TARGET, native_target
+from .native import CUMULATIVE_BINS_TARGET, FIRST_MAXIMUM_TARGET, HISTOGRAM_TARGET, ROUTE_HISTOGRAM_TARGET, ROUTE_TARGET, native_target
 
 KERNELS = ("auto", "xla", "native")
 
@@ -188,6 +188,34 @@ def cumulative_over_bins(histograms: jax.Array, kernel: str = "auto") -> jax.Arr
         return _as_varying_as(jax.ffi.ffi_call(target, result, vmap_method="expand_dims")(values), (values,))
 
     return lax.platform_dependent(histograms, cpu=native, default=xla)
+
+
+def first_maximum(values: jax.Array, kernel: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """``(argmax, max)`` along the last axis of float32 ``(rows, n)`` values: the first index of
+    each row's maximum (argmax's tie rule) and the maximum. ``kernel`` as for ``build_histogram``.
+
+    On CPU a native kernel reads the values once. XLA's variadic (value, index) reduce is several
+    times slower on CPU, and as two plain reductions (the other backends' way) XLA fuses the
+    computation of the values into both and so runs it twice."""
+    values = jnp.asarray(values, jnp.float32)
+    if values.ndim != 2 or values.shape[1] == 0:
+        raise ValueError(f"values must be (rows, n > 0); got shape {values.shape}")
+    target = _available_native_target(FIRST_MAXIMUM_TARGET, "first-maximum", kernel)
+
+    def xla(v):
+        maximum = jnp.max(v, axis=1, keepdims=True)
+        candidates = jnp.arange(v.shape[1], dtype=jnp.int32)
+        return jnp.min(jnp.where(v == maximum, candidates, v.shape[1] - 1), axis=1), maximum[:, 0]
+
+    if target is None:
+        return xla(values)
+
+    def native(v):
+        results = (jax.ShapeDtypeStruct(v.shape[:1], jnp.int32), jax.ShapeDtypeStruct(v.shape[:1], jnp.float32))
+        outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(v)
+        return tuple(_as_varying_as(output, (v,)) for output in outputs)
+
+    return lax.platform_dependent(values, cpu=native, default=xla)
 
 
 def _xla_route(X_binned_T, node_of_row, feature, threshold_bin, default_left, *, max_bin):

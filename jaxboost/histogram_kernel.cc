@@ -339,6 +339,40 @@ ffi::Error CumulativeBinsImpl(ffi::Buffer<ffi::F32> histogram, ffi::ResultBuffer
 XLA_FFI_DEFINE_HANDLER(kCumulativeBinsHandler, CumulativeBinsImpl,
                        ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
+// The first index of the maximum of every row of a (rows, n) array, and that maximum: the split
+// scan's choice among its candidates. Computed by XLA as two reductions, the candidates' gains
+// were fused into both and so computed twice; read here, they are computed once.
+ffi::Error FirstMaximumImpl(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> index,
+                            ffi::ResultBuffer<ffi::F32> maximum) {
+  const auto dims = values.dimensions();
+  if (dims.size() != 2 || static_cast<int64_t>(index->element_count()) != dims[0] ||
+      static_cast<int64_t>(maximum->element_count()) != dims[0] || dims[1] == 0) {
+    return ffi::Error::InvalidArgument("first-maximum kernel: expected (rows, n > 0) in and (rows,) out");
+  }
+  const int64_t rows = dims[0], n = dims[1];
+  for (int64_t row = 0; row < rows; ++row) {
+    const float* v = values.typed_data() + row * n;
+    int64_t best = 0;
+    float best_value = v[0];
+    for (int64_t i = 1; i < n; ++i) {
+      // Strictly greater: the first of equal maxima wins, as argmax's tie rule has it.
+      if (v[i] > best_value) {
+        best_value = v[i];
+        best = i;
+      }
+    }
+    index->typed_data()[row] = static_cast<int32_t>(best);
+    maximum->typed_data()[row] = best_value;
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kFirstMaximumHandler, FirstMaximumImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER(kRouteHandler, RouteImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::U8>>()
@@ -854,6 +888,10 @@ extern "C" XLA_FFI_Error* JaxboostRouteHistogram(XLA_FFI_CallFrame* call_frame) 
 }
 
 extern "C" XLA_FFI_Error* JaxboostRoute(XLA_FFI_CallFrame* call_frame) { return kRouteHandler(call_frame); }
+
+extern "C" XLA_FFI_Error* JaxboostFirstMaximum(XLA_FFI_CallFrame* call_frame) {
+  return kFirstMaximumHandler(call_frame);
+}
 
 extern "C" XLA_FFI_Error* JaxboostCumulativeBins(XLA_FFI_CallFrame* call_frame) {
   return kCumulativeBinsHandler(call_frame);

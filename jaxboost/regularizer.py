@@ -227,7 +227,10 @@ def node_score(sum_gradients: jax.Array, sum_hessians: jax.Array, reg: Regulariz
 
     if reg.penalty is not None or lower is not None or upper is not None:
         return at_leaf_value()
-    return jax.lax.cond(reg.max_delta_step > 0, at_leaf_value, closed_form)
+    # Both forms computed and one kept: a cond would cut the split scan's fusion in two and store
+    # every candidate's sums between them (32 nodes x 14 features: 2.9 ms with the cond, 2.0
+    # without).
+    return jnp.where(reg.max_delta_step > 0, at_leaf_value(), closed_form())
 
 
 def split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg: Regularization,

@@ -25,8 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .histogram import cumulative_over_bins
-from .regularizer import (Regularization, VectorLeaves, node_score, split_loss_change, value_and_score,
+from .histogram import cumulative_over_bins, first_maximum
+from .regularizer import (Regularization, VectorLeaves, leaf_value, node_score, split_loss_change, value_and_score,
                           vector_value_and_score)
 
 
@@ -74,80 +74,86 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     """
     num_nodes, n_features, max_bin, _ = histograms.shape
     n_value_bins = max_bin - 1
-    value_cumsum = cumulative_over_bins(histograms)[:, :, :n_value_bins, :]  # (K, d, B-1, 2)
-    missing = histograms[:, :, n_value_bins, :][:, :, None, :]  # (K, d, 1, 2)
+    value_cumsum = cumulative_over_bins(histograms)[:, :, :n_value_bins, :]  # (K, d, B-1, C)
+    missing = histograms[:, :, n_value_bins, :][:, :, None, :]  # (K, d, 1, C)
     # Per-feature node totals (rather than totals passed in) make an empty side exactly zero.
     node_total = value_cumsum[:, :, -1:, :] + missing
-    # Direction axis: index 0 sends missing values left, index 1 sends them right.
-    left = jnp.stack([value_cumsum + missing, value_cumsum], axis=2)  # (K, d, 2, B-1, 2)
-    right = node_total[:, :, None] - left
     K = 1 if leaves is None else leaves.num_outputs
-    if leaves is None:
-        left_gradients, left_hessians = left[..., 0], left[..., 1]
-        right_gradients, right_hessians = right[..., 0], right[..., 1]
-        left_weight, right_weight = left_hessians, right_hessians
-    else:
-        left_gradients, left_hessians = left[..., :K], left[..., K:]
-        right_gradients, right_hessians = right[..., :K], right[..., K:]
-        left_weight = jnp.min(leaves.diagonal(left_hessians), axis=-1)
-        right_weight = jnp.min(leaves.diagonal(right_hessians), axis=-1)
 
-    valid = (feature_allowed[:, :, None, None]
-             & (left_weight >= min_child_weight) & (right_weight >= min_child_weight)
-             & (left_weight > 0) & (right_weight > 0))
+    def channels(sums):
+        """(gradients, hessians, weight for min_child_weight) of ``(..., C)`` sums."""
+        if leaves is None:
+            return sums[..., 0], sums[..., 1], sums[..., 1]
+        return sums[..., :K], sums[..., K:], jnp.min(leaves.diagonal(sums[..., K:]), axis=-1)
+
+    lower = upper = None
+    if bounds is not None:
+        lower, upper = bounds.lower[:, None, None], bounds.upper[:, None, None]
+    total_gradients, total_hessians, _ = channels(node_total)
     if leaves is not None:
-        _, parent_score = vector_value_and_score(node_total[..., :K], node_total[..., K:], reg, leaves)
-        left_value, left_score = vector_value_and_score(left_gradients, left_hessians, reg, leaves)
-        right_value, right_score = vector_value_and_score(right_gradients, right_hessians, reg, leaves)
-        loss_change = left_score + right_score - parent_score[:, :, None]
-    elif bounds is None:
-        parent_score = node_score(node_total[..., 0], node_total[..., 1], reg)[:, :, None]  # (K, d, 1, 1)
-        loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg,
-                                        parent_score)
-        left_value = right_value = None
+        _, parent_score = vector_value_and_score(total_gradients, total_hessians, reg, leaves)
     else:
-        lower, upper = bounds.lower[:, None, None, None], bounds.upper[:, None, None, None]
-        parent_score = node_score(node_total[..., 0], node_total[..., 1], reg, lower[..., 0], upper[..., 0])
-        left_value, left_score = value_and_score(left_gradients, left_hessians, reg, lower, upper)
-        right_value, right_score = value_and_score(right_gradients, right_hessians, reg, lower, upper)
-        loss_change = left_score + right_score - parent_score[:, :, None]
-        direction = bounds.monotone[None, :, None, None]
-        valid = valid & ~((direction > 0) & (left_value > right_value)) & ~((direction < 0) & (left_value < right_value))
+        parent_score = node_score(total_gradients, total_hessians, reg, lower, upper)  # (K, d, 1)
     split_cost = jnp.asarray(reg.split_cost)
-    loss_change = loss_change - (split_cost[None, :, None, None] if split_cost.ndim == 1 else split_cost)
-    loss_change = jnp.where(valid, loss_change, -jnp.inf).reshape(num_nodes, -1)
+    split_cost = split_cost[None, :, None] if split_cost.ndim == 1 else split_cost
 
-    # The first index of the maximum (argmax's tie rule) by two plain reductions: a variadic
-    # (value, index) reduce is several times slower on CPU. The barrier makes both reductions
-    # read one computed array; fused separately, the gains could be recomputed with different
-    # rounding and the maximum then matches nothing.
-    loss_change = jax.lax.optimization_barrier(loss_change)
-    candidates = jnp.arange(loss_change.shape[1], dtype=jnp.int32)
-    best_value = jnp.max(loss_change, axis=1, keepdims=True)
-    best = jnp.min(jnp.where(loss_change == best_value, candidates, loss_change.shape[1] - 1), axis=1)
+    def gains(missing_goes_left: bool) -> jax.Array:
+        """``loss_chg`` of every threshold ``(K, d, B-1)``, missing values sent one way (-inf
+        where the candidate is not allowed). Each direction is computed whole, so the children's
+        sums are never stored for every candidate: the winner's are recomputed below."""
+        left = value_cumsum + missing if missing_goes_left else value_cumsum
+        left_gradients, left_hessians, left_weight = channels(left)
+        right_gradients, right_hessians, right_weight = channels(node_total - left)
+        valid = (feature_allowed[:, :, None]
+                 & (left_weight >= min_child_weight) & (right_weight >= min_child_weight)
+                 & (left_weight > 0) & (right_weight > 0))
+        if leaves is not None:
+            _, left_score = vector_value_and_score(left_gradients, left_hessians, reg, leaves)
+            _, right_score = vector_value_and_score(right_gradients, right_hessians, reg, leaves)
+            loss_change = left_score + right_score - parent_score
+        elif bounds is None:
+            loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg,
+                                            parent_score)
+        else:
+            left_value, left_score = value_and_score(left_gradients, left_hessians, reg, lower, upper)
+            right_value, right_score = value_and_score(right_gradients, right_hessians, reg, lower, upper)
+            loss_change = left_score + right_score - parent_score
+            direction = bounds.monotone[None, :, None]
+            valid = valid & ~((direction > 0) & (left_value > right_value)) & ~((direction < 0) & (left_value < right_value))
+        return jnp.where(valid, loss_change - split_cost, -jnp.inf)
+
+    # Direction axis: index 0 sends missing values left, index 1 sends them right.
+    loss_change = jnp.stack([gains(True), gains(False)], axis=2).reshape(num_nodes, -1)  # (K, d * 2 * (B-1))
+    best, best_value = first_maximum(loss_change)
     feature, direction, threshold_bin = jnp.unravel_index(best, (n_features, 2, n_value_bins))
 
-    def pick(values):
-        channels = values.shape[4:]  # trailing axis of vector statistics
-        flat = values.reshape((num_nodes, -1) + channels)
-        index = best.reshape((num_nodes, 1) + (1,) * len(channels))
-        return jnp.take_along_axis(flat, index, axis=1)[:, 0]
-
-    # Both channels of a side in one gather; the best gain is the maximum already taken.
-    left_sums, right_sums = pick(left), pick(right)
+    # The winner's children, recomputed from the running sums exactly as the scan formed them.
+    nodes = jnp.arange(num_nodes)
+    missing_goes_left = direction == 0
+    left_sums = value_cumsum[nodes, feature, threshold_bin] + jnp.where(missing_goes_left[:, None],
+                                                                        missing[nodes, feature, 0], 0.0)
+    right_sums = node_total[nodes, feature, 0] - left_sums
+    left_gradients, left_hessians, _ = channels(left_sums)
+    right_gradients, right_hessians, _ = channels(right_sums)
+    if leaves is not None:
+        left_value = vector_value_and_score(left_gradients, left_hessians, reg, leaves)[0]
+        right_value = vector_value_and_score(right_gradients, right_hessians, reg, leaves)[0]
+    elif bounds is not None:
+        left_value = leaf_value(left_gradients, left_hessians, reg, bounds.lower, bounds.upper)
+        right_value = leaf_value(right_gradients, right_hessians, reg, bounds.lower, bounds.upper)
+    else:
+        left_value = right_value = jnp.zeros(num_nodes)
     return SplitChoice(
-        loss_change=best_value[:, 0],
+        loss_change=best_value,
         feature=feature.astype(jnp.int32),
         threshold_bin=threshold_bin.astype(jnp.int32),
-        default_left=direction == 0,
-        left_gradients=left_sums[:, 0] if leaves is None else left_sums[:, :K],
-        left_hessians=left_sums[:, 1] if leaves is None else left_sums[:, K:],
-        right_gradients=right_sums[:, 0] if leaves is None else right_sums[:, :K],
-        right_hessians=right_sums[:, 1] if leaves is None else right_sums[:, K:],
-        left_value=jnp.zeros((num_nodes,) + (() if leaves is None else (K,))) if left_value is None
-        else pick(left_value),
-        right_value=jnp.zeros((num_nodes,) + (() if leaves is None else (K,))) if right_value is None
-        else pick(right_value),
+        default_left=missing_goes_left,
+        left_gradients=left_gradients,
+        left_hessians=left_hessians,
+        right_gradients=right_gradients,
+        right_hessians=right_hessians,
+        left_value=left_value,
+        right_value=right_value,
     )
 
 

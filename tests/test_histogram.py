@@ -16,8 +16,8 @@ import pytest
 
 from jaxboost import native
 from jaxboost.grower import MIN_LOSS_CHANGE, GrowthParams, grow_tree
-from jaxboost.histogram import (HISTOGRAM_TARGET, build_histogram, cumulative_over_bins, route_and_build_histogram,
-                                route_rows)
+from jaxboost.histogram import (HISTOGRAM_TARGET, build_histogram, cumulative_over_bins, first_maximum,
+                                route_and_build_histogram, route_rows)
 from jaxboost.regularizer import Regularization
 from jaxboost.tree import num_heap_nodes
 
@@ -607,3 +607,21 @@ def test_cumulative_over_bins_matches_numpy(kernel):
     np.testing.assert_allclose(np.asarray(batched), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="bin and a channel axis"):
         cumulative_over_bins(jnp.zeros(5), kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
+def test_first_maximum_matches_numpy_argmax(kernel):
+    """First index of each row's maximum (ties go to the lowest index, as in the split scan's
+    tie rule), rows of -inf included, and under vmap."""
+    rng = np.random.default_rng(4)
+    values = rng.integers(0, 5, size=(6, 40)).astype(np.float32)  # many ties
+    values[2] = -np.inf
+    values[3, :7] = -np.inf
+    first = jax.jit(partial(first_maximum, kernel=kernel))
+    index, maximum = first(jnp.asarray(values))
+    np.testing.assert_array_equal(np.asarray(index), np.argmax(values, axis=1))
+    np.testing.assert_array_equal(np.asarray(maximum), np.max(values, axis=1))
+    batched_index, _ = jax.vmap(first)(jnp.stack([jnp.asarray(values), jnp.asarray(values[::-1])]))
+    np.testing.assert_array_equal(np.asarray(batched_index[1]), np.argmax(values[::-1], axis=1))
+    with pytest.raises(ValueError, match="rows, n > 0"):
+        first_maximum(jnp.zeros((3, 0)), kernel=kernel)
