@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .native import CUMULATIVE_BINS_TARGET, FIRST_MAXIMUM_TARGET, HISTOGRAM_TARGET, ROUTE_HISTOGRAM_TARGET, ROUTE_TARGET, native_target
+from .native import (CUMULATIVE_BINS_TARGET, FIRST_MAXIMUM_TARGET, HISTOGRAM_TARGET, ROUTE_HISTOGRAM_TARGET,
+                     ROUTE_TARGET, native_target)
 
 KERNELS = ("auto", "xla", "native")
 
@@ -203,6 +204,9 @@ def first_maximum(values: jax.Array, kernel: str = "auto") -> tuple[jax.Array, j
     target = _available_native_target(FIRST_MAXIMUM_TARGET, "first-maximum", kernel)
 
     def xla(v):
+        # The barrier makes both reductions read one computed array: fused separately, the values
+        # could be recomputed with different rounding and the maximum then match nothing.
+        v = lax.optimization_barrier(v)
         maximum = jnp.max(v, axis=1, keepdims=True)
         candidates = jnp.arange(v.shape[1], dtype=jnp.int32)
         return jnp.min(jnp.where(v == maximum, candidates, v.shape[1] - 1), axis=1), maximum[:, 0]
