@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from .devices import all_sum
-from .histogram import build_statistics_histogram, route_and_build_statistics_histogram, route_rows
+from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram, route_rows,
+                        statistic_pairs)
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
 from .split import NodeBounds, find_best_splits_over_devices, hessian_mass
 from .tree import Tree, num_heap_nodes
@@ -174,9 +175,9 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         raise ValueError("monotone constraints apply to scalar leaves only, not to vector leaves")
     K = None if leaves is None else leaves.num_outputs
     if leaves is None:
-        statistics = jnp.stack([gradients, hessians], axis=-1)
+        statistics = StatisticPairs(((gradients, hessians),), 2)
     else:
-        statistics = jnp.concatenate([gradients, hessians], axis=-1)
+        statistics = statistic_pairs(jnp.concatenate([gradients, hessians], axis=-1))
     node_bounds = (jnp.full(num_nodes, -jnp.inf), jnp.full(num_nodes, jnp.inf))
 
     def record_values(tree, bounds, depth, state):

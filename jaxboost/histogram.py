@@ -19,6 +19,7 @@ could not be built, use the XLA kernel.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -291,41 +292,62 @@ def _xla_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num
     return jnp.stack([per_feature.real, per_feature.imag], axis=-1)
 
 
-def _channel_pairs(statistics: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-    """``(n, C)`` statistics as the ``(gradients, hessians)`` pairs the kernels take (the last
-    pair padded with zeros when C is odd)."""
+class StatisticPairs(NamedTuple):
+    """Per-row statistics as the ``(first, second)`` float32 ``(n_rows,)`` column pairs the
+    kernels read, two channels per pass. Formed once per tree: slicing the columns of an
+    ``(n_rows, C)`` array inside the level loop copied them at every level."""
+
+    pairs: tuple
+    channels: int
+
+
+def statistic_pairs(statistics) -> StatisticPairs:
+    """``(n_rows, C)`` statistics as column pairs (the last padded with zeros when C is odd);
+    a ``StatisticPairs`` is returned as it is."""
+    if isinstance(statistics, StatisticPairs):
+        return statistics
     channels = statistics.shape[1]
+    columns = [statistics[:, i] for i in range(channels)]
     if channels % 2:
-        statistics = jnp.concatenate([statistics, jnp.zeros_like(statistics[:, :1])], axis=1)
-    return [(statistics[:, i], statistics[:, i + 1]) for i in range(0, statistics.shape[1], 2)]
+        columns.append(jnp.zeros_like(columns[0]))
+    return StatisticPairs(tuple(zip(columns[::2], columns[1::2])), channels)
 
 
-def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array, statistics: jax.Array,
-                               num_nodes: int, max_bin: int, row_mask: jax.Array | None = None) -> jax.Array:
+def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
+                               statistics: jax.Array | StatisticPairs, num_nodes: int, max_bin: int,
+                               row_mask: jax.Array | None = None) -> jax.Array:
     """``build_histogram`` for any number of per-row channels (vector leaves: K gradients and
     the packed Hessian), two channels per kernel pass.
 
-    Returns float32 ``(num_nodes, n_features, max_bin, C)`` for ``statistics`` ``(n_rows, C)``.
+    Returns float32 ``(num_nodes, n_features, max_bin, C)`` for ``statistics`` ``(n_rows, C)``
+    (or their ``StatisticPairs``).
     """
+    statistics = statistic_pairs(statistics)
     parts = [build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask)
-             for first, second in _channel_pairs(statistics)]
-    return jnp.concatenate(parts, axis=-1)[..., :statistics.shape[1]]
+             for first, second in statistics.pairs]
+    return _join_channels(parts, statistics.channels)
 
 
-def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, statistics: jax.Array,
+def _join_channels(parts: list, channels: int) -> jax.Array:
+    return parts[0] if len(parts) == 1 and channels == 2 else jnp.concatenate(parts, axis=-1)[..., :channels]
+
+
+def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax.Array,
+                                         statistics: jax.Array | StatisticPairs,
                                          split_feature: jax.Array, split_threshold_bin: jax.Array,
                                          split_default_left: jax.Array, splits: jax.Array,
                                          left_is_smaller: jax.Array, max_bin: int) -> tuple[jax.Array, jax.Array]:
     """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
     while routing, the others afterwards over the rows of the smaller children only."""
-    pairs = _channel_pairs(statistics)
+    statistics = statistic_pairs(statistics)
+    pairs = statistics.pairs
     child_of_row, first = route_and_build_histogram(
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
         left_is_smaller, max_bin)
     if len(pairs) == 1:
-        return child_of_row, first[..., :statistics.shape[1]]
+        return child_of_row, _join_channels([first], statistics.channels)
     goes_right = (child_of_row - 2 * node_of_row) == 1
     in_smaller_child = splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
     rest = [build_histogram(X_binned_T, node_of_row, g, h, splits.shape[0], max_bin, in_smaller_child)
             for g, h in pairs[1:]]
-    return child_of_row, jnp.concatenate([first] + rest, axis=-1)[..., :statistics.shape[1]]
+    return child_of_row, _join_channels([first] + rest, statistics.channels)
