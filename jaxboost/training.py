@@ -453,7 +453,11 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                           for rows, raw in zip(eval_rows, eval_raw))
         raw_prediction, trees, health, eval_raw, metric_values = boosting_round(
             params, train_rows.X_binned_T_device, train_rows.y_device, train_rows.sample_weight_device,
-            raw_prediction, seed_key, jnp.int32(round_index), eval_data)
+            raw_prediction, seed_key, np.int32(round_index), eval_data)
+        # Ask for the flags now: a copy requested only when they are read would queue behind the
+        # next round, and the host would wait for that round before dispatching another.
+        for flag in health:
+            flag.copy_to_host_async()
         if unchecked is not None:
             _raise_if_unhealthy(*unchecked)
         unchecked = (health, resolved.name, round_index)
