@@ -316,6 +316,24 @@ ffi::Error RouteImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_of_r
 // Running sums over the bin axis (the second to last) of a histogram: XLA's CPU cumsum is a
 // reduce-window that re-adds the whole window for every bin (1.4 ms for 32 nodes x 14 features
 // x 255 bins, against about 0.1 ms here). Every leading axis is a batch axis.
+// Runs summed side by side: one run's additions form a serial chain (each waits for the last),
+// so independent runs interleaved keep the adder busy (200 runs of 256 bins x 2 channels:
+// 0.24 -> 0.03 ms).
+constexpr int64_t kRunsAtOnce = 8;  // also the lanes of the first-maximum search
+
+template <int64_t Channels>
+void CumulativeRuns(const float* __restrict in, float* __restrict out, int64_t first_run, int64_t count,
+                    int64_t bins) {
+  float running[kRunsAtOnce * Channels] = {};
+  const int64_t run_stride = bins * Channels;
+  for (int64_t bin = 0; bin < bins; ++bin) {
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t at = (first_run + r) * run_stride + bin * Channels;
+      for (int64_t c = 0; c < Channels; ++c) out[at + c] = running[r * Channels + c] += in[at + c];
+    }
+  }
+}
+
 ffi::Error CumulativeBinsImpl(ffi::Buffer<ffi::F32> histogram, ffi::ResultBuffer<ffi::F32> cumulative) {
   const auto dims = histogram.dimensions();
   if (dims.size() < 2 || cumulative->element_count() != histogram.element_count()) {
@@ -325,12 +343,23 @@ ffi::Error CumulativeBinsImpl(ffi::Buffer<ffi::F32> histogram, ffi::ResultBuffer
   const int64_t runs = bins * channels == 0 ? 0 : static_cast<int64_t>(histogram.element_count()) / (bins * channels);
   const float* in = histogram.typed_data();
   float* out = cumulative->typed_data();
-  std::vector<float> running(static_cast<size_t>(channels));
-  for (int64_t run = 0; run < runs; ++run) {
-    std::fill(running.begin(), running.end(), 0.0f);
-    for (int64_t bin = 0; bin < bins; ++bin) {
-      const int64_t at = (run * bins + bin) * channels;
-      for (int64_t c = 0; c < channels; ++c) out[at + c] = running[c] += in[at + c];
+  if (channels == 2) {
+    for (int64_t run = 0; run < runs; run += kRunsAtOnce) {
+      CumulativeRuns<2>(in, out, run, std::min(kRunsAtOnce, runs - run), bins);
+    }
+    return ffi::Error::Success();
+  }
+  // Other channel counts (vector leaves): every (run, channel) pair is its own chain.
+  for (int64_t run = 0; run < runs; run += kRunsAtOnce) {
+    const int64_t count = std::min(kRunsAtOnce, runs - run);
+    for (int64_t c = 0; c < channels; ++c) {
+      float running[kRunsAtOnce] = {};
+      for (int64_t bin = 0; bin < bins; ++bin) {
+        for (int64_t r = 0; r < count; ++r) {
+          const int64_t at = ((run + r) * bins + bin) * channels + c;
+          out[at] = running[r] += in[at];
+        }
+      }
     }
   }
   return ffi::Error::Success();
@@ -352,15 +381,25 @@ ffi::Error FirstMaximumImpl(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi:
   const int64_t rows = dims[0], n = dims[1];
   for (int64_t row = 0; row < rows; ++row) {
     const float* v = values.typed_data() + row * n;
-    int64_t best = 0;
-    float best_value = v[0];
-    for (int64_t i = 1; i < n; ++i) {
-      // Strictly greater: the first of equal maxima wins, as argmax's tie rule has it.
-      if (v[i] > best_value) {
-        best_value = v[i];
-        best = i;
+    // The maximum over independent lanes (one running maximum would make every comparison wait
+    // for the last), then the first index holding it: argmax's tie rule.
+    float lane_maximum[kRunsAtOnce];
+    std::fill(lane_maximum, lane_maximum + kRunsAtOnce, v[0]);
+    const int64_t whole = n - n % kRunsAtOnce;
+    for (int64_t i = 0; i < whole; i += kRunsAtOnce) {
+      for (int64_t lane = 0; lane < kRunsAtOnce; ++lane) {
+        lane_maximum[lane] = v[i + lane] > lane_maximum[lane] ? v[i + lane] : lane_maximum[lane];
       }
     }
+    for (int64_t i = whole; i < n; ++i) lane_maximum[0] = v[i] > lane_maximum[0] ? v[i] : lane_maximum[0];
+    float best_value = lane_maximum[0];
+    for (int64_t lane = 1; lane < kRunsAtOnce; ++lane) {
+      best_value = lane_maximum[lane] > best_value ? lane_maximum[lane] : best_value;
+    }
+    // A NaN first value is never exceeded and never equal: index 0 keeps it, as before.
+    int64_t best = 0;
+    while (best < n && !(v[best] == best_value)) ++best;
+    if (best == n) best = 0;
     index->typed_data()[row] = static_cast<int32_t>(best);
     maximum->typed_data()[row] = best_value;
   }

@@ -605,6 +605,10 @@ def test_cumulative_over_bins_matches_numpy(kernel):
                                rtol=1e-5, atol=1e-5)
     batched = jax.vmap(jax.vmap(cumulative))(jnp.asarray(histograms))
     np.testing.assert_allclose(np.asarray(batched), expected, rtol=1e-5, atol=1e-5)
+    # Two channels (the scalar-leaf layout, summed eight runs at a time): 15 runs, not a multiple.
+    pairs = rng.normal(size=(3, 5, 9, 2)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(cumulative(jnp.asarray(pairs))), np.cumsum(pairs.astype(np.float64), axis=-2),
+                               rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="bin and a channel axis"):
         cumulative_over_bins(jnp.zeros(5), kernel=kernel)
 
@@ -621,6 +625,13 @@ def test_first_maximum_matches_numpy_argmax(kernel):
     index, maximum = first(jnp.asarray(values))
     np.testing.assert_array_equal(np.asarray(index), np.argmax(values, axis=1))
     np.testing.assert_array_equal(np.asarray(maximum), np.max(values, axis=1))
+    # Lengths that leave a tail after the kernel's lanes, the maximum in it or tied across lanes.
+    for n in (1, 7, 43):
+        tail = rng.integers(0, 3, size=(5, n)).astype(np.float32)
+        tail[0, -1] = 9.0
+        index, maximum = first(jnp.asarray(tail))
+        np.testing.assert_array_equal(np.asarray(index), np.argmax(tail, axis=1))
+        np.testing.assert_array_equal(np.asarray(maximum), np.max(tail, axis=1))
     batched_index, _ = jax.vmap(first)(jnp.stack([jnp.asarray(values), jnp.asarray(values[::-1])]))
     np.testing.assert_array_equal(np.asarray(batched_index[1]), np.argmax(values[::-1], axis=1))
     with pytest.raises(ValueError, match="rows, n > 0"):
