@@ -48,21 +48,32 @@ inline void AddPair(float* cell, const float* pair) {
 #endif
 }
 
+// A selected row as the histogram passes read it: its id, its node and its (g, h) in 16 bytes,
+// so each pass over a block reads one stream (three separate arrays of 64-bit ids, node offsets
+// and pairs were 24 bytes a row).
+struct GatheredRow {
+  int32_t row;
+  int32_t node;
+  float pair[2];
+};
+
 // Adds the selected rows of a block to `Group` consecutive features starting at `first`: one
 // read of each row's id, node and (g, h) serves the group's features. `AllRows`: the block's
-// rows are every row from `first_row` on, all in node 0 (the root), so there are no row ids
-// or node offsets to read.
+// rows are every row from `first_row` on, all in node 0 (the root), with their (g, h) in
+// `pairs`, so there are no row ids or nodes to read.
 template <int Group, bool AllRows>
-void AccumulateGroup(const uint8_t* codes, int64_t n_rows, int64_t first, int64_t first_row, const int64_t* rows,
-                     const int64_t* node_offsets, const float* pairs, int64_t count, float* hist) {
+void AccumulateGroup(const uint8_t* codes, int64_t n_rows, int64_t first, int64_t first_row,
+                     const GatheredRow* gathered, const float* pairs, int64_t count, int64_t node_stride,
+                     float* hist) {
   const uint8_t* group_codes = codes + first * n_rows + first_row;
   float* group_hist = hist + first * kCodeSlots * 2;
   for (int64_t j = 0; j < count; ++j) {
-    const uint8_t* row_codes = group_codes + (AllRows ? j : rows[j]);
-    float* node_hist = group_hist + (AllRows ? 0 : node_offsets[j]);
+    const uint8_t* row_codes = group_codes + (AllRows ? j : gathered[j].row);
+    float* node_hist = group_hist + (AllRows ? 0 : static_cast<int64_t>(gathered[j].node) * node_stride);
+    const float* pair = AllRows ? pairs + 2 * j : gathered[j].pair;
 #pragma GCC unroll 8
     for (int k = 0; k < Group; ++k) {
-      AddPair(node_hist + k * kCodeSlots * 2 + 2 * static_cast<int64_t>(row_codes[k * n_rows]), pairs + 2 * j);
+      AddPair(node_hist + k * kCodeSlots * 2 + 2 * static_cast<int64_t>(row_codes[k * n_rows]), pair);
     }
   }
 }
@@ -73,18 +84,18 @@ void AccumulateGroup(const uint8_t* codes, int64_t n_rows, int64_t first, int64_
 // ms, 16 nodes of half the rows 14 -> 6.5 ms, of a tenth 3.7 -> 3.0 ms; 2, 7, 14 and 28 slower).
 constexpr int64_t kFeatureGroup = 4;
 
-// Adds the selected rows of a block to features [feature_begin, feature_end); `rows` null: the
+// Adds the selected rows of a block to features [feature_begin, feature_end); `AllRows`: the
 // block's rows are every row from `first_row` on, all in node 0.
 template <bool AllRows>
 void AccumulateBlock(const uint8_t* codes, int64_t n_rows, int64_t feature_begin, int64_t feature_end,
-                     int64_t first_row, const int64_t* rows, const int64_t* node_offsets, const float* pairs,
-                     int64_t count, float* hist) {
+                     int64_t first_row, const GatheredRow* gathered, const float* pairs, int64_t count,
+                     int64_t node_stride, float* hist) {
   int64_t f = feature_begin;
   for (; f + kFeatureGroup <= feature_end; f += kFeatureGroup) {
-    AccumulateGroup<kFeatureGroup, AllRows>(codes, n_rows, f, first_row, rows, node_offsets, pairs, count, hist);
+    AccumulateGroup<kFeatureGroup, AllRows>(codes, n_rows, f, first_row, gathered, pairs, count, node_stride, hist);
   }
   for (; f < feature_end; ++f) {
-    AccumulateGroup<1, AllRows>(codes, n_rows, f, first_row, rows, node_offsets, pairs, count, hist);
+    AccumulateGroup<1, AllRows>(codes, n_rows, f, first_row, gathered, pairs, count, node_stride, hist);
   }
 }
 
@@ -150,8 +161,8 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
   // The root's histogram (one node, no mask) reads codes in row order: no row ids to gather
   // (measured 10 -> 8 ms for 400k rows x 28 features).
   const bool all_rows = p.route == nullptr && p.row_mask == nullptr && p.num_nodes == 1;
-  std::vector<int64_t> rows(all_rows ? 0 : kBlockRows), node_offsets(all_rows ? 0 : kBlockRows);
-  std::vector<float> pairs(2 * kBlockRows);
+  std::vector<GatheredRow> gathered(all_rows ? 0 : kBlockRows);
+  std::vector<float> pairs(all_rows ? 2 * kBlockRows : 0);
   for (int64_t start = 0; start < p.n_rows; start += kBlockRows) {
     const int64_t stop = std::min(p.n_rows, start + kBlockRows);
     if (all_rows) {
@@ -161,8 +172,8 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
         pairs[2 * (i - start)] = take ? p.gradients[i] : 0.0f;
         pairs[2 * (i - start) + 1] = take ? p.hessians[i] : 0.0f;
       }
-      AccumulateBlock<true>(p.codes, p.n_rows, feature_begin, feature_end, start, nullptr, nullptr, pairs.data(),
-                            stop - start, p.hist);
+      AccumulateBlock<true>(p.codes, p.n_rows, feature_begin, feature_end, start, nullptr, pairs.data(),
+                            stop - start, node_stride, p.hist);
       continue;
     }
     int64_t count = 0;
@@ -178,14 +189,11 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       } else {
         take = (p.row_mask == nullptr || p.row_mask[i]) && node >= 0 && node < p.num_nodes;
       }
-      rows[count] = i;
-      node_offsets[count] = static_cast<int64_t>(node) * node_stride;
-      pairs[2 * count] = p.gradients[i];
-      pairs[2 * count + 1] = p.hessians[i];
+      gathered[count] = GatheredRow{static_cast<int32_t>(i), node, {p.gradients[i], p.hessians[i]}};
       count += take;
     }
-    AccumulateBlock<false>(p.codes, p.n_rows, feature_begin, feature_end, 0, rows.data(), node_offsets.data(),
-                           pairs.data(), count, p.hist);
+    AccumulateBlock<false>(p.codes, p.n_rows, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
+                           node_stride, p.hist);
   }
 }
 
@@ -243,6 +251,7 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_
   if (mask_size != 0 && mask_size != n_rows) {
     return ffi::Error::InvalidArgument("histogram kernel: the row mask must be empty or one flag per row");
   }
+  if (n_rows > INT32_MAX) return ffi::Error::InvalidArgument("histogram kernel: more than 2^31 - 1 rows");
   const bool* mask = mask_size == 0 ? nullptr : row_mask.typed_data();
   const HistogramProblem problem{codes.typed_data(), node_of_row.typed_data(), gradients.typed_data(),
                                  hessians.typed_data(), mask, n_rows, n_features, num_nodes, nullptr};
@@ -279,6 +288,7 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
     return ffi::Error::InvalidArgument("route kernel: inconsistent shapes");
   }
   if (n_features == 0) return ffi::Error::InvalidArgument("route kernel: no features");
+  if (n_rows > INT32_MAX) return ffi::Error::InvalidArgument("route kernel: more than 2^31 - 1 rows");
   const std::vector<int32_t> safe_feature = ClampedFeatures(feature.typed_data(), num_nodes, n_features);
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
                             splits.typed_data(), left_is_smaller.typed_data(), num_nodes, missing_bin};
