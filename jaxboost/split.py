@@ -157,6 +157,21 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     )
 
 
+def _empty_choice(num_nodes: int, channels: int, leaves: VectorLeaves | None) -> SplitChoice:
+    """A zeroed ``SplitChoice`` with ``find_best_splits``'s shapes (spelled out: tracing the scan
+    once more just for its shapes cost a tenth of a second at every first fit)."""
+    def floats(width):
+        return jnp.zeros((num_nodes,) if leaves is None else (num_nodes, width), jnp.float32)
+
+    K = None if leaves is None else leaves.num_outputs
+    hessian_width = None if leaves is None else channels - K
+    return SplitChoice(
+        loss_change=jnp.zeros(num_nodes, jnp.float32), feature=jnp.zeros(num_nodes, jnp.int32),
+        threshold_bin=jnp.zeros(num_nodes, jnp.int32), default_left=jnp.zeros(num_nodes, bool),
+        left_gradients=floats(K), left_hessians=floats(hessian_width), right_gradients=floats(K),
+        right_hessians=floats(hessian_width), left_value=floats(K), right_value=floats(K))
+
+
 # Nodes scanned per step when only a leading part of a level's node slots is live.
 SCAN_CHUNK_NODES = 8
 
@@ -184,8 +199,7 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
         return find_best_splits(nodes_of_chunk(histograms), nodes_of_chunk(feature_allowed), reg, min_child_weight,
                                 chunk_bounds, leaves)
 
-    shapes = jax.eval_shape(scan_chunk, 0)
-    empty = SplitChoice(*(jnp.zeros((num_nodes,) + field.shape[1:], field.dtype) for field in shapes))
+    empty = _empty_choice(num_nodes, histograms.shape[-1], leaves)
 
     def scan_into(index, result):
         start = index * chunk
