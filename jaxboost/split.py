@@ -178,33 +178,41 @@ SCAN_CHUNK_NODES = 8
 
 def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                                    min_child_weight: jax.Array, bounds: NodeBounds | None = None,
-                                   leaves: VectorLeaves | None = None, live_nodes: jax.Array | None = None
-                                   ) -> SplitChoice:
+                                   leaves: VectorLeaves | None = None, live_nodes: jax.Array | None = None,
+                                   feature_block: tuple[jax.Array, int] | None = None) -> SplitChoice:
     """``find_best_splits`` for the first ``live_nodes`` node slots only (traced; None: all).
 
     A level's node arrays are sized for the widest level that shares its compiled loop, so the
     root's level holds 1 live node in 32 slots. The scan runs over ``SCAN_CHUNK_NODES`` slots at
     a time, as many times as the live nodes need; the other slots get zeros (no split).
+
+    ``feature_block`` ``(start, size)``: scan only features ``[start, start + size)`` of
+    ``histograms`` and ``feature_allowed`` (``reg`` and ``bounds`` already hold that block's
+    per-feature values). Each chunk cuts its own nodes and features out in one slice, so the
+    slots that are not live are never copied.
     """
-    num_nodes = histograms.shape[0]
+    num_nodes, n_features = histograms.shape[:2]
+    start_feature, block = (0, n_features) if feature_block is None else feature_block
     chunk = SCAN_CHUNK_NODES
+
+    def scan_nodes(start, count):
+        def cut(per_node):
+            return jax.lax.dynamic_slice(per_node, (start, start_feature) + (0,) * (per_node.ndim - 2),
+                                         (count, block) + per_node.shape[2:])
+
+        node_bounds = None if bounds is None else bounds._replace(
+            lower=jax.lax.dynamic_slice_in_dim(bounds.lower, start, count),
+            upper=jax.lax.dynamic_slice_in_dim(bounds.upper, start, count))
+        return find_best_splits(cut(histograms), cut(feature_allowed), reg, min_child_weight, node_bounds, leaves)
+
     if live_nodes is None or num_nodes <= chunk or num_nodes % chunk:
-        return find_best_splits(histograms, feature_allowed, reg, min_child_weight, bounds, leaves)
-
-    def scan_chunk(start):
-        def nodes_of_chunk(per_node):
-            return jax.lax.dynamic_slice_in_dim(per_node, start, chunk, axis=0)
-        chunk_bounds = None if bounds is None else bounds._replace(lower=nodes_of_chunk(bounds.lower),
-                                                                    upper=nodes_of_chunk(bounds.upper))
-        return find_best_splits(nodes_of_chunk(histograms), nodes_of_chunk(feature_allowed), reg, min_child_weight,
-                                chunk_bounds, leaves)
-
+        return scan_nodes(0, num_nodes)
     empty = _empty_choice(num_nodes, histograms.shape[-1], leaves)
 
     def scan_into(index, result):
         start = index * chunk
         return SplitChoice(*(jax.lax.dynamic_update_slice_in_dim(whole, part, start, axis=0)
-                             for whole, part in zip(result, scan_chunk(start))))
+                             for whole, part in zip(result, scan_nodes(start, chunk))))
 
     return jax.lax.fori_loop(0, (live_nodes + chunk - 1) // chunk, scan_into, empty)
 
@@ -228,14 +236,14 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     block = -(-n_features // devices)
     start = jnp.minimum(jax.lax.axis_index(axis_name) * block, n_features - block)
 
-    def features_of_block(per_feature, axis):
-        return jax.lax.dynamic_slice_in_dim(per_feature, start, block, axis=axis)
+    def features_of_block(per_feature):
+        return jax.lax.dynamic_slice_in_dim(per_feature, start, block)
 
     split_cost = jnp.asarray(reg.split_cost)
-    local_reg = reg.replace(split_cost=features_of_block(split_cost, 0)) if split_cost.ndim == 1 else reg
-    local_bounds = None if bounds is None else bounds._replace(monotone=features_of_block(bounds.monotone, 0))
-    local = find_best_splits_of_live_nodes(features_of_block(histograms, 1), features_of_block(feature_allowed, 1),
-                                           local_reg, min_child_weight, local_bounds, leaves, live_nodes)
+    local_reg = reg.replace(split_cost=features_of_block(split_cost)) if split_cost.ndim == 1 else reg
+    local_bounds = None if bounds is None else bounds._replace(monotone=features_of_block(bounds.monotone))
+    local = find_best_splits_of_live_nodes(histograms, feature_allowed, local_reg, min_child_weight, local_bounds,
+                                           leaves, live_nodes, feature_block=(start, block))
     local = local._replace(feature=local.feature + start)
     # One collective for all fields: integers and flags travel exactly as float32 (< 2^24).
     num_nodes = local.feature.shape[0]
