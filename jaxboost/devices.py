@@ -94,8 +94,11 @@ def row_mesh(n_rows: int) -> Mesh:
 
 
 def all_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
-    """Sum over the devices holding shards of the rows (no-op on a single shard)."""
-    return x if axis_name is None else jax.lax.psum(x, axis_name)
+    """Sum over the devices holding shards of the rows (no-op on a single shard: a psum over one
+    device still copies its operand, a level's histograms every level)."""
+    if axis_name is None or jax.lax.axis_size(axis_name) == 1:
+        return x
+    return jax.lax.psum(x, axis_name)
 
 
 def row_sharding(mesh: Mesh, ndim: int, row_axis: int = 0) -> NamedSharding:
