@@ -80,6 +80,7 @@ class RoundShape(NamedTuple):
     mesh: Mesh
     hessian_mode: str = "exact"
     vector_leaves: VectorLeaves | None = None  # one tree with vector leaves per round (else one per output)
+    missing_values: bool = True  # some training row has a missing value (else the scan skips that direction)
 
 
 class RoundHealth(NamedTuple):
@@ -204,7 +205,7 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
     gradients = jnp.where(counted[:, None], g * row_weight[:, None], 0.0)
     tree, row_leaf, _ = grow_tree(X_binned_T, gradients, leaves.pack_hessian(hessian), feature_allowed, tree_key,
                                   params.growth, shape.max_depth, shape.max_bin, ROW_AXIS, shape.sample_columns,
-                                  leaves)
+                                  leaves, shape.missing_values)
     if shape.leaf_refit:
         num_nodes = num_heap_nodes(shape.max_depth)
 
@@ -243,7 +244,7 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row
         tree, row_leaf, (lower, upper) = grow_tree(
             X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
             jax.random.fold_in(tree_key, output), params.growth, shape.max_depth, shape.max_bin, ROW_AXIS,
-            shape.sample_columns)
+            shape.sample_columns, missing_values=shape.missing_values)
         if shape.leaf_refit:
             offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaf, num_nodes, output,
                                        params.growth.reg, ROW_AXIS, params.loss_params)

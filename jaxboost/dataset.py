@@ -44,6 +44,8 @@ class Dataset:
         self.bin_edges = bin_edges
         self.max_bin = bin_edges.max_bin
         self.X_binned = apply_bins(features, bin_edges)
+        # Without missing values the split scan need not try sending them either way.
+        self.has_missing_values = bool(np.any(self.X_binned == bin_edges.missing_bin))
 
     def __repr__(self) -> str:
         return f"Dataset(n_rows={self.n_rows}, n_features={self.n_features}, max_bin={self.max_bin})"

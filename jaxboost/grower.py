@@ -145,7 +145,7 @@ class _LevelState(NamedTuple):
 def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, feature_allowed: jax.Array,
               key: jax.Array, params: GrowthParams, max_depth: int, max_bin: int,
               axis_name: str | None = None, sample_columns: bool = True,
-              leaves: VectorLeaves | None = None) -> tuple[Tree, jax.Array, tuple]:
+              leaves: VectorLeaves | None = None, missing_values: bool = True) -> tuple[Tree, jax.Array, tuple]:
     """Grow one tree.
 
     Args:
@@ -159,6 +159,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         the sampling is left out of the compiled program.
       leaves: the vector-leaf layout, or None for one scalar output (monotone constraints
         apply to scalar leaves only).
+      missing_values: False when no row has a missing code: the split scan then skips the
+        direction for missing values (``find_best_splits``); the tree is the same.
 
     Returns:
       ``(tree, row_leaf, (lower, upper))``: the tree's node arrays (values times the learning
@@ -218,7 +220,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         # Looped levels (traced depth) fill only the first 2^depth of their slots; unrolled ones all.
         live_nodes = None if isinstance(depth, int) else 2 ** depth
         split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
-                                              axis_name, level_bounds, leaves, live_nodes)
+                                              axis_name, level_bounds, leaves, live_nodes, missing_values)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
             feature=tree.feature.at[heap_index].set(jnp.where(splits, split.feature, 0), mode="drop"),

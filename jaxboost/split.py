@@ -61,7 +61,7 @@ def hessian_mass(sum_hessians: jax.Array, leaves: VectorLeaves | None) -> jax.Ar
 
 def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                      min_child_weight: jax.Array, bounds: NodeBounds | None = None,
-                     leaves: VectorLeaves | None = None) -> SplitChoice:
+                     leaves: VectorLeaves | None = None, missing_values: bool = True) -> SplitChoice:
     """Best split per node.
 
     Args:
@@ -71,6 +71,9 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         constraints).
       bounds: monotone constraints, or None when there are none (scalar leaves only).
       leaves: the vector-leaf layout, or None for scalar leaves.
+      missing_values: False when no training row has a missing value. Every missing bin is then
+        empty, both directions score exactly alike, and only "missing goes left" (the tie rule's
+        choice) is scanned: the same split for half the candidates.
     """
     num_nodes, n_features, max_bin, _ = histograms.shape
     n_value_bins = max_bin - 1
@@ -123,9 +126,10 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         return jnp.where(valid, loss_change - split_cost, -jnp.inf)
 
     # Direction axis: index 0 sends missing values left, index 1 sends them right.
-    loss_change = jnp.stack([gains(True), gains(False)], axis=2).reshape(num_nodes, -1)  # (K, d * 2 * (B-1))
+    directions = (True, False) if missing_values else (True,)
+    loss_change = jnp.stack([gains(left) for left in directions], axis=2).reshape(num_nodes, -1)  # (K, d*2*(B-1))
     best, best_value = first_maximum(loss_change)
-    feature, direction, threshold_bin = jnp.unravel_index(best, (n_features, 2, n_value_bins))
+    feature, direction, threshold_bin = jnp.unravel_index(best, (n_features, len(directions), n_value_bins))
 
     # The winner's children, recomputed from the running sums exactly as the scan formed them.
     nodes = jnp.arange(num_nodes)
@@ -179,7 +183,8 @@ SCAN_CHUNK_NODES = 8
 def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                                    min_child_weight: jax.Array, bounds: NodeBounds | None = None,
                                    leaves: VectorLeaves | None = None, live_nodes: jax.Array | None = None,
-                                   feature_block: tuple[jax.Array, int] | None = None) -> SplitChoice:
+                                   feature_block: tuple[jax.Array, int] | None = None,
+                                   missing_values: bool = True) -> SplitChoice:
     """``find_best_splits`` for the first ``live_nodes`` node slots only (traced; None: all).
 
     A level's node arrays are sized for the widest level that shares its compiled loop, so the
@@ -203,7 +208,8 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
         node_bounds = None if bounds is None else bounds._replace(
             lower=jax.lax.dynamic_slice_in_dim(bounds.lower, start, count),
             upper=jax.lax.dynamic_slice_in_dim(bounds.upper, start, count))
-        return find_best_splits(cut(histograms), cut(feature_allowed), reg, min_child_weight, node_bounds, leaves)
+        return find_best_splits(cut(histograms), cut(feature_allowed), reg, min_child_weight, node_bounds, leaves,
+                                missing_values)
 
     if live_nodes is None or num_nodes <= chunk or num_nodes % chunk:
         return scan_nodes(0, num_nodes)
@@ -220,7 +226,7 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
 def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                                   min_child_weight: jax.Array, axis_name: str | None,
                                   bounds: NodeBounds | None = None, leaves: VectorLeaves | None = None,
-                                  live_nodes: jax.Array | None = None) -> SplitChoice:
+                                  live_nodes: jax.Array | None = None, missing_values: bool = True) -> SplitChoice:
     """``find_best_splits_of_live_nodes`` with the features divided among the devices of ``axis_name``.
 
     Every device holds the summed histograms; each scans its own block of features and the
@@ -232,7 +238,7 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     n_features = histograms.shape[1]
     if devices == 1 or n_features < devices:
         return find_best_splits_of_live_nodes(histograms, feature_allowed, reg, min_child_weight, bounds, leaves,
-                                              live_nodes)
+                                              live_nodes, missing_values=missing_values)
     block = -(-n_features // devices)
     start = jnp.minimum(jax.lax.axis_index(axis_name) * block, n_features - block)
 
@@ -243,7 +249,8 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     local_reg = reg.replace(split_cost=features_of_block(split_cost)) if split_cost.ndim == 1 else reg
     local_bounds = None if bounds is None else bounds._replace(monotone=features_of_block(bounds.monotone))
     local = find_best_splits_of_live_nodes(histograms, feature_allowed, local_reg, min_child_weight, local_bounds,
-                                           leaves, live_nodes, feature_block=(start, block))
+                                           leaves, live_nodes, feature_block=(start, block),
+                                           missing_values=missing_values)
     local = local._replace(feature=local.feature + start)
     # One collective for all fields: integers and flags travel exactly as float32 (< 2^24).
     num_nodes = local.feature.shape[0]

@@ -376,7 +376,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        leaf_refit=bool(leaf_refit),
                        sample_columns=min(colsample_bytree, colsample_bylevel, colsample_bynode) < 1,
                        sample_rows=subsample < 1, metrics=(metrics,) * len(eval_rows), mesh=mesh,
-                       hessian_mode=hessian, vector_leaves=leaves)
+                       hessian_mode=hessian, vector_leaves=leaves, missing_values=dataset.has_missing_values)
     boosting_round = compiled_round(shape)
     schedule = _Schedule(learning_rate)
     first_round = 0 if init_model is None else init_model.num_rounds

@@ -175,7 +175,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
                        leaf_refit=bool(leaf_refit), sample_columns=min(sampled) < 1,
                        sample_rows=min(v["subsample"] for v in per_model) < 1, metrics=(metrics,) * len(eval_rows),
-                       mesh=mesh, hessian_mode=hessian, vector_leaves=leaves)
+                       mesh=mesh, hessian_mode=hessian, vector_leaves=leaves,
+                       missing_values=dataset.has_missing_values)
     boosting_rounds = compiled_many_rounds(shape, params_axes)
 
     history = [[] for _ in eval_rows]

@@ -494,3 +494,20 @@ def test_prune_by_gamma_on_hand_built_tree():
     pruned, surviving = jax.tree.map(np.asarray, _jit_prune(tree, 3, F32(0.05)))
     np.testing.assert_array_equal(pruned.is_leaf, is_leaf, err_msg="gamma below every gain prunes nothing")
     np.testing.assert_array_equal(surviving[row_leaves], row_leaves)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_scan_without_missing_values_skips_a_direction_and_chooses_alike(seed):
+    """With no missing values anywhere, both missing directions score alike, so scanning only
+    "missing goes left" (``missing_values=False``) must give exactly the full scan's choice."""
+    X_binned, node_index, g, h = make_split_data(seed)
+    X_binned = np.where(X_binned == MISSING_BIN, 0, X_binned).astype(np.uint8)
+    histograms = jnp.asarray(np_histogram(X_binned, node_index, g.astype(np.float64), h.astype(np.float64)))
+    allowed = jnp.ones((NUM_NODES, N_FEATURES), bool)
+    reg = make_reg(1.0, 0.5, 0.3)
+    full = jax.tree.map(np.asarray, find_best_splits(histograms, allowed, reg, F32(1.0)))
+    one_direction = jax.tree.map(np.asarray, find_best_splits(histograms, allowed, reg, F32(1.0),
+                                                              missing_values=False))
+    assert np.isfinite(full.loss_change).any()
+    for name, expected, got in zip(full._fields, full, one_direction):
+        np.testing.assert_array_equal(got, expected, err_msg=name)

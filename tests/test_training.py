@@ -374,3 +374,21 @@ def test_rows_sharded_over_devices_match_one_device(monkeypatch):
         same_features = np.mean(sharded.trees.feature == single.trees.feature)
         assert same_features > 0.98, same_features
         np.testing.assert_allclose(sharded_prediction, single.predict(X), rtol=1e-3, atol=1e-3)
+
+
+def test_missing_value_flag_follows_the_data_and_leaves_trees_unchanged():
+    """A Dataset records whether any value is missing; without any, training scans one missing
+    direction only, and the trees are exactly those of the full scan."""
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=(3000, 6)).astype(np.float32)
+    y = (X[:, 0] + 0.5 * X[:, 1] > 0).astype(np.float32)
+    dense = jb.Dataset(X, y)
+    assert not dense.has_missing_values
+    X_nan = X.copy()
+    X_nan[5, 2] = np.nan
+    assert jb.Dataset(X_nan, y).has_missing_values
+    fast = jb.train(dense, loss="logistic", num_rounds=5, max_depth=5)
+    dense.has_missing_values = True  # force the full two-direction scan on the same data
+    full = jb.train(dense, loss="logistic", num_rounds=5, max_depth=5)
+    for name, a, b in zip(fast.trees._fields, fast.trees, full.trees):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
