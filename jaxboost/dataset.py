@@ -23,6 +23,10 @@ class Dataset:
       max_bin: codes per feature, the missing-value code included (at most 256).
       reference: a Dataset whose bin edges to reuse (eval and test sets).
       base_margin: per-row offsets of the raw prediction, (n,) or (n, K).
+
+    Attributes (besides the arguments): ``bin_edges``, ``max_bin``, ``X_binned`` (n, d) uint8,
+    and ``has_missing_values``: whether any value is missing (training on data without any
+    scans one missing-value direction only; the trees are the same).
     """
 
     def __init__(self, X, y=None, sample_weight=None, max_bin: int = 256, *, reference: "Dataset | None" = None,
