@@ -406,7 +406,8 @@ ffi::Error FirstMaximumImpl(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi:
     for (int64_t lane = 1; lane < kRunsAtOnce; ++lane) {
       best_value = lane_maximum[lane] > best_value ? lane_maximum[lane] : best_value;
     }
-    // A NaN first value is never exceeded and never equal: index 0 keeps it, as before.
+    // NaNs never win (comparisons with them are false), except a NaN first value, which nothing
+    // exceeds and nothing equals: index 0 then holds it.
     int64_t best = 0;
     while (best < n && !(v[best] == best_value)) ++best;
     if (best == n) best = 0;

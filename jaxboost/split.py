@@ -127,7 +127,7 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
 
     # Direction axis: index 0 sends missing values left, index 1 sends them right.
     directions = (True, False) if missing_values else (True,)
-    loss_change = jnp.stack([gains(left) for left in directions], axis=2).reshape(num_nodes, -1)  # (K, d*2*(B-1))
+    loss_change = jnp.stack([gains(left) for left in directions], axis=2).reshape(num_nodes, -1)  # (K, d*dirs*(B-1))
     best, best_value = first_maximum(loss_change)
     feature, direction, threshold_bin = jnp.unravel_index(best, (n_features, len(directions), n_value_bins))
 
