@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
-from .devices import ROW_AXIS, all_sum
+from .devices import ROW_AXIS, all_sum, compiler_options, mesh_platform
 from .grower import GrowthParams, grow_tree, sample_features
 from .line_search import minimise_segment_offsets
 from .predictor import predict_round
@@ -125,11 +125,20 @@ SWEEP_TOLERANCE = 1e-5
 MAX_SWEEPS = 50
 
 
-@partial(jax.jit, static_argnames="objective")
 def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
                    loss_params: dict | None = None) -> jax.Array:
     """The constant per output minimising the weighted loss (coordinate descent over outputs,
-    each step an exact 1-D minimisation)."""
+    each step an exact 1-D minimisation); compiled for the default backend."""
+    return _compiled_starting_value(jax.default_backend())(objective, raw_prediction, y, weights, loss_params)
+
+
+@lru_cache(maxsize=None)
+def _compiled_starting_value(platform: str):
+    return jax.jit(_starting_value, static_argnames="objective", compiler_options=compiler_options(platform))
+
+
+def _starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
+                    loss_params: dict | None = None) -> jax.Array:
     no_penalty = Regularization(jnp.float32(0), jnp.float32(0), jnp.float32(0))
     segment_ids = jnp.zeros(y.shape[0], jnp.int32)
 
@@ -297,7 +306,7 @@ def round_function(shape: RoundShape) -> Callable:
 @lru_cache(maxsize=64)
 def compiled_round(shape: RoundShape):
     """The jitted round for one static shape (cached, so a new training run reuses it)."""
-    return jax.jit(round_function(shape), donate_argnums=(4,))
+    return jax.jit(round_function(shape), donate_argnums=(4,), compiler_options=compiler_options(mesh_platform(shape.mesh)))
 
 
 @lru_cache(maxsize=16)
@@ -311,4 +320,4 @@ def compiled_many_rounds(shape: RoundShape, params_axes: tuple):
     params_axes = jax.tree_util.tree_unflatten(treedef, leaf_axes)
     eval_axes = tuple((None, None, None, 0) for _ in shape.metrics)
     batched = jax.vmap(round_function(shape), in_axes=(params_axes, None, None, 0, 0, 0, None, eval_axes))
-    return jax.jit(batched, donate_argnums=(4,))
+    return jax.jit(batched, donate_argnums=(4,), compiler_options=compiler_options(mesh_platform(shape.mesh)))
