@@ -84,6 +84,18 @@ def _where_nodes(condition: jax.Array, x: jax.Array, y) -> jax.Array:
     return jnp.where(condition.reshape(condition.shape + (1,) * (x.ndim - condition.ndim)), x, y)
 
 
+def write_level(heap_field: jax.Array, level_field: jax.Array, first_slot) -> jax.Array:
+    """Write a level's node slots into a heap-ordered field, from the level's first heap index.
+
+    A level's nodes are contiguous in the heap, so this is one slice update (a scatter by heap
+    index compiles to a loop of its own: the round's 16 scatters cost 0.5 of a first fit's 3.9 s).
+    A level held in more slots than it has nodes writes its spare slots (no live node) over the
+    first nodes of deeper levels, which are written afterwards; the slots always fit inside the
+    heap (a level of depth d starts at slot 2^d - 1, and a level's slots never number more than
+    half the last level's)."""
+    return jax.lax.dynamic_update_slice_in_dim(heap_field, level_field.astype(heap_field.dtype), first_slot, axis=0)
+
+
 def _children(nodes: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
     return jnp.minimum(2 * nodes + 1, num_nodes - 1), jnp.minimum(2 * nodes + 2, num_nodes - 1)
 
@@ -184,8 +196,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
 
     def record_values(tree, bounds, depth, state):
         active = state.active
-        positions = jnp.arange(active.shape[0])
-        heap_index = jnp.where(positions < 2 ** depth, 2 ** depth - 1 + positions, num_nodes)
+        first_slot = 2 ** depth - 1
         if leaves is None:
             values = leaf_value(state.level_gradients, state.level_hessians, params.reg, state.lower, state.upper)
             cover = state.level_hessians
@@ -193,18 +204,18 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             values, _ = vector_value_and_score(state.level_gradients, state.level_hessians, params.reg, leaves)
             cover = leaves.diagonal(state.level_hessians)
         values = params.learning_rate * values
-        bounds = tuple(b.at[heap_index].set(level, mode="drop") for b, level in zip(bounds, (state.lower, state.upper)))
+        bounds = tuple(write_level(b, level, first_slot) for b, level in zip(bounds, (state.lower, state.upper)))
         return tree._replace(
-            value=tree.value.at[heap_index].set(_where_nodes(active, values, 0.0), mode="drop"),
-            sum_hessians=tree.sum_hessians.at[heap_index].set(_where_nodes(active, cover, 0.0), mode="drop"),
-        ), bounds, heap_index
+            value=write_level(tree.value, _where_nodes(active, values, 0.0), first_slot),
+            sum_hessians=write_level(tree.sum_hessians, _where_nodes(active, cover, 0.0), first_slot),
+        ), bounds, first_slot
 
     def split_level(depth, carry, next_capacity: int, children_split: bool):
         """Split the level's nodes; children arrays come out sized ``next_capacity``."""
         state, bounds = carry
         capacity = state.active.shape[0]
         active = state.active
-        tree, bounds, heap_index = record_values(state.tree, bounds, depth, state)
+        tree, bounds, first_slot = record_values(state.tree, bounds, depth, state)
         node_features = jnp.broadcast_to(feature_allowed, (capacity, n_features))
         if sample_columns:
             level_key = jax.random.fold_in(key, depth)
@@ -223,12 +234,11 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
                                               axis_name, level_bounds, leaves, live_nodes, missing_values)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
-            feature=tree.feature.at[heap_index].set(jnp.where(splits, split.feature, 0), mode="drop"),
-            threshold_bin=tree.threshold_bin.at[heap_index].set(jnp.where(splits, split.threshold_bin, 0),
-                                                                mode="drop"),
-            default_left=tree.default_left.at[heap_index].set(splits & split.default_left, mode="drop"),
-            is_leaf=tree.is_leaf.at[heap_index].set(active & ~splits, mode="drop"),
-            loss_change=tree.loss_change.at[heap_index].set(jnp.where(splits, split.loss_change, 0.0), mode="drop"),
+            feature=write_level(tree.feature, jnp.where(splits, split.feature, 0), first_slot),
+            threshold_bin=write_level(tree.threshold_bin, jnp.where(splits, split.threshold_bin, 0), first_slot),
+            default_left=write_level(tree.default_left, splits & split.default_left, first_slot),
+            is_leaf=write_level(tree.is_leaf, active & ~splits, first_slot),
+            loss_change=write_level(tree.loss_change, jnp.where(splits, split.loss_change, 0.0), first_slot),
         )
 
         node_of_row = state.node_of_row
@@ -308,8 +318,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         carry = split_level(depth, carry, 2 ** (depth + 1), children_split=depth + 1 < max_depth)
     state, node_bounds = carry
 
-    tree, node_bounds, heap_index = record_values(state.tree, node_bounds, max_depth, state)
-    tree = tree._replace(is_leaf=tree.is_leaf.at[heap_index].set(state.active, mode="drop"))
+    tree, node_bounds, first_slot = record_values(state.tree, node_bounds, max_depth, state)
+    tree = tree._replace(is_leaf=write_level(tree.is_leaf, state.active, first_slot))
     tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
     # One gather per row at the end, not a leaf update per level: a row's last-level position
     # names its path, and the table gives the leaf on that path.
