@@ -392,3 +392,23 @@ def test_missing_value_flag_follows_the_data_and_leaves_trees_unchanged():
     full = jb.train(dense, loss="logistic", num_rounds=5, max_depth=5)
     for name, a, b in zip(fast.trees._fields, fast.trees, full.trees):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def test_second_process_loads_the_compiled_round_from_the_disk_cache(tmp_path):
+    """A new process training the same shapes takes the round from ``JAXBOOST_CACHE_DIR``
+    instead of compiling it again."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, jaxboost as jb\n"
+            "X = np.random.default_rng(0).normal(size=(300, 4)).astype(np.float32)\n"
+            "jb.train(X, X[:, 0] + X[:, 1], num_rounds=2, max_depth=3)\n")
+    env = dict(os.environ, JAXBOOST_CACHE_DIR=str(tmp_path), JAX_LOG_COMPILES="1")
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    first, second = (run.stderr for run in runs)
+    hit = "Persistent compilation cache hit for 'jit_boosting_round'"
+    assert "Compiling jit(boosting_round)" in first and hit not in first
+    assert hit in second
