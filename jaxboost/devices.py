@@ -123,6 +123,23 @@ def all_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
     return jax.lax.psum(x, axis_name)
 
 
+def all_sum_leading(x: jax.Array, axis_name: str | None, count: jax.Array | None, chunk: int) -> jax.Array:
+    """``all_sum`` of the first ``count`` slots of ``x`` (traced; None: all), ``chunk`` slots
+    per sum; later slots keep this device's values. For a level held in more node slots than
+    it has nodes, whose empty slots are zero on every device anyway: the root's level sums one
+    chunk instead of all 32 slots."""
+    slots = x.shape[0]
+    if axis_name is None or jax.lax.axis_size(axis_name) == 1 or count is None or slots <= chunk or slots % chunk:
+        return all_sum(x, axis_name)
+
+    def sum_chunk(index, summed):
+        start = index * chunk
+        part = jax.lax.dynamic_slice_in_dim(summed, start, chunk)
+        return jax.lax.dynamic_update_slice_in_dim(summed, jax.lax.psum(part, axis_name), start, axis=0)
+
+    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, sum_chunk, x)
+
+
 def row_sharding(mesh: Mesh, ndim: int, row_axis: int = 0) -> NamedSharding:
     spec = [None] * ndim
     spec[row_axis] = ROW_AXIS

@@ -27,11 +27,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .devices import all_sum
+from .devices import all_sum, all_sum_leading
 from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram, route_rows,
                         statistic_pairs)
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
-from .split import NodeBounds, find_best_splits_over_devices, hessian_mass
+from .split import SCAN_CHUNK_NODES, NodeBounds, find_best_splits_over_devices, hessian_mass
 from .tree import Tree, num_heap_nodes
 
 # XGBoost's kRtEps: a split must improve the objective by more than this.
@@ -258,7 +258,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             child_of_row, smaller = route_and_build_statistics_histogram(
                 X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin,
                 split.default_left, splits, left_is_smaller, max_bin)
-            smaller = all_sum(smaller, axis_name)
+            # Only nodes that split have rows in a smaller child: the other slots are zero everywhere.
+            smaller = all_sum_leading(smaller, axis_name, live_nodes, SCAN_CHUNK_NODES)
             larger = state.histograms - smaller
             choose = left_is_smaller[:, None, None, None]
             histograms = children(jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller))
