@@ -376,6 +376,29 @@ def test_rows_sharded_over_devices_match_one_device(monkeypatch):
         np.testing.assert_allclose(sharded_prediction, single.predict(X), rtol=1e-3, atol=1e-3)
 
 
+def test_sum_of_leading_slots_over_devices():
+    """``all_sum_leading`` sums the chunks holding the first ``count`` slots over devices and
+    leaves the later slots as each device had them."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    devices = jax.devices()[:2]
+    if len(devices) < 2:
+        pytest.skip("needs two devices (jaxboost sets up one per core; this machine has one core)")
+    mesh = Mesh(np.array(devices), ("rows",))
+    local = np.arange(2 * 8 * 3, dtype=np.float32).reshape(2, 8, 3)  # device, slot, value
+
+    def run(count):
+        summed = jax.shard_map(lambda x: jb.devices.all_sum_leading(x[0], "rows", count, 2)[None], mesh=mesh,
+                               in_specs=PartitionSpec("rows"), out_specs=PartitionSpec("rows"))
+        return np.asarray(jax.jit(summed)(local))
+
+    for count, summed_slots in [(1, 2), (3, 4), (8, 8)]:
+        out = run(jnp.int32(count))
+        expected = local.copy()
+        expected[:, :summed_slots] = local[:, :summed_slots].sum(axis=0)
+        np.testing.assert_array_equal(out, expected)
+
+
 def test_missing_value_flag_follows_the_data_and_leaves_trees_unchanged():
     """A Dataset records whether any value is missing; without any, training scans one missing
     direction only, and the trees are exactly those of the full scan."""
