@@ -17,7 +17,7 @@ the missing-value bin separately, so they get max_bin - 1), all cores, no early 
 
 How it is measured (``bench_worker.py`` does one run):
 
-* Each library runs in its own subprocess, ``--repeats`` times; every table cell is the MEDIAN
+* Each library runs in its own subprocess, ``--repeats`` times, the libraries taking turns; every table cell is the MEDIAN
   over the repeats. Separate processes keep peak RSS per library and make every repeat pay
   jaxboost's compilation again (JAX's persistent compilation cache is off in the children).
 * binning s: building the library's binned dataset (``jb.Dataset``, ``xgb.QuantileDMatrix``,
@@ -165,12 +165,17 @@ class Runner:
         self.meter = OtherCpuMeter()
         self.results: dict[tuple, list[dict]] = {}
 
-    def run(self, library: str, task: str, rows: int, depth: int, max_bin: int, predict: bool = True) -> dict:
+    def run(self, library: str, task: str, rows: int, depth: int, max_bin: int, predict: bool = True,
+            repeats: int | None = None) -> dict:
+        """Summary of ``repeats`` runs (default: all), running only those not run yet."""
+        repeats = self.repeats if repeats is None else repeats
         key = (library, task, rows, depth, max_bin)
         runs = self.results.get(key, [])
         if predict and runs and "predict_s" not in runs[0]:
             runs = []  # earlier runs skipped predict; this table needs it
-        while len(runs) < self.repeats:
+        if runs and runs[-1]["status"] != "ok":
+            return summarize(runs)  # not installed or failing: repeating will not help
+        while len(runs) < repeats:
             worker_args = ["--library", library, "--task", task, "--rows", str(rows), "--rounds", str(self.rounds),
                            "--depth", str(depth), "--max-bin", str(max_bin)] + ([] if predict else ["--no-predict"])
             started = time.perf_counter()
@@ -252,6 +257,11 @@ def ms_cell(summary: dict) -> str:
 def run_tasks(args, runner: Runner) -> list[str]:
     sections = []
     for task in args.tasks:
+        # Repeats alternate between the libraries, so a slow spell of a shared machine falls on
+        # all of them rather than on whichever ran through it.
+        for repeat in range(1, args.repeats + 1):
+            for library in args.libraries:
+                runner.run(library, task, args.rows, args.depth, args.max_bin, repeats=repeat)
         summaries = {library: runner.run(library, task, args.rows, args.depth, args.max_bin)
                      for library in args.libraries}
         n_samples = args.rows if task == "classification" else args.rows // 2
@@ -313,7 +323,8 @@ def machine_section() -> str:
 
 def method_notes(args) -> str:
     return "\n".join([
-        f"- Every cell is the median of {args.repeats} run(s); each run is a fresh subprocess per library.",
+        f"- Every cell is the median of {args.repeats} run(s); each run is a fresh subprocess per library, "
+        "and the task tables alternate the libraries' runs (the first run of each, then the second, ...).",
         f"- ms/tree uses the difference method for every library: (time of a {args.rounds}-round train - time "
         f"of a 1-round train, both in a warmed-up process) / {args.rounds - 1}.",
         "- boosting s: the full train in the warmed-up process (jaxboost's compilation is excluded and shown as "
