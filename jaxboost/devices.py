@@ -131,13 +131,23 @@ def all_sum_leading(x: jax.Array, axis_name: str | None, count: jax.Array | None
     slots = x.shape[0]
     if axis_name is None or jax.lax.axis_size(axis_name) == 1 or count is None or slots <= chunk or slots % chunk:
         return all_sum(x, axis_name)
+    return update_leading_chunks(
+        x, lambda start: jax.lax.psum(jax.lax.dynamic_slice_in_dim(x, start, chunk), axis_name), count, chunk)
 
-    def sum_chunk(index, summed):
+
+def update_leading_chunks(whole, chunk_result, count: jax.Array, chunk: int):
+    """``whole`` (a pytree of arrays over slots) with each ``chunk``-slot chunk that holds one
+    of the first ``count`` slots (traced) replaced by ``chunk_result(start)``; later chunks are
+    kept. One loop step per such chunk, so the slots past ``count`` cost nothing."""
+    def update(index, result):
         start = index * chunk
-        part = jax.lax.dynamic_slice_in_dim(summed, start, chunk)
-        return jax.lax.dynamic_update_slice_in_dim(summed, jax.lax.psum(part, axis_name), start, axis=0)
 
-    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, sum_chunk, x)
+        def write(slots, part):
+            return jax.lax.dynamic_update_slice_in_dim(slots, part, start, axis=0)
+
+        return jax.tree_util.tree_map(write, result, chunk_result(start))
+
+    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, update, whole)
 
 
 def row_sharding(mesh: Mesh, ndim: int, row_axis: int = 0) -> NamedSharding:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .devices import update_leading_chunks
 from .histogram import cumulative_over_bins, first_maximum
 from .regularizer import (Regularization, VectorLeaves, leaf_value, node_score, split_loss_change, value_and_score,
                           vector_value_and_score)
@@ -214,13 +215,7 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
     if live_nodes is None or num_nodes <= chunk or num_nodes % chunk:
         return scan_nodes(0, num_nodes)
     empty = _empty_choice(num_nodes, histograms.shape[-1], leaves)
-
-    def scan_into(index, result):
-        start = index * chunk
-        return SplitChoice(*(jax.lax.dynamic_update_slice_in_dim(whole, part, start, axis=0)
-                             for whole, part in zip(result, scan_nodes(start, chunk))))
-
-    return jax.lax.fori_loop(0, (live_nodes + chunk - 1) // chunk, scan_into, empty)
+    return update_leading_chunks(empty, lambda start: scan_nodes(start, chunk), live_nodes, chunk)
 
 
 def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
