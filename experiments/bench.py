@@ -171,7 +171,7 @@ class Runner:
         repeats = self.repeats if repeats is None else repeats
         key = (library, task, rows, depth, max_bin)
         runs = self.results.get(key, [])
-        if predict and runs and "predict_s" not in runs[0]:
+        if predict and runs and runs[0]["status"] == "ok" and "predict_s" not in runs[0]:
             runs = []  # earlier runs skipped predict; this table needs it
         if runs and runs[-1]["status"] != "ok":
             return summarize(runs)  # not installed or failing: repeating will not help
