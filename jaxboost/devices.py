@@ -129,7 +129,8 @@ def all_sum_leading(x: jax.Array, axis_name: str | None, count: jax.Array | None
     it has nodes, whose empty slots are zero on every device anyway: the root's level sums one
     chunk instead of all 32 slots."""
     slots = x.shape[0]
-    if axis_name is None or jax.lax.axis_size(axis_name) == 1 or count is None or slots <= chunk or slots % chunk:
+    chunk = min(chunk, slots)
+    if axis_name is None or jax.lax.axis_size(axis_name) == 1 or count is None or slots % chunk:
         return all_sum(x, axis_name)
     return update_leading_chunks(
         x, lambda start: jax.lax.psum(jax.lax.dynamic_slice_in_dim(x, start, chunk), axis_name), count, chunk)

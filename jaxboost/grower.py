@@ -84,16 +84,21 @@ def _where_nodes(condition: jax.Array, x: jax.Array, y) -> jax.Array:
     return jnp.where(condition.reshape(condition.shape + (1,) * (x.ndim - condition.ndim)), x, y)
 
 
-def write_level(heap_field: jax.Array, level_field: jax.Array, first_slot) -> jax.Array:
-    """Write a level's node slots into a heap-ordered field, from the level's first heap index.
+def write_level(heap_field: jax.Array, level_field: jax.Array, first_slot, when: jax.Array | None = None) -> jax.Array:
+    """Write a level's node slots into a heap-ordered field, from the level's first heap index
+    (only if ``when``, a traced flag, holds; None: always).
 
     A level's nodes are contiguous in the heap, so this is one slice update (a scatter by heap
     index compiles to a loop of its own: the round's 16 scatters cost 0.5 of a first fit's 3.9 s).
     A level held in more slots than it has nodes writes its spare slots (no live node) over the
     first nodes of deeper levels, which are written afterwards; the slots always fit inside the
     heap (a level of depth d starts at slot 2^d - 1, and a level's slots never number more than
-    half the last level's)."""
-    return jax.lax.dynamic_update_slice_in_dim(heap_field, level_field.astype(heap_field.dtype), first_slot, axis=0)
+    the last level's)."""
+    level_field = level_field.astype(heap_field.dtype)
+    if when is not None:
+        current = jax.lax.dynamic_slice_in_dim(heap_field, first_slot, level_field.shape[0], axis=0)
+        level_field = jnp.where(when, level_field, current)
+    return jax.lax.dynamic_update_slice_in_dim(heap_field, level_field, first_slot, axis=0)
 
 
 def _children(nodes: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
@@ -181,6 +186,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
 
     The shallow levels (up to ``LOOPED_LEVEL_NODES`` nodes) run in one ``fori_loop`` over
     buffers of that size; each deeper level gets its own body with buffers of its exact size.
+    When the last level that splits fits the loop (``max_depth <= 6``) it runs in the loop too,
+    masked: its children are written into the tree as leaves, and it builds no histograms.
     """
     n_features, n_rows = X_binned_T.shape
     num_nodes = num_heap_nodes(max_depth)
@@ -194,24 +201,35 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         statistics = statistic_pairs(jnp.concatenate([gradients, hessians], axis=-1))
     node_bounds = (jnp.full(num_nodes, -jnp.inf), jnp.full(num_nodes, jnp.inf))
 
-    def record_values(tree, bounds, depth, state):
-        active = state.active
+    def record_values(tree, bounds, depth, level, when=None):
+        """Write the values, covers and value bounds of a level's nodes (``level``: a
+        ``_LevelState``, or the leaves' fields of one) into the tree."""
+        active = level.active
         first_slot = 2 ** depth - 1
         if leaves is None:
-            values = leaf_value(state.level_gradients, state.level_hessians, params.reg, state.lower, state.upper)
-            cover = state.level_hessians
+            values = leaf_value(level.level_gradients, level.level_hessians, params.reg, level.lower, level.upper)
+            cover = level.level_hessians
         else:
-            values, _ = vector_value_and_score(state.level_gradients, state.level_hessians, params.reg, leaves)
-            cover = leaves.diagonal(state.level_hessians)
+            values, _ = vector_value_and_score(level.level_gradients, level.level_hessians, params.reg, leaves)
+            cover = leaves.diagonal(level.level_hessians)
         values = params.learning_rate * values
-        bounds = tuple(write_level(b, level, first_slot) for b, level in zip(bounds, (state.lower, state.upper)))
+        bounds = tuple(write_level(b, slots, first_slot, when) for b, slots in zip(bounds, (level.lower, level.upper)))
         return tree._replace(
-            value=write_level(tree.value, _where_nodes(active, values, 0.0), first_slot),
-            sum_hessians=write_level(tree.sum_hessians, _where_nodes(active, cover, 0.0), first_slot),
+            value=write_level(tree.value, _where_nodes(active, values, 0.0), first_slot, when),
+            sum_hessians=write_level(tree.sum_hessians, _where_nodes(active, cover, 0.0), first_slot, when),
         ), bounds, first_slot
 
-    def split_level(depth, carry, next_capacity: int, children_split: bool):
-        """Split the level's nodes; children arrays come out sized ``next_capacity``."""
+    def record_leaves(tree, bounds, depth, level, when=None):
+        """``record_values`` for the last level, whose nodes are all leaves."""
+        tree, bounds, first_slot = record_values(tree, bounds, depth, level, when)
+        return tree._replace(is_leaf=write_level(tree.is_leaf, level.active, first_slot, when)), bounds
+
+    def split_level(depth, carry, next_capacity: int, children_split: bool, children_are_leaves=None):
+        """Split the level's nodes; children arrays come out sized ``next_capacity``.
+
+        ``children_are_leaves`` (a traced flag, for a loop that runs down to the leaves): when
+        it holds, the children form the last level: they are written into the tree as leaves
+        at their full number (twice the level's slots) and get no histograms."""
         state, bounds = carry
         capacity = state.active.shape[0]
         active = state.active
@@ -243,9 +261,11 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
 
         node_of_row = state.node_of_row
 
+        def all_children(left, right):
+            return jnp.stack([left, right], axis=1).reshape((2 * capacity,) + left.shape[1:])
+
         def children(left, right):
-            # The next level's nodes all sit in its first next_capacity positions.
-            return jnp.stack([left, right], axis=1).reshape((2 * capacity,) + left.shape[1:])[:next_capacity]
+            return all_children(left, right)[:next_capacity]
 
         histograms = None
         if not children_split:
@@ -255,11 +275,16 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             # Histogram only the child with fewer rows; the sibling's is the parent's minus it.
             # The smaller child by Hessian sum: known on every device without counting rows.
             left_is_smaller = hessian_mass(split.left_hessians, leaves) <= hessian_mass(split.right_hessians, leaves)
+            histogram_splits, summed_nodes = splits, live_nodes
+            if children_are_leaves is not None:
+                # Leaves need no histograms: the kernel only routes, and nothing is summed.
+                histogram_splits = splits & ~children_are_leaves
+                summed_nodes = jnp.where(children_are_leaves, 0, live_nodes)
             child_of_row, smaller = route_and_build_statistics_histogram(
                 X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin,
-                split.default_left, splits, left_is_smaller, max_bin)
+                split.default_left, histogram_splits, left_is_smaller, max_bin)
             # Only nodes that split have rows in a smaller child: the other slots are zero everywhere.
-            smaller = all_sum_leading(smaller, axis_name, live_nodes, SCAN_CHUNK_NODES)
+            smaller = all_sum_leading(smaller, axis_name, summed_nodes, SCAN_CHUNK_NODES)
             larger = state.histograms - smaller
             choose = left_is_smaller[:, None, None, None]
             histograms = children(jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller))
@@ -277,12 +302,16 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         if path_features is not None:
             path_features = path_features | (jax.nn.one_hot(split.feature, n_features, dtype=bool) & splits[:, None])
             path_features = children(path_features, path_features)
-        return _LevelState(
-            tree=tree, node_of_row=child_of_row, active=children(splits, splits),
-            level_gradients=children(split.left_gradients, split.right_gradients),
-            level_hessians=children(split.left_hessians, split.right_hessians), histograms=histograms,
-            lower=children(left_lower, right_lower), upper=children(left_upper, right_upper),
-            path_features=path_features), bounds
+        child_fields = dict(active=all_children(splits, splits),
+                            level_gradients=all_children(split.left_gradients, split.right_gradients),
+                            level_hessians=all_children(split.left_hessians, split.right_hessians),
+                            lower=all_children(left_lower, right_lower), upper=all_children(left_upper, right_upper))
+        if children_are_leaves is not None:
+            leaf_level = _LevelState(tree=None, node_of_row=None, histograms=None, path_features=None, **child_fields)
+            tree, bounds = record_leaves(tree, bounds, depth + 1, leaf_level, children_are_leaves)
+        # The next level's nodes all sit in its first next_capacity positions.
+        return _LevelState(tree=tree, node_of_row=child_of_row, histograms=histograms, path_features=path_features,
+                           **{name: field[:next_capacity] for name, field in child_fields.items()}), bounds
 
     looped_capacity = min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))
     looped_levels = looped_capacity.bit_length() - 1  # levels whose children fit in looped_capacity
@@ -312,15 +341,23 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         upper=jnp.full(looped_capacity, jnp.inf),
         path_features=None if params.interaction_groups is None else jnp.zeros((looped_capacity, n_features), bool),
     )
-    carry = jax.lax.fori_loop(0, looped_levels,
-                              lambda depth, c: split_level(depth, c, looped_capacity, children_split=True),
-                              (state, node_bounds))
-    for depth in range(looped_levels, max_depth):
-        carry = split_level(depth, carry, 2 ** (depth + 1), children_split=depth + 1 < max_depth)
-    state, node_bounds = carry
-
-    tree, node_bounds, first_slot = record_values(state.tree, node_bounds, max_depth, state)
-    tree = tree._replace(is_leaf=write_level(tree.is_leaf, state.active, first_slot))
+    if looped_levels + 1 == max_depth:
+        # The last level fits the loop's slots too: it runs in the loop, masked, rather than in
+        # a second copy of the level's program (0.8 s of a 3.4 s first fit at depth 6).
+        state, node_bounds = jax.lax.fori_loop(
+            0, max_depth,
+            lambda depth, c: split_level(depth, c, looped_capacity, children_split=True,
+                                         children_are_leaves=depth == max_depth - 1),
+            (state, node_bounds))
+        tree = state.tree
+    else:
+        carry = jax.lax.fori_loop(0, looped_levels,
+                                  lambda depth, c: split_level(depth, c, looped_capacity, children_split=True),
+                                  (state, node_bounds))
+        for depth in range(looped_levels, max_depth):
+            carry = split_level(depth, carry, 2 ** (depth + 1), children_split=depth + 1 < max_depth)
+        state, node_bounds = carry
+        tree, node_bounds = record_leaves(state.tree, node_bounds, max_depth, state)
     tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
     # One gather per row at the end, not a leaf update per level: a row's last-level position
     # names its path, and the table gives the leaf on that path.

@@ -292,6 +292,12 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   const std::vector<int32_t> safe_feature = ClampedFeatures(feature.typed_data(), num_nodes, n_features);
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
                             splits.typed_data(), left_is_smaller.typed_data(), num_nodes, missing_bin};
+  if (std::none_of(splits.typed_data(), splits.typed_data() + num_nodes, [](bool split) { return split; })) {
+    // No smaller children (a looped last level): routing alone, without gathering rows.
+    std::memset(histogram->typed_data(), 0, sizeof(float) * static_cast<size_t>(histogram->element_count()));
+    RouteRows(codes.typed_data(), n_rows, node_of_row.typed_data(), level, 0, n_rows, child_of_row->typed_data());
+    return ffi::Error::Success();
+  }
   HistogramProblem problem{codes.typed_data(), node_of_row.typed_data(), gradients.typed_data(),
                            hessians.typed_data(), nullptr, n_rows, n_features, num_nodes, nullptr};
   problem.route = &level;

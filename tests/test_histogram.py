@@ -527,6 +527,21 @@ def test_route_and_build_histogram_matches_numpy(kernel, threads, num_nodes, max
 
 
 @pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
+def test_route_and_build_histogram_without_splits_only_routes(kernel):
+    """A level whose children are leaves (the grower's looped last level) passes no splits:
+    rows are still routed by every node's split fields, and the histogram is all zeros."""
+    X_binned, node_index, gradients, hessians, level = route_case(11, 3000, 5, 8, 32)
+    X_binned[::5, 1] = 31
+    expected_child, _ = naive_route(X_binned, node_index, level, 32)
+    level["splits"] = np.zeros_like(level["splits"])
+    route = jax.jit(partial(route_and_build_histogram, max_bin=32, kernel=kernel))
+    child, smaller = route(jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients),
+                           jnp.asarray(hessians), **{k: jnp.asarray(v) for k, v in level.items()})
+    np.testing.assert_array_equal(np.asarray(child), expected_child)
+    np.testing.assert_array_equal(np.asarray(smaller), np.zeros((8, 5, 32, 2), np.float32))
+
+
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
 def test_route_rows_matches_numpy(kernel):
     """The last level's routing alone (missing codes follow the default direction), and under vmap."""
     X_binned, node_index, _, _, level = route_case(12, 3000, 5, 8, 32)

@@ -387,13 +387,15 @@ def test_sum_of_leading_slots_over_devices():
     mesh = Mesh(np.array(devices), ("rows",))
     local = np.arange(2 * 8 * 3, dtype=np.float32).reshape(2, 8, 3)  # device, slot, value
 
-    def run(count):
-        summed = jax.shard_map(lambda x: jb.devices.all_sum_leading(x[0], "rows", count, 2)[None], mesh=mesh,
+    def run(count, chunk):
+        summed = jax.shard_map(lambda x: jb.devices.all_sum_leading(x[0], "rows", count, chunk)[None], mesh=mesh,
                                in_specs=PartitionSpec("rows"), out_specs=PartitionSpec("rows"))
         return np.asarray(jax.jit(summed)(local))
 
-    for count, summed_slots in [(1, 2), (3, 4), (8, 8)]:
-        out = run(jnp.int32(count))
+    # A count of 0 (a looped last level, whose children are leaves) sums nothing; a chunk
+    # larger than the slots is one chunk of all of them.
+    for count, chunk, summed_slots in [(0, 2, 0), (1, 2, 2), (3, 2, 4), (8, 2, 8), (0, 16, 0), (3, 16, 8)]:
+        out = run(jnp.int32(count), chunk)
         expected = local.copy()
         expected[:, :summed_slots] = local[:, :summed_slots].sum(axis=0)
         np.testing.assert_array_equal(out, expected)
