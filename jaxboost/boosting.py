@@ -20,12 +20,13 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
 from .devices import ROW_AXIS, all_sum, compiler_options, mesh_platform
 from .grower import GrowthParams, grow_tree, sample_features
-from .line_search import minimise_segment_offsets
+from .line_search import minimise_segment_offsets, segment_sums
 from .predictor import predict_round
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
 from .tree import Tree, num_heap_nodes
@@ -115,7 +116,7 @@ def minimise_offsets(objective: Objective, raw_prediction: jax.Array, y: jax.Arr
             derivative = output_gradient(loss, shifted[:, 0], y, None)
         return jnp.where(weights > 0, weights * derivative, 0.0)
 
-    segment_weights = all_sum(jax.ops.segment_sum(weights, segment_ids, num_segments), axis_name)
+    segment_weights = all_sum(segment_sums(weights, segment_ids, num_segments), axis_name)
     return minimise_segment_offsets(weighted_derivative, segment_ids, num_segments, segment_weights, reg, axis_name)
 
 
@@ -264,6 +265,12 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row
     trees, row_leaves = jax.lax.map(one_output, jnp.arange(objective.num_outputs))
     contribution = jnp.take_along_axis(trees.value, row_leaves, axis=1).T
     return raw_prediction + contribution, trees, health
+
+
+def seed_key_data(seed: int) -> np.ndarray:
+    """``jax.random.key_data(jax.random.PRNGKey(seed))``, made on the host: a threefry key is
+    the seed's two 32-bit words, and JAX's seeding is one more program to compile in a first fit."""
+    return np.array([0, int(seed) % 2 ** 32], np.uint32)
 
 
 def round_function(shape: RoundShape) -> Callable:

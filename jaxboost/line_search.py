@@ -29,6 +29,14 @@ MAX_BISECTIONS = 64
 MIN_FIRST_STEP = 1e-3
 
 
+def segment_sums(per_row: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
+    """``jax.ops.segment_sum``; one segment (the starting value) is a plain sum: a scatter
+    compiles to a loop of its own and runs on one core."""
+    if num_segments == 1:
+        return jnp.sum(per_row, axis=0, keepdims=True)
+    return jax.ops.segment_sum(per_row, segment_ids, num_segments)
+
+
 def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Array], segment_ids: jax.Array,
                              num_segments: int, segment_weights: jax.Array, reg: Regularization,
                              axis_name: str | None = None) -> jax.Array:
@@ -46,8 +54,9 @@ def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Arra
     """
 
     def loss_derivative(offsets):
-        per_row = weighted_derivative(offsets[segment_ids])
-        return all_sum(jax.ops.segment_sum(per_row, segment_ids, num_segments), axis_name)
+        per_row_offsets = (jnp.broadcast_to(offsets[0], segment_ids.shape) if num_segments == 1
+                           else offsets[segment_ids])
+        return all_sum(segment_sums(weighted_derivative(per_row_offsets), segment_ids, num_segments), axis_name)
 
     def derivative(offsets, direction):
         # ``direction`` picks the one-sided derivative of alpha |c| at c = 0.

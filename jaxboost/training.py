@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .boosting import HESSIAN_MODES, RoundParams, RoundShape, compiled_round, loss_derivatives, starting_value
+from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_round, loss_derivatives, seed_key_data,
+                       starting_value)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .devices import replicated, row_mesh, row_sharding
@@ -322,12 +323,12 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     if init_model is not None and init_model.num_outputs != K:
         raise ValueError(f"init_model has {init_model.num_outputs} outputs but this loss has {K}")
     if regularizer is None:
-        regularizer = Regularization(jnp.float32(reg_lambda), jnp.float32(reg_alpha), jnp.float32(0.0))
+        regularizer = Regularization(np.float32(reg_lambda), np.float32(reg_alpha), np.float32(0.0))
     elif not isinstance(regularizer, Regularization):
         raise TypeError("regularizer must come from jb.regularizers (l2, l1, elastic_net, custom)")
     elif reg_lambda != 1.0 or reg_alpha != 0.0:
         raise ValueError("pass either regularizer= or reg_lambda/reg_alpha, not both")
-    regularizer = regularizer.replace(max_delta_step=jnp.float32(max_delta_step))
+    regularizer = regularizer.replace(max_delta_step=np.float32(max_delta_step))
     check_regularization(regularizer, dataset.n_features)
     monotone = monotone_array(monotone_constraints, dataset.feature_names, dataset.n_features)
     groups = interaction_groups(interaction_constraints, dataset.feature_names, dataset.n_features)
@@ -380,7 +381,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     boosting_round = compiled_round(shape)
     schedule = _Schedule(learning_rate)
     first_round = 0 if init_model is None else init_model.num_rounds
-    f32 = jnp.float32
+    f32 = np.float32  # host scalars: jnp.float32 would compile a conversion in a first fit
     params = RoundParams(
         growth=GrowthParams(reg=regularizer, learning_rate=f32(schedule(first_round)), gamma=f32(gamma),
                             min_child_weight=f32(min_child_weight), colsample_bylevel=f32(colsample_bylevel),
@@ -390,7 +391,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         subsample=f32(subsample), colsample_bytree=f32(colsample_bytree), loss_params=resolved.loss_params,
         hessian_floor=f32(hessian_floor))
     params = jax.device_put(params, replicated(mesh))
-    seed_key = jax.device_put(jax.random.key_data(jax.random.PRNGKey(seed)), replicated(mesh))
+    seed_key = jax.device_put(seed_key_data(seed), replicated(mesh))
 
     eval_names = [f"validation_{i}" for i in range(len(eval_rows))]
     history = {name: {metric.name: [] for metric in metrics} for name in eval_names}

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .boosting import HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, starting_value
+from .boosting import HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, seed_key_data, starting_value
 from .dataset import Dataset
 from .devices import replicated, row_mesh, row_sharding
 from .grower import GrowthParams
@@ -169,8 +169,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     params_axes = (treedef, tuple(0 if np.ndim(leaf) > np.ndim(shared) else None
                                   for shared, leaf in zip(shared_leaves, jax.tree_util.tree_leaves(params))))
     params = jax.device_put(params, replicated(mesh))
-    seed_keys = jax.device_put(np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))))
-                                         for s in model_seeds]), replicated(mesh))
+    seed_keys = jax.device_put(np.stack([seed_key_data(s) for s in model_seeds]), replicated(mesh))
     sampled = [min(v["colsample_bytree"], v["colsample_bylevel"], v["colsample_bynode"]) for v in per_model]
     shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
                        leaf_refit=bool(leaf_refit), sample_columns=min(sampled) < 1,

@@ -225,6 +225,17 @@ def test_starting_value_logistic_is_the_log_odds(positive_share):
                                err_msg=f"not the log-odds of the weighted mean label {p:.4f}")
 
 
+def test_starting_value_over_many_rows_is_exact():
+    """The starting value's slope is a sum over every row: summed as a reduction, not a row-by-row
+    scatter, whose float32 rounding grows with the rows (at 800k rows the scatter's log-odds
+    was 7.5e-6 off, 9e-6 relative)."""
+    n = 800_000
+    y = (np.random.default_rng(5).uniform(size=n) < 0.3).astype(np.float32)
+    start = np.asarray(starting_value(LOGISTIC, jnp.zeros((n, 1)), jnp.asarray(y), jnp.ones(n, jnp.float32)))
+    p = y.astype(np.float64).mean()
+    np.testing.assert_allclose(start[0], np.log(p / (1 - p)), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("frequencies", [(1 / 3, 1 / 3, 1 / 3), (0.5, 0.3, 0.2), (0.1, 0.2, 0.7), (0.05, 0.9, 0.05)])
 def test_starting_value_softmax_gives_the_class_frequencies(frequencies):
     rng = np.random.default_rng(3)

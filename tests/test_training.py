@@ -437,3 +437,12 @@ def test_second_process_loads_the_compiled_round_from_the_disk_cache(tmp_path):
     hit = "Persistent compilation cache hit for 'jit_boosting_round'"
     assert "Compiling jit(boosting_round)" in first and hit not in first
     assert hit in second
+
+
+@pytest.mark.parametrize("seed", [0, 1, 42, -7, 2 ** 31, 2 ** 32 + 5])
+def test_seed_key_data_is_jax_prng_key(seed):
+    """Training makes its threefry key on the host; it must be JAX's key for the same seed, so
+    that row and column sampling are those of ``jax.random.PRNGKey(seed)``."""
+    from jaxboost.boosting import seed_key_data
+
+    np.testing.assert_array_equal(seed_key_data(seed), np.asarray(jax.random.key_data(jax.random.PRNGKey(seed))))

@@ -158,7 +158,11 @@ def test_multiclass_accuracy_matches_xgboost():
     test_start = np.tile(model.base_score, (len(y_test), 1))
     theirs = accuracy_score(y_test, booster.predict(xgb.DMatrix(X_test, base_margin=test_start)).argmax(axis=1))
     assert theirs < 0.95, f"the data should be hard enough for accuracy to move; XGBoost accuracy {theirs}"
-    assert abs(ours - theirs) <= 0.01, (ours, theirs)
+    # Not worse by more than a point. Better by up to two: XGBoost's softmax Hessian is
+    # 2 p (1 - p) where autodiff gives p (1 - p), so its Newton steps are half as long and it fits
+    # less in 60 rounds; and jaxboost's accuracy here moves by up to 0.7 points when the starting
+    # margins move by 1e-5 (float32 histograms: near-tied splits flip), XGBoost's by none.
+    assert -0.01 <= ours - theirs <= 0.02, (ours, theirs)
 
 
 def test_regression_rmse_matches_xgboost():
