@@ -154,15 +154,21 @@ def test_multiclass_accuracy_matches_xgboost():
     start = np.tile(model.base_score, (len(y_train), 1))
     booster = xgb.train(_xgboost_full("multi:softprob", num_class=3), xgb.DMatrix(X_train, y_train, base_margin=start),
                         FULL["num_rounds"])
-    ours = accuracy_score(y_test, model.predict(X_test).argmax(axis=1))
     test_start = np.tile(model.base_score, (len(y_test), 1))
     theirs = accuracy_score(y_test, booster.predict(xgb.DMatrix(X_test, base_margin=test_start)).argmax(axis=1))
     assert theirs < 0.95, f"the data should be hard enough for accuracy to move; XGBoost accuracy {theirs}"
-    # Not worse by more than a point. Better by up to two: XGBoost's softmax Hessian is
-    # 2 p (1 - p) where autodiff gives p (1 - p), so its Newton steps are half as long and it fits
-    # less in 60 rounds; and jaxboost's accuracy here moves by up to 0.7 points when the starting
-    # margins move by 1e-5 (float32 histograms: near-tied splits flip), XGBoost's by none.
-    assert -0.01 <= ours - theirs <= 0.02, (ours, theirs)
+    # jaxboost's accuracy here moves by up to 0.7 points when the starting margins move by 1e-5
+    # (float32 histograms: near-tied splits flip); XGBoost's does not move. So jaxboost's is
+    # averaged over its fitted start and four nudges of it.
+    accuracies = [accuracy_score(y_test, model.predict(X_test).argmax(axis=1))]
+    for nudge in (1e-5, -1e-5, 3e-5, -3e-5):
+        nudged = (model.base_score + np.array([nudge, -nudge, 0.0], np.float32))[None, :]
+        nudged_model = jb.train(X_train, y_train, loss="softmax", base_margin=np.repeat(nudged, len(y_train), 0),
+                                **FULL)
+        predicted = nudged_model.predict(X_test, base_margin=np.repeat(nudged, len(y_test), 0))
+        accuracies.append(accuracy_score(y_test, predicted.argmax(axis=1)))
+    ours = float(np.mean(accuracies))
+    assert abs(ours - theirs) <= 0.01, (accuracies, theirs)
 
 
 def test_regression_rmse_matches_xgboost():
