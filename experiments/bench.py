@@ -34,6 +34,11 @@ How it is measured (``bench_worker.py`` does one run):
   runs, and other processes' CPU is also measured during them (machine-wide CPU from
   /proc/stat minus the children's own CPU).
 
+``--device gpu`` runs jaxboost on JAX's GPU backend and XGBoost with ``device="cuda"`` (LightGBM and
+sklearn are CPU-only and left out), and adds each library's peak GPU memory (NVML, device-wide,
+above what was in use before the library started; JAX allocates on demand in these runs).
+Write GPU results to their own file, e.g. ``--output experiments/results/bench_gpu.md``.
+
 ``--scaling`` adds jaxboost ms/tree vs rows (XGBoost alongside), vs depth and vs bins on the
 classification task; its row counts are 100k, 1M and 4M scaled by ``--rows`` / 1M.
 The tables are printed and written, with the command line, date and machine info, to ``--output``.
@@ -72,7 +77,9 @@ SCALING_ROWS = [100_000, 1_000_000, 4_000_000]
 SCALING_DEPTHS = [4, 6, 8, 10]
 SCALING_BINS = [64, 256]
 NUMERIC_FIELDS = ["binning_s", "compile_s", "boosting_s", "ms_per_tree", "predict_s", "metric", "peak_rss_mb",
-                  "first_round_s", "warm_round_s", "data_peak_rss_mb"]
+                  "first_round_s", "warm_round_s", "data_peak_rss_mb", "gpu_peak_mb"]
+# On a GPU only jaxboost and XGBoost run (LightGBM's wheels and scikit-learn are CPU-only).
+GPU_LIBRARIES = ["jaxboost", "xgboost"]
 
 
 # ----------------------------------------------------------------------------- quietness
@@ -131,20 +138,26 @@ def describe_quietness(label: str, sample: dict) -> str:
 
 # ----------------------------------------------------------------------------- running the workers
 
-def child_environment() -> dict:
+def child_environment(device: str = "cpu") -> dict:
     env = dict(os.environ)
     env["JAXBOOST_CACHE_DIR"] = ""  # measure real compilation in every repeat
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if device == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"  # a CPU run on a machine with a GPU stays on the CPU
+    else:
+        # JAX takes 75% of the GPU's memory at start by default; allocate as needed instead, so
+        # the peak GPU memory measured is what training uses.
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
 
 
-def run_worker(worker_args: list[str], meter: OtherCpuMeter | None = None) -> dict:
+def run_worker(worker_args: list[str], meter: OtherCpuMeter | None = None, device: str = "cpu") -> dict:
     """Run ``bench_worker.py`` once and return its JSON result (or a failure record)."""
     meter and meter.start()
     try:
-        completed = subprocess.run([sys.executable, str(WORKER), *worker_args], capture_output=True, text=True,
-                                   cwd=REPO_ROOT, env=child_environment(), timeout=RUN_TIMEOUT_S)
+        completed = subprocess.run([sys.executable, str(WORKER), *worker_args, "--device", device], capture_output=True,
+                                   text=True, cwd=REPO_ROOT, env=child_environment(device), timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"status": f"failed: timed out after {RUN_TIMEOUT_S} s"}
     finally:
@@ -160,8 +173,8 @@ class Runner:
     """Runs (library, task, size) configurations ``repeats`` times each, remembering results so a
     configuration shared by several tables runs once."""
 
-    def __init__(self, repeats: int, rounds: int):
-        self.repeats, self.rounds = repeats, rounds
+    def __init__(self, repeats: int, rounds: int, device: str = "cpu"):
+        self.repeats, self.rounds, self.device = repeats, rounds, device
         self.meter = OtherCpuMeter()
         self.results: dict[tuple, list[dict]] = {}
 
@@ -179,7 +192,7 @@ class Runner:
             worker_args = ["--library", library, "--task", task, "--rows", str(rows), "--rounds", str(self.rounds),
                            "--depth", str(depth), "--max-bin", str(max_bin)] + ([] if predict else ["--no-predict"])
             started = time.perf_counter()
-            result = run_worker(worker_args, self.meter)
+            result = run_worker(worker_args, self.meter, self.device)
             print(f"  {library:<9} {task:<14} rows={rows:<9} depth={depth:<3} bins={max_bin:<4} "
                   f"run {len(runs) + 1}/{self.repeats}: {result['status']} ({time.perf_counter() - started:.1f} s)",
                   file=sys.stderr, flush=True)
@@ -203,6 +216,10 @@ def summarize(runs: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------- formatting
+
+def fmt_megabytes(value) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
 
 def fmt_seconds(value) -> str:
     if value is None:
@@ -228,10 +245,11 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def task_table(task: str, summaries: dict[str, dict]) -> str:
+def task_table(task: str, summaries: dict[str, dict], device: str = "cpu") -> str:
     """One row per library; failures and missing libraries get their status in the row."""
+    gpu = device == "gpu"
     header = ["library", "binning s", "compile s", "boosting s", "ms/tree", "predict s", METRIC_NAME[task],
-              "peak RSS MB", f"ms/tree vs {REFERENCE_LIBRARY}"]
+              "peak RSS MB"] + (["peak GPU MB"] if gpu else []) + [f"ms/tree vs {REFERENCE_LIBRARY}"]
     reference = summaries.get(REFERENCE_LIBRARY, {}).get("ms_per_tree")
     rows = []
     for library, summary in summaries.items():
@@ -244,7 +262,9 @@ def task_table(task: str, summaries: dict[str, dict]) -> str:
                      fmt_seconds(summary["boosting_s"]), fmt_ms(summary["ms_per_tree"]),
                      fmt_seconds(summary["predict_s"]),
                      "n/a" if metric is None else (f"{metric:.4f}" if task == "classification" else f"{metric:.3f}"),
-                     f"{summary['peak_rss_mb']:.0f}", fmt_ratio(summary["ms_per_tree"], reference)])
+                     f"{summary['peak_rss_mb']:.0f}"]
+                    + ([fmt_megabytes(summary.get("gpu_peak_mb"))] if gpu else [])
+                    + [fmt_ratio(summary["ms_per_tree"], reference)])
     return markdown_table(header, rows)
 
 
@@ -267,7 +287,7 @@ def run_tasks(args, runner: Runner) -> list[str]:
         n_samples = args.rows if task == "classification" else args.rows // 2
         title = (f"## {task}: {n_samples:,} samples ({int(n_samples * 0.8):,} train), {args.rounds} rounds, "
                  f"depth {args.depth}, {args.max_bin} bins")
-        section = f"{title}\n\n{task_table(task, summaries)}"
+        section = f"{title}\n\n{task_table(task, summaries, args.device)}"
         print("\n" + section + "\n", flush=True)
         sections.append(section)
     return sections
@@ -311,8 +331,8 @@ def run_scaling(args, runner: Runner) -> str:
 
 # ----------------------------------------------------------------------------- report
 
-def machine_section() -> str:
-    info = run_worker(["--info"])
+def machine_section(device: str = "cpu") -> str:
+    info = run_worker(["--info"], device=device)
     versions = info.get("versions", {})
     lines = [f"- CPU count: {os.cpu_count()}; processor: {platform.processor() or 'unknown'}; "
              f"platform: {platform.platform()}; Python {platform.python_version()}",
@@ -334,6 +354,11 @@ def method_notes(args) -> str:
         "- predict s: the test set, second (warm) call; XGBoost: inplace_predict.",
         "- peak RSS MB: the child's resident-memory high-water mark reset after data generation (includes the "
         "float32 data and imported libraries).",
+        *(["- peak GPU MB: the GPU's memory in use (NVML, sampled every 2 ms), highest value minus the value "
+           "before the library was imported; it includes the CUDA context. JAX runs with "
+           "XLA_PYTHON_CLIENT_PREALLOCATE=false.",
+           "- On the GPU: jaxboost on JAX's GPU backend (its XLA kernels; the native kernels are CPU-only), XGBoost "
+           "with device='cuda'; inputs are NumPy arrays in host memory for both."] if args.device == "gpu" else []),
         f"- Settings: learning rate 0.1, lambda 1, depth {args.depth} (LightGBM/sklearn: at most "
         f"{2 ** args.depth} leaves), min leaf Hessian 1 (XGBoost min_child_weight, LightGBM "
         f"min_sum_hessian_in_leaf + min_data_in_leaf=1, sklearn min_samples_leaf=1), bins: jaxboost/XGBoost "
@@ -367,13 +392,18 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3, help="runs per library; medians are reported")
     parser.add_argument("--tasks", type=comma_list, default=TASKS)
-    parser.add_argument("--libraries", type=comma_list, default=LIBRARIES)
+    parser.add_argument("--libraries", type=comma_list, default=None,
+                        help=f"default: {','.join(LIBRARIES)} (with --device gpu: {','.join(GPU_LIBRARIES)})")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="gpu: jaxboost on JAX's GPU backend, XGBoost with device='cuda'")
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--max-bin", type=int, default=256)
     parser.add_argument("--output", type=Path, default=EXPERIMENTS / "results" / "bench.md",
                         help="markdown results file (default: experiments/results/bench.md)")
     parser.add_argument("--scaling", action="store_true", help="add jaxboost ms/tree vs rows, depth and bins")
     args = parser.parse_args(argv)
+    if args.libraries is None:
+        args.libraries = GPU_LIBRARIES if args.device == "gpu" else LIBRARIES
     for name, chosen, allowed in [("--tasks", args.tasks, TASKS), ("--libraries", args.libraries, LIBRARIES + OPTIONAL_LIBRARIES)]:
         unknown = sorted(set(chosen) - set(allowed))
         if unknown:
@@ -394,7 +424,7 @@ def main(argv=None):
     if warning:
         print(warning.replace("**", ""), file=sys.stderr)
 
-    runner = Runner(args.repeats, args.rounds)
+    runner = Runner(args.repeats, args.rounds, args.device)
     sections = run_tasks(args, runner)
     if args.scaling:
         sections.append(run_scaling(args, runner))
@@ -412,7 +442,7 @@ def main(argv=None):
         "# jaxboost benchmark",
         f"- command: `{command}`\n- date: {started.isoformat(timespec='seconds')} "
         f"(took {(datetime.datetime.now().astimezone() - started).total_seconds() / 60:.1f} min)",
-        "## Machine\n\n" + machine_section(),
+        "## Machine\n\n" + machine_section(args.device),
         "## Quietness\n\n" + "\n".join(quiet_lines),
         "## Method\n\n" + method_notes(args),
         *sections,

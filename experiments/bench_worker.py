@@ -1,7 +1,8 @@
 """One benchmark run of one library on one task, in its own process (driven by ``bench.py``).
 
 Usage: ``python experiments/bench_worker.py --library xgboost --task classification --rows N
---rounds R --depth D --max-bin B [--no-predict]`` (or ``--info`` for machine/version info).
+--rounds R --depth D --max-bin B [--device gpu] [--no-predict]`` (or ``--info`` for machine/version
+info).
 
 It generates the task's data (fixed seed, not timed), resets the process's peak-RSS mark, then:
 
@@ -14,6 +15,11 @@ It generates the task's data (fixed seed, not timed), resets the process's peak-
 
 ms/tree = (time of the R-round train - time of the warm 1-round train) / (R - 1): per-call
 overhead (data placement, starting value, sklearn's binning inside ``fit``) cancels out.
+
+With ``--device gpu`` jaxboost trains on JAX's default backend (which must then be a GPU) and
+XGBoost with ``device="cuda"``; the GPU's memory in use is sampled every few milliseconds
+(NVML, when ``pynvml`` is importable) to report the peak above what was in use before the
+library started.
 
 The result is one JSON line on stdout, prefixed with ``BENCH_RESULT``. A library that cannot
 be imported gives ``{"status": "not installed"}``.
@@ -100,14 +106,49 @@ def current_rss_mb() -> float | None:
     return None if rss_kb is None else rss_kb / 1024
 
 
+class GpuMemorySampler:
+    """Peak GPU memory in use (device-wide, NVML) above the level when it started, sampled
+    every ``interval_s`` on a thread; ``peak_mb`` is None without ``pynvml`` or a GPU."""
+
+    def __init__(self, interval_s: float = 0.002):
+        import threading
+        self.peak_mb, self._interval_s, self._stop = None, interval_s, threading.Event()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML, no driver or no GPU: report nothing rather than fail the run
+            return
+        self._used = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2 ** 20
+        self._baseline_mb, self.peak_mb = self._used(), 0.0
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self):
+        while not self._stop.wait(self._interval_s):
+            self.peak_mb = max(self.peak_mb, self._used() - self._baseline_mb)
+
+    def stop(self) -> float | None:
+        if self.peak_mb is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak_mb = max(self.peak_mb, self._used() - self._baseline_mb)
+        return self.peak_mb
+
+
 # ----------------------------------------------------------------------------- libraries
 # Each runner class: build(X, y) -> dataset; train(dataset, rounds) -> model; predict(model, X).
 
 class JaxboostRunner:
-    def __init__(self, task, depth, max_bin, threads):
+    def __init__(self, task, depth, max_bin, threads, device="cpu"):
         if REPO_ROOT not in sys.path:
             sys.path.insert(0, REPO_ROOT)
+        import jax
+
         import jaxboost as jb
+        backend = jax.default_backend()
+        if (backend == "gpu") != (device == "gpu"):
+            raise RuntimeError(f"asked for a {device} run, but JAX's default backend is {backend}")
         self.jb, self.max_bin = jb, max_bin
         self.params = dict(loss="logistic" if task == "classification" else "squared_error", max_depth=depth,
                            learning_rate=LEARNING_RATE, reg_lambda=REG_LAMBDA, min_child_weight=MIN_HESSIAN)
@@ -131,8 +172,8 @@ class JaxboostCustomLossRunner(JaxboostRunner):
     """jaxboost with a custom callable loss instead of the built-in: optax's sigmoid cross-entropy
     (classification) or a user-written squared error (regression), to show the cost per round."""
 
-    def __init__(self, task, depth, max_bin, threads):
-        super().__init__(task, depth, max_bin, threads)
+    def __init__(self, task, depth, max_bin, threads, device="cpu"):
+        super().__init__(task, depth, max_bin, threads, device)
         import optax
         if task == "classification":
             self.params.update(loss=optax.losses.sigmoid_binary_cross_entropy, link="sigmoid")
@@ -141,25 +182,34 @@ class JaxboostCustomLossRunner(JaxboostRunner):
 
 
 class XGBoostRunner:
-    def __init__(self, task, depth, max_bin, threads):
+    def __init__(self, task, depth, max_bin, threads, device="cpu"):
         import xgboost as xgb
         self.xgb, self.max_bin = xgb, max_bin
         self.params = dict(objective="binary:logistic" if task == "classification" else "reg:squarederror",
                            tree_method="hist", max_depth=depth, eta=LEARNING_RATE, reg_lambda=REG_LAMBDA,
-                           min_child_weight=MIN_HESSIAN, max_bin=max_bin, nthread=threads, verbosity=0)
+                           min_child_weight=MIN_HESSIAN, max_bin=max_bin, nthread=threads, verbosity=0,
+                           device="cuda" if device == "gpu" else "cpu")
 
     def build(self, X, y):
         return self.xgb.QuantileDMatrix(X, y, max_bin=self.max_bin, nthread=self.params["nthread"])
 
     def train(self, dataset, rounds):
-        return self.xgb.train(self.params, dataset, num_boost_round=rounds)
+        booster = self.xgb.train(self.params, dataset, num_boost_round=rounds)
+        if self.params["device"] == "cuda":
+            # Without a visible GPU XGBoost falls back to the CPU with only a log line.
+            used = json.loads(booster.save_config())["learner"]["generic_param"]["device"]
+            if not used.startswith("cuda"):
+                raise RuntimeError(f"asked for a gpu run, but XGBoost trained on {used!r}")
+        return booster
 
     def predict(self, model, X):
         return model.inplace_predict(X)
 
 
 class LightGBMRunner:
-    def __init__(self, task, depth, max_bin, threads):
+    def __init__(self, task, depth, max_bin, threads, device="cpu"):
+        if device != "cpu":
+            raise RuntimeError("the LightGBM runner is CPU-only")
         import lightgbm as lgb
         self.lgb = lgb
         # LightGBM's max_bin excludes its missing-value bin: 255 here ~ 256 codes elsewhere.
@@ -181,7 +231,9 @@ class LightGBMRunner:
 class SklearnRunner:
     """HistGradientBoosting bins inside ``fit``, so its "dataset" is just the arrays."""
 
-    def __init__(self, task, depth, max_bin, threads):
+    def __init__(self, task, depth, max_bin, threads, device="cpu"):
+        if device != "cpu":
+            raise RuntimeError("scikit-learn has no GPU path")
         from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
         self.task = task
         self.estimator = HistGradientBoostingClassifier if task == "classification" else HistGradientBoostingRegressor
@@ -217,8 +269,9 @@ def measure(args) -> dict:
     threads = os.cpu_count() or 1
     X_train, X_test, y_train, y_test = make_task(args.task, args.rows)
     data_peak_mb = peak_rss_mb(since_reset=False)
+    gpu_memory = GpuMemorySampler() if args.device == "gpu" else None
     try:
-        runner = RUNNERS[args.library](args.task, args.depth, args.max_bin, threads)
+        runner = RUNNERS[args.library](args.task, args.depth, args.max_bin, threads, args.device)
     except ImportError as error:
         return {"status": "not installed", "detail": str(error)}
     since_reset = reset_peak_rss()
@@ -243,7 +296,17 @@ def measure(args) -> dict:
         result.update(predict_s=predict_s, metric=score(args.task, y_test, prediction))
     result.update(peak_rss_mb=peak_rss_mb(since_reset), peak_rss_since_data=since_reset,
                   rss_start_mb=rss_start_mb, data_peak_rss_mb=data_peak_mb, threads=threads)
+    if gpu_memory is not None:
+        result.update(gpu_peak_mb=gpu_memory.stop(), gpu_name=gpu_name())
     return result
+
+
+def gpu_name() -> str | None:
+    try:
+        import pynvml
+        return pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except Exception:
+        return None
 
 
 def machine_info() -> dict:
@@ -275,6 +338,7 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--max-bin", type=int, default=256)
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--no-predict", action="store_true", help="skip predict and scoring (scaling runs)")
     args = parser.parse_args(argv)
     if not args.info and (args.library is None or args.task is None):
