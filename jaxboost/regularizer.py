@@ -47,6 +47,9 @@ class Regularization:
       penalty_params: a pytree of parameters passed to ``penalty``.
       penalty: ``penalty(w, params) -> scalar``, a convex function of one leaf value added to
         the elastic net; None for the elastic net alone (closed form).
+      bounds_leaves: whether ``max_delta_step > 0``, when that is known before tracing (static);
+        None: unknown, and split scores compute both the bounded and the closed form and pick
+        one at run time (``node_score``).
     """
 
     reg_lambda: jax.Array
@@ -55,6 +58,12 @@ class Regularization:
     split_cost: Any = 0.0
     penalty_params: Any = ()
     penalty: Callable | None = field(default=None, metadata=dict(static=True))
+    bounds_leaves: bool | None = field(default=None, metadata=dict(static=True))
+
+    def with_max_delta_step(self, max_delta_step: float) -> "Regularization":
+        """This penalty with a concrete ``max_delta_step`` (0: unbounded), so that compiled
+        split scores hold only the form that applies."""
+        return self.replace(max_delta_step=np.float32(max_delta_step), bounds_leaves=bool(max_delta_step > 0))
 
     def replace(self, **changes) -> "Regularization":
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -225,8 +234,12 @@ def node_score(sum_gradients: jax.Array, sum_hessians: jax.Array, reg: Regulariz
     def at_leaf_value():
         return value_and_score(sum_gradients, sum_hessians, reg, lower, upper)[1]
 
-    if reg.penalty is not None or lower is not None or upper is not None:
+    if reg.penalty is not None or lower is not None or upper is not None or reg.bounds_leaves:
         return at_leaf_value()
+    if reg.bounds_leaves is not None:
+        # Known unbounded: the closed form alone (a depth-6 round's split scans 4.2 -> 1.5 ms a
+        # device at 400k rows x 14 features each, against computing both forms).
+        return closed_form()
     # Both forms computed and one kept: a cond would cut the split scan's fusion in two and store
     # every candidate's sums between them (32 nodes x 14 features: 2.9 ms with the cond, 2.0
     # without).

@@ -328,7 +328,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         raise TypeError("regularizer must come from jb.regularizers (l2, l1, elastic_net, custom)")
     elif reg_lambda != 1.0 or reg_alpha != 0.0:
         raise ValueError("pass either regularizer= or reg_lambda/reg_alpha, not both")
-    regularizer = regularizer.replace(max_delta_step=np.float32(max_delta_step))
+    regularizer = regularizer.with_max_delta_step(max_delta_step)
     check_regularization(regularizer, dataset.n_features)
     monotone = monotone_array(monotone_constraints, dataset.feature_names, dataset.n_features)
     groups = interaction_groups(interaction_constraints, dataset.feature_names, dataset.n_features)

@@ -142,6 +142,12 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         check_regularization(reg, dataset.n_features)
         leaves = vector_leaves(multi_strategy, multi_output_hessian, K, reg, monotone)
         regularizers.append(reg)
+    # Models stacked into one program share its static fields: the scores' form is fixed only
+    # when every model's max_delta_step is on the same side of 0.
+    bounded = {float(values["max_delta_step"]) > 0 for values in per_model}
+    if len(bounded) == 1:
+        (bounds_leaves,) = bounded
+        regularizers = [reg.replace(bounds_leaves=bounds_leaves) for reg in regularizers]
     f32 = np.float32
 
     def model_params(k):

@@ -26,8 +26,11 @@ NUM_NODES, N_FEATURES, MAX_BIN = 4, 3, 8
 MISSING_BIN = MAX_BIN - 1
 
 
-def make_reg(reg_lambda, reg_alpha=0.0, max_delta_step=0.0):
-    return Regularization(F32(reg_lambda), F32(reg_alpha), F32(max_delta_step))
+def make_reg(reg_lambda, reg_alpha=0.0, max_delta_step=0.0, form_known=False):
+    """``form_known``: whether leaves are bounded is static (as training sets it), so scores are
+    compiled in the one form that applies; otherwise both are computed and one picked."""
+    reg = Regularization(F32(reg_lambda), F32(reg_alpha), F32(max_delta_step))
+    return reg.with_max_delta_step(max_delta_step) if form_known else reg
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,14 +120,15 @@ def make_split_data(seed):
 SPLIT_CASES = list(itertools.product([0.5, 1.0, 5.0], [0.0, 0.5], [0.0, 1.0, 10.0], [0.0, 0.3]))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed,form_known", [(0, False), (1, False), (0, True)])
 @pytest.mark.parametrize("reg_lambda,reg_alpha,min_child_weight,max_delta_step", SPLIT_CASES)
-def test_find_best_splits_matches_brute_force(seed, reg_lambda, reg_alpha, min_child_weight, max_delta_step):
+def test_find_best_splits_matches_brute_force(seed, form_known, reg_lambda, reg_alpha, min_child_weight,
+                                              max_delta_step):
     X_binned, node_index, g, h = make_split_data(seed)
     g64, h64 = g.astype(np.float64), h.astype(np.float64)
     allowed = np.ones((NUM_NODES, N_FEATURES), bool)
     split = _jit_find_best_splits(jnp.asarray(np_histogram(X_binned, node_index, g64, h64)), jnp.asarray(allowed),
-                                  make_reg(reg_lambda, reg_alpha, max_delta_step), F32(min_child_weight))
+                                  make_reg(reg_lambda, reg_alpha, max_delta_step, form_known), F32(min_child_weight))
     split = jax.tree.map(np.asarray, split)
     context = f"(lambda={reg_lambda}, alpha={reg_alpha}, mcw={min_child_weight}, mds={max_delta_step}, seed={seed})"
     for node in range(NUM_NODES):
@@ -154,6 +158,19 @@ def test_find_best_splits_matches_brute_force(seed, reg_lambda, reg_alpha, min_c
         runner_up = max(other_cuts, default=-np.inf)
         if best_gain - runner_up > 10 * tolerance:
             assert choice == best[1], f"node {node}: chose {choice}, expected {best[1]} {context}"
+
+
+@pytest.mark.parametrize("max_delta_step", [0.0, 0.3])
+def test_node_score_in_the_known_form_equals_the_run_time_choice(max_delta_step):
+    """Training compiles one form of the split score; it must be the one the run-time choice
+    picks, bit for bit, or trees would depend on how the regularizer was built."""
+    G = jnp.asarray(LEAF_G)
+    H = jnp.asarray(LEAF_H)
+    for reg_alpha in (0.0, 0.5):
+        chosen = jax.jit(node_score)(G, H, make_reg(1.0, reg_alpha, max_delta_step))
+        known = jax.jit(node_score)(G, H, make_reg(1.0, reg_alpha, max_delta_step, form_known=True))
+        np.testing.assert_array_equal(np.asarray(known), np.asarray(chosen),
+                                      err_msg=f"max_delta_step={max_delta_step}, alpha={reg_alpha}")
 
 
 def _exact_histogram_case():

@@ -173,14 +173,19 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
         jb.train(X, y, num_rounds=4, max_depth=3, learning_rate=0.3)
         assert len(traces) == 1, "the round was traced more than once for one shape"
         jb.train(X, y, num_rounds=3, max_depth=3, learning_rate=0.05, reg_lambda=5.0, reg_alpha=0.5, gamma=0.1,
-                 min_child_weight=3.0, max_delta_step=0.7, seed=3)
+                 min_child_weight=3.0, seed=3)
         assert len(traces) == 1, "new hyperparameter values recompiled the round"
+        # Bounding leaves (max_delta_step > 0) is structure: the split scores then take the
+        # bounded form alone; the bound itself is traced.
+        jb.train(X, y, num_rounds=2, max_depth=3, max_delta_step=0.7)
+        jb.train(X, y, num_rounds=2, max_depth=3, max_delta_step=0.2, reg_lambda=3.0)
+        assert len(traces) == 2, "a new max_delta_step recompiled the round"
         # Sampling is structure (left out of the program when off); its rates are traced.
         jb.train(X, y, num_rounds=2, max_depth=3, subsample=0.8, colsample_bytree=0.6, colsample_bynode=0.7)
         jb.train(X, y, num_rounds=2, max_depth=3, subsample=0.5, colsample_bytree=0.9, colsample_bynode=0.4)
-        assert len(traces) == 2, "new sampling rates recompiled the round"
+        assert len(traces) == 3, "new sampling rates recompiled the round"
         jb.train(X, y, num_rounds=2, max_depth=2)
-        assert len(traces) == 3, "a new depth must trace a new round"
+        assert len(traces) == 4, "a new depth must trace a new round"
     finally:
         boosting._grow_round_trees = original
         boosting.compiled_round.cache_clear()
