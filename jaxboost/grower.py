@@ -17,7 +17,10 @@ channels, and each node's value is a K-vector (``value`` and ``sum_hessians`` ge
 axis: the value and the Hessian diagonal).
 
 Rows may be sharded over devices: pass the mapped ``axis_name`` and every sum over rows
-(histograms, row counts) is completed with ``psum``; everything else is row-local or replicated.
+(histograms, row counts) is completed over the devices; everything else is row-local or
+replicated. When the devices divide the features, histograms are summed scattered by feature
+(a reduce-scatter): each device keeps, subtracts and scans only its block of features, and one
+all-gather per level compares the blocks' best splits.
 """
 
 from __future__ import annotations
@@ -249,7 +252,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         # Looped levels (traced depth) fill only the first 2^depth of their slots; unrolled ones all.
         live_nodes = None if isinstance(depth, int) else 2 ** depth
         split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
-                                              axis_name, level_bounds, leaves, live_nodes, missing_values)
+                                              axis_name, level_bounds, leaves, live_nodes, missing_values,
+                                              features_scattered=scatter_features)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
             feature=write_level(tree.feature, jnp.where(splits, split.feature, 0), first_slot),
@@ -282,9 +286,10 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
                 summed_nodes = jnp.where(children_are_leaves, 0, live_nodes)
             child_of_row, smaller = route_and_build_statistics_histogram(
                 X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin,
-                split.default_left, histogram_splits, left_is_smaller, max_bin)
+                split.default_left, histogram_splits, left_is_smaller, max_bin, feature_major=scatter_features)
             # Only nodes that split have rows in a smaller child: the other slots are zero everywhere.
-            smaller = all_sum_leading(smaller, axis_name, summed_nodes, SCAN_CHUNK_NODES)
+            smaller = all_sum_leading(smaller, axis_name, summed_nodes, SCAN_CHUNK_NODES,
+                                      scatter_axis=1 if scatter_features else None)
             larger = state.histograms - smaller
             choose = left_is_smaller[:, None, None, None]
             histograms = children(jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller))
@@ -313,6 +318,12 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         return _LevelState(tree=tree, node_of_row=child_of_row, histograms=histograms, path_features=path_features,
                            **{name: field[:next_capacity] for name, field in child_fields.items()}), bounds
 
+    # With rows sharded over devices, a level's histograms are summed over the devices scattered
+    # by feature: each device keeps the block of features it scans (reduce-scatter), so the
+    # sums move, and the sibling subtraction and level copies touch, 1/devices of the cells.
+    # It needs the devices to divide the features; otherwise every device keeps all of them.
+    devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+    scatter_features = devices > 1 and n_features % devices == 0
     looped_capacity = min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))
     looped_levels = looped_capacity.bit_length() - 1  # levels whose children fit in looped_capacity
     root_index = jnp.zeros(n_rows, jnp.int32)
@@ -321,11 +332,17 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         # The root alone is summed over rows and devices; the level's other slots start empty.
         return jnp.zeros((looped_capacity,) + root.shape).at[0].set(root)
 
-    root_histogram = all_sum(build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin),
-                             axis_name)[0]
+    local_root = build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin,
+                                            feature_major=scatter_features)
     # Every row lies in one bin of each feature, so the first feature's bins sum to the root's
-    # totals: no separate sums over rows and devices.
-    root_totals = jnp.sum(root_histogram[0], axis=0)
+    # totals: no separate sums over rows.
+    if scatter_features:
+        root_histogram = all_sum_leading(local_root, axis_name, None, 1, scatter_axis=1)[0]
+        # Every device sums the same feature, so all hold the same totals bit for bit.
+        root_totals = all_sum(jnp.sum(local_root[0, 0], axis=0), axis_name)
+    else:
+        root_histogram = all_sum(local_root, axis_name)[0]
+        root_totals = jnp.sum(root_histogram[0], axis=0)
     num_gradient_channels = gradients.shape[1] if gradients.ndim == 2 else 1
     root_gradients, root_hessians = root_totals[:num_gradient_channels], root_totals[num_gradient_channels:]
     if leaves is None:

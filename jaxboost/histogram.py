@@ -60,7 +60,7 @@ def _available_native_target(name: str, what: str, kernel: str) -> str | None:
 
 def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax.Array,
                     hessians: jax.Array, num_nodes: int, max_bin: int, row_mask: jax.Array | None = None,
-                    kernel: str = "auto", threads: int = 1) -> jax.Array:
+                    kernel: str = "auto", threads: int = 1, feature_major: bool = False) -> jax.Array:
     """Histogram of the local rows.
 
     Args:
@@ -78,6 +78,9 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
         makes "auto" mean "xla".
       threads: CPU threads of the native kernel (each takes a range of features); keep 1 when
         rows are sharded over one device per core.
+      feature_major: the native kernel lays the result out in memory feature by feature (the
+        array is the same; XLA's layout is ``(n_features, num_nodes, max_bin, 2)``), so that
+        summing it over devices scattered by feature needs no transpose first.
 
     Returns:
       float32 ``(num_nodes, n_features, max_bin, 2)``: ``[..., 0]`` sums of gradients,
@@ -92,7 +95,8 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
     xla = partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin)
     if target is None:
         return xla(*args, mask)
-    native = partial(_native_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads)
+    native = partial(_native_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
+                     feature_major=feature_major)
     # Chosen when lowering: the FFI target exists only on CPU.
     return lax.platform_dependent(*args, mask, cpu=native, default=xla)
 
@@ -100,7 +104,8 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
 def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gradients: jax.Array,
                               hessians: jax.Array, split_feature: jax.Array, split_threshold_bin: jax.Array,
                               split_default_left: jax.Array, splits: jax.Array, left_is_smaller: jax.Array,
-                              max_bin: int, kernel: str = "auto", threads: int = 1) -> tuple[jax.Array, jax.Array]:
+                              max_bin: int, kernel: str = "auto", threads: int = 1,
+                              feature_major: bool = False) -> tuple[jax.Array, jax.Array]:
     """Route the local rows to the children of a level's splits, and histogram the smaller children.
 
     One pass over the rows does what would otherwise be a gather, several element-wise ops and
@@ -117,7 +122,7 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         device when rows are sharded (e.g. from the split's global left/right sums), so that
         every device builds the same children.
       max_bin: static number of bins; the missing code is ``max_bin - 1``.
-      kernel, threads: as for ``build_histogram``.
+      kernel, threads, feature_major: as for ``build_histogram``.
 
     Returns:
       ``(child_of_row, smaller)``: int32 ``(n_rows,)`` and float32
@@ -135,7 +140,8 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
     xla = partial(_xla_route_histogram, num_nodes=num_nodes, max_bin=max_bin)
     if target is None:
         return xla(*args)
-    native = partial(_native_route_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads)
+    native = partial(_native_route_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
+                     feature_major=feature_major)
     # Chosen when lowering: the FFI target exists only on CPU.
     return lax.platform_dependent(*args, cpu=native, default=xla)
 
@@ -240,14 +246,19 @@ def _xla_route_histogram(X_binned_T, node_of_row, gradients, hessians, feature, 
                                         num_nodes=num_nodes, max_bin=max_bin)
 
 
+# The native kernels' result layouts, major to minor: node-major or feature-major.
+_HISTOGRAM_LAYOUTS = {False: (0, 1, 2, 3), True: (1, 0, 2, 3)}
+
+
 def _native_route_histogram(X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left,
-                            splits, left_is_smaller, *, target, num_nodes, max_bin, threads):
+                            splits, left_is_smaller, *, target, num_nodes, max_bin, threads, feature_major):
     results = (jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32),
                jax.ShapeDtypeStruct((num_nodes, X_binned_T.shape[0], max_bin, 2), jnp.float32))
     inputs = (X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left, splits,
               left_is_smaller)
-    outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(
-        *inputs, missing_bin=np.int64(max_bin - 1), threads=np.int64(threads))
+    outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential",
+                               output_layouts=[None, _HISTOGRAM_LAYOUTS[feature_major]])(
+        *inputs, missing_bin=np.int64(max_bin - 1), threads=np.int64(threads), feature_major=np.int64(feature_major))
     return tuple(_as_varying_as(output, inputs) for output in outputs)
 
 
@@ -260,11 +271,13 @@ def _as_varying_as(result, inputs):
 
 
 def _native_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, target, num_nodes, max_bin,
-                      threads):
+                      threads, feature_major):
     result = jax.ShapeDtypeStruct((num_nodes, X_binned_T.shape[0], max_bin, 2), jnp.float32)
     # Under vmap (several models trained at once) the kernel runs once per batch member.
-    histogram = jax.ffi.ffi_call(target, result, vmap_method="sequential")(
-        X_binned_T, node_index, gradients, hessians, row_mask, threads=np.int64(threads))
+    histogram = jax.ffi.ffi_call(target, result, vmap_method="sequential",
+                                 output_layouts=_HISTOGRAM_LAYOUTS[feature_major])(
+        X_binned_T, node_index, gradients, hessians, row_mask, threads=np.int64(threads),
+        feature_major=np.int64(feature_major))
     return _as_varying_as(histogram, (X_binned_T, node_index, gradients, hessians, row_mask))
 
 
@@ -315,7 +328,7 @@ def statistic_pairs(statistics) -> StatisticPairs:
 
 def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
                                statistics: jax.Array | StatisticPairs, num_nodes: int, max_bin: int,
-                               row_mask: jax.Array | None = None) -> jax.Array:
+                               row_mask: jax.Array | None = None, feature_major: bool = False) -> jax.Array:
     """``build_histogram`` for any number of per-row channels (vector leaves: K gradients and
     the packed Hessian), two channels per kernel pass.
 
@@ -323,7 +336,8 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
     (or their ``StatisticPairs``).
     """
     statistics = statistic_pairs(statistics)
-    parts = [build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask)
+    parts = [build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask,
+                             feature_major=feature_major)
              for first, second in statistics.pairs]
     return _join_channels(parts, statistics.channels)
 
@@ -336,18 +350,20 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
                                          statistics: jax.Array | StatisticPairs,
                                          split_feature: jax.Array, split_threshold_bin: jax.Array,
                                          split_default_left: jax.Array, splits: jax.Array,
-                                         left_is_smaller: jax.Array, max_bin: int) -> tuple[jax.Array, jax.Array]:
+                                         left_is_smaller: jax.Array, max_bin: int,
+                                         feature_major: bool = False) -> tuple[jax.Array, jax.Array]:
     """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
     while routing, the others afterwards over the rows of the smaller children only."""
     statistics = statistic_pairs(statistics)
     pairs = statistics.pairs
     child_of_row, first = route_and_build_histogram(
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
-        left_is_smaller, max_bin)
+        left_is_smaller, max_bin, feature_major=feature_major)
     if len(pairs) == 1:
         return child_of_row, _join_channels([first], statistics.channels)
     goes_right = (child_of_row - 2 * node_of_row) == 1
     in_smaller_child = splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
-    rest = [build_histogram(X_binned_T, node_of_row, g, h, splits.shape[0], max_bin, in_smaller_child)
+    rest = [build_histogram(X_binned_T, node_of_row, g, h, splits.shape[0], max_bin, in_smaller_child,
+                            feature_major=feature_major)
             for g, h in pairs[1:]]
     return child_of_row, _join_channels([first] + rest, statistics.channels)

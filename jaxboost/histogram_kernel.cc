@@ -48,6 +48,18 @@ inline void AddPair(float* cell, const float* pair) {
 #endif
 }
 
+// Where a (node, feature) histogram of `bins` cells of (g, h) starts: node-major (nodes, features,
+// bins, 2), or feature-major (features, nodes, bins, 2), in which the features divide into blocks
+// that are contiguous, so summing them over devices scattered by feature needs no transpose.
+struct CellLayout {
+  int64_t node_stride;
+  int64_t feature_stride;
+};
+
+CellLayout MakeLayout(int64_t num_nodes, int64_t n_features, int64_t bins, bool feature_major) {
+  return feature_major ? CellLayout{bins * 2, num_nodes * bins * 2} : CellLayout{n_features * bins * 2, bins * 2};
+}
+
 // A selected row as the histogram passes read it: its id, its node and its (g, h) in 16 bytes,
 // so each pass over a block reads one stream (three separate arrays of 64-bit ids, node offsets
 // and pairs were 24 bytes a row).
@@ -63,17 +75,17 @@ struct GatheredRow {
 // `pairs`, so there are no row ids or nodes to read.
 template <int Group, bool AllRows>
 void AccumulateGroup(const uint8_t* codes, int64_t n_rows, int64_t first, int64_t first_row,
-                     const GatheredRow* gathered, const float* pairs, int64_t count, int64_t node_stride,
+                     const GatheredRow* gathered, const float* pairs, int64_t count, CellLayout layout,
                      float* hist) {
   const uint8_t* group_codes = codes + first * n_rows + first_row;
-  float* group_hist = hist + first * kCodeSlots * 2;
+  float* group_hist = hist + first * layout.feature_stride;
   for (int64_t j = 0; j < count; ++j) {
     const uint8_t* row_codes = group_codes + (AllRows ? j : gathered[j].row);
-    float* node_hist = group_hist + (AllRows ? 0 : static_cast<int64_t>(gathered[j].node) * node_stride);
+    float* node_hist = group_hist + (AllRows ? 0 : static_cast<int64_t>(gathered[j].node) * layout.node_stride);
     const float* pair = AllRows ? pairs + 2 * j : gathered[j].pair;
 #pragma GCC unroll 8
     for (int k = 0; k < Group; ++k) {
-      AddPair(node_hist + k * kCodeSlots * 2 + 2 * static_cast<int64_t>(row_codes[k * n_rows]), pair);
+      AddPair(node_hist + k * layout.feature_stride + 2 * static_cast<int64_t>(row_codes[k * n_rows]), pair);
     }
   }
 }
@@ -89,13 +101,13 @@ constexpr int64_t kFeatureGroup = 4;
 template <bool AllRows>
 void AccumulateBlock(const uint8_t* codes, int64_t n_rows, int64_t feature_begin, int64_t feature_end,
                      int64_t first_row, const GatheredRow* gathered, const float* pairs, int64_t count,
-                     int64_t node_stride, float* hist) {
+                     CellLayout layout, float* hist) {
   int64_t f = feature_begin;
   for (; f + kFeatureGroup <= feature_end; f += kFeatureGroup) {
-    AccumulateGroup<kFeatureGroup, AllRows>(codes, n_rows, f, first_row, gathered, pairs, count, node_stride, hist);
+    AccumulateGroup<kFeatureGroup, AllRows>(codes, n_rows, f, first_row, gathered, pairs, count, layout, hist);
   }
   for (; f < feature_end; ++f) {
-    AccumulateGroup<1, AllRows>(codes, n_rows, f, first_row, gathered, pairs, count, node_stride, hist);
+    AccumulateGroup<1, AllRows>(codes, n_rows, f, first_row, gathered, pairs, count, layout, hist);
   }
 }
 
@@ -147,7 +159,9 @@ struct HistogramProblem {
   const float* hessians;
   const bool* row_mask;  // nullptr: every row
   int64_t n_rows, n_features, num_nodes;
-  float* hist;  // (num_nodes, n_features, kCodeSlots, 2), zeroed
+  float* hist;  // (num_nodes, n_features, kCodeSlots, 2) laid out as `layout`, zeroed
+  bool feature_major = false;
+  CellLayout layout{0, 0};  // set by BuildHistogram
   // When set, rows are first routed to the children of this level's splits (child_of_row), and
   // the selected rows are those in the smaller child of a node that splits (row_mask unused).
   const SplitsOfLevel* route = nullptr;
@@ -157,7 +171,6 @@ struct HistogramProblem {
 // One thread's share: all selected rows, features [feature_begin, feature_end), so threads
 // write disjoint cells and need no reduction.
 void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_t feature_end) {
-  const int64_t node_stride = p.n_features * kCodeSlots * 2;
   // The root's histogram (one node, no mask) reads codes in row order: no row ids to gather
   // (measured 10 -> 8 ms for 400k rows x 28 features).
   const bool all_rows = p.route == nullptr && p.row_mask == nullptr && p.num_nodes == 1;
@@ -173,7 +186,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
         pairs[2 * (i - start) + 1] = take ? p.hessians[i] : 0.0f;
       }
       AccumulateBlock<true>(p.codes, p.n_rows, feature_begin, feature_end, start, nullptr, pairs.data(),
-                            stop - start, node_stride, p.hist);
+                            stop - start, p.layout, p.hist);
       continue;
     }
     int64_t count = 0;
@@ -193,13 +206,13 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       count += take;
     }
     AccumulateBlock<false>(p.codes, p.n_rows, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
-                           node_stride, p.hist);
+                           p.layout, p.hist);
   }
 }
 
 void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, float* out) {
-  const int64_t node_stride = problem.n_features * kCodeSlots * 2;
-  const size_t cells = static_cast<size_t>(problem.num_nodes * node_stride);
+  const size_t cells = static_cast<size_t>(problem.num_nodes * problem.n_features * kCodeSlots * 2);
+  problem.layout = MakeLayout(problem.num_nodes, problem.n_features, kCodeSlots, problem.feature_major);
   // With fewer than 256 bins, sums go to a scratch buffer with a slot for every code first.
   std::vector<float> scratch;
   if (max_bin != kCodeSlots) {
@@ -222,17 +235,19 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
     for (auto& worker : workers) worker.join();
   }
   if (problem.hist == out) return;
+  const CellLayout out_layout = MakeLayout(problem.num_nodes, problem.n_features, max_bin, problem.feature_major);
   for (int64_t node = 0; node < problem.num_nodes; ++node) {
     for (int64_t f = 0; f < problem.n_features; ++f) {
-      const float* source = problem.hist + node * node_stride + f * kCodeSlots * 2;
-      std::memcpy(out + (node * problem.n_features + f) * max_bin * 2, source, sizeof(float) * 2 * max_bin);
+      const float* source = problem.hist + node * problem.layout.node_stride + f * problem.layout.feature_stride;
+      std::memcpy(out + node * out_layout.node_stride + f * out_layout.feature_stride, source,
+                  sizeof(float) * 2 * max_bin);
     }
   }
 }
 
 ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_of_row,
                          ffi::Buffer<ffi::F32> gradients, ffi::Buffer<ffi::F32> hessians,
-                         ffi::Buffer<ffi::PRED> row_mask, int64_t threads,
+                         ffi::Buffer<ffi::PRED> row_mask, int64_t threads, int64_t feature_major,
                          ffi::ResultBuffer<ffi::F32> histogram) {
   const auto code_dims = codes.dimensions();
   const auto out_dims = histogram->dimensions();
@@ -253,8 +268,9 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_
   }
   if (n_rows > INT32_MAX) return ffi::Error::InvalidArgument("histogram kernel: more than 2^31 - 1 rows");
   const bool* mask = mask_size == 0 ? nullptr : row_mask.typed_data();
-  const HistogramProblem problem{codes.typed_data(), node_of_row.typed_data(), gradients.typed_data(),
-                                 hessians.typed_data(), mask, n_rows, n_features, num_nodes, nullptr};
+  HistogramProblem problem{codes.typed_data(), node_of_row.typed_data(), gradients.typed_data(),
+                           hessians.typed_data(), mask, n_rows, n_features, num_nodes, nullptr};
+  problem.feature_major = feature_major != 0;
   BuildHistogram(problem, max_bin, threads, histogram->typed_data());
   return ffi::Error::Success();
 }
@@ -264,7 +280,7 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
                               ffi::Buffer<ffi::S32> feature, ffi::Buffer<ffi::S32> threshold_bin,
                               ffi::Buffer<ffi::PRED> default_left, ffi::Buffer<ffi::PRED> splits,
                               ffi::Buffer<ffi::PRED> left_is_smaller, int64_t missing_bin, int64_t threads,
-                              ffi::ResultBuffer<ffi::S32> child_of_row, ffi::ResultBuffer<ffi::F32> histogram) {
+                              int64_t feature_major, ffi::ResultBuffer<ffi::S32> child_of_row, ffi::ResultBuffer<ffi::F32> histogram) {
   const auto code_dims = codes.dimensions();
   const auto out_dims = histogram->dimensions();
   if (code_dims.size() != 2 || out_dims.size() != 4) {
@@ -302,6 +318,7 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
                            hessians.typed_data(), nullptr, n_rows, n_features, num_nodes, nullptr};
   problem.route = &level;
   problem.child_of_row = child_of_row->typed_data();
+  problem.feature_major = feature_major != 0;
   BuildHistogram(problem, max_bin, threads, histogram->typed_data());
   return ffi::Error::Success();
 }
@@ -452,6 +469,7 @@ XLA_FFI_DEFINE_HANDLER(kRouteHistogramHandler, RouteHistogramImpl,
                            .Arg<ffi::Buffer<ffi::PRED>>()
                            .Attr<int64_t>("missing_bin")
                            .Attr<int64_t>("threads")
+                           .Attr<int64_t>("feature_major")
                            .Ret<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -463,6 +481,7 @@ XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::PRED>>()
                            .Attr<int64_t>("threads")
+                           .Attr<int64_t>("feature_major")
                            .Ret<ffi::Buffer<ffi::F32>>());
 
 // Prediction on raw features: every row walks every tree (rounds x outputs) of the heap layout

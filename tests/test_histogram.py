@@ -341,6 +341,33 @@ def test_native_histogram_matches_numpy(num_nodes, max_bin, n_features, with_mas
 
 
 @needs_native
+@pytest.mark.parametrize("max_bin,threads", [(256, 1), (64, 2)])
+def test_feature_major_layout_holds_the_same_histograms(max_bin, threads):
+    """Laid out feature by feature in memory (for sums over devices scattered by feature), the
+    kernels' histograms are the same arrays: the root's path, a masked build and a routed level,
+    with and without the scratch buffer of fewer than 256 bins."""
+    X_binned, node_index, gradients, hessians, row_mask = histogram_case(12, 40_000, 9, 5, max_bin)
+    args = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
+    for nodes, mask in [(1, None), (5, row_mask)]:
+        build = jax.jit(partial(build_histogram, num_nodes=nodes, max_bin=max_bin, kernel="native", threads=threads,
+                                feature_major=True))
+        actual = np.asarray(build(*args[:1], jnp.minimum(args[1], nodes - 1), *args[2:],
+                                  row_mask=None if mask is None else jnp.asarray(mask)))
+        expected = masked_naive_histogram(X_binned, np.minimum(node_index, nodes - 1), gradients, hessians, mask,
+                                          nodes, max_bin)
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-4)
+    _, _, _, _, level = route_case(12, 40_000, 9, 5, max_bin)
+    expected_child, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    route = jax.jit(partial(route_and_build_histogram, max_bin=max_bin, kernel="native", threads=threads,
+                            feature_major=True))
+    child, smaller = route(*args, **{k: jnp.asarray(v) for k, v in level.items()})
+    np.testing.assert_array_equal(np.asarray(child), expected_child)
+    np.testing.assert_allclose(np.asarray(smaller),
+                               masked_naive_histogram(X_binned, node_index, gradients, hessians, in_smaller, 5,
+                                                      max_bin), rtol=1e-5, atol=1e-4)
+
+
+@needs_native
 def test_native_and_xla_kernels_agree_with_threads_and_masks():
     X_binned, node_index, gradients, hessians, row_mask = histogram_case(4, 3000, 7, 6, 32, mask_fraction=0.3)
     args = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))

@@ -366,19 +366,22 @@ def test_rows_sharded_over_devices_match_one_device(monkeypatch):
     # Import-time setup gives one CPU device per core; small data normally stays on one device,
     # so lower the threshold to exercise the sharded round (psum'd histograms, split scan
     # divided by features, sharded refit and prediction).
+    # Five features: every device keeps all summed histograms; six (divisible by two devices):
+    # they are summed scattered by feature, each device keeping the block it scans.
     assert len(jax.devices()) >= min(2, os.cpu_count() or 1)
     X, y = _regression_data()
     X[::13, 2] = np.nan
+    X_even = np.column_stack([X, np.random.default_rng(5).normal(size=len(y)).astype(np.float32)])
     settings = dict(COMMON, subsample=0.8, colsample_bynode=0.8, reg_alpha=0.3)
-    for loss in ["squared_error", "absolute_error"]:
-        single = jb.train(X, y, loss=loss, **settings)
+    for loss, features in [("squared_error", X), ("absolute_error", X), ("squared_error", X_even)]:
+        single = jb.train(features, y, loss=loss, **settings)
         monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
-        sharded = jb.train(X, y, loss=loss, **settings)
-        sharded_prediction = sharded.predict(X)
+        sharded = jb.train(features, y, loss=loss, **settings)
+        sharded_prediction = sharded.predict(features)
         monkeypatch.undo()
         same_features = np.mean(sharded.trees.feature == single.trees.feature)
         assert same_features > 0.98, same_features
-        np.testing.assert_allclose(sharded_prediction, single.predict(X), rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(sharded_prediction, single.predict(features), rtol=1e-3, atol=1e-3)
 
 
 def test_sum_of_leading_slots_over_devices():
@@ -403,6 +406,18 @@ def test_sum_of_leading_slots_over_devices():
         out = run(jnp.int32(count), chunk)
         expected = local.copy()
         expected[:, :summed_slots] = local[:, :summed_slots].sum(axis=0)
+        np.testing.assert_array_equal(out, expected)
+
+    # Scattered over the last axis (4 values, 2 per device): device i keeps values [2i, 2i + 2)
+    # of the summed slots, and zeros past them; count None sums every slot.
+    local = np.arange(2 * 8 * 4, dtype=np.float32).reshape(2, 8, 4)
+    for count, chunk, summed_slots in [(jnp.int32(0), 2, 0), (jnp.int32(3), 2, 4), (None, 2, 8), (jnp.int32(8), 3, 8)]:
+        scattered = jax.shard_map(lambda x: jb.devices.all_sum_leading(x[0], "rows", count, chunk, scatter_axis=1)[None],
+                                  mesh=mesh, in_specs=PartitionSpec("rows"), out_specs=PartitionSpec("rows"))
+        out = np.asarray(jax.jit(scattered)(local))
+        expected = np.zeros((2, 8, 2), np.float32)
+        for device in range(2):
+            expected[device, :summed_slots] = local[:, :summed_slots, 2 * device:2 * device + 2].sum(axis=0)
         np.testing.assert_array_equal(out, expected)
 
 
