@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -125,32 +124,30 @@ def all_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
     return jax.lax.psum(x, axis_name)
 
 
-def all_sum_leading(x: jax.Array, axis_name: str | None, count: jax.Array | None, chunk: int,
-                    scatter_axis: int | None = None) -> jax.Array:
-    """``all_sum`` of the first ``count`` slots of ``x`` (traced; None: all), ``chunk`` slots
-    per sum; later slots keep this device's values. For a level held in more node slots than
-    it has nodes, whose empty slots are zero on every device anyway: the root's level sums one
-    chunk instead of all 32 slots.
+def all_sum_scattered(x: jax.Array, axis_name: str | None, scatter_axis: int, count: jax.Array | None = None,
+                      chunk: int = 1) -> jax.Array:
+    """The sum of ``x`` over the devices of ``axis_name``, each device keeping only its block of
+    axis ``scatter_axis`` (device ``i`` of ``m``: the ``i``-th of ``m`` equal blocks; ``m`` must
+    divide the axis): a reduce-scatter. One device (or none): ``x`` itself.
 
-    ``scatter_axis``: each device keeps only its block of that axis of the sums (device ``i``
-    of ``m``: the ``i``-th of ``m`` equal blocks; ``m`` must divide the axis), and the slots
-    past ``count`` are zero."""
-    slots = x.shape[0]
-    chunk = min(chunk, slots)
+    ``count`` (traced): only the first ``count`` slots of the leading axis are summed, ``chunk``
+    slots per sum, and the later slots are zero. For a level held in more node slots than it
+    has nodes, whose empty slots are zero on every device anyway: the root's level sums one
+    chunk instead of all 32 slots."""
     if axis_name is None or jax.lax.axis_size(axis_name) == 1:
         return x
-    if scatter_axis is None:
-        total = partial(jax.lax.psum, axis_name=axis_name)
-    else:
-        total = partial(jax.lax.psum_scatter, axis_name=axis_name, scatter_dimension=scatter_axis, tiled=True)
+    slots = x.shape[0]
+    chunk = min(chunk, slots)
+
+    def total(part):
+        return jax.lax.psum_scatter(part, axis_name, scatter_dimension=scatter_axis, tiled=True)
+
     if count is None or slots % chunk:
         return total(x)
-    whole = x
-    if scatter_axis is not None:
-        block_shape = list(x.shape)
-        block_shape[scatter_axis] //= jax.lax.axis_size(axis_name)
-        # Typed as varying over the devices like the sums written into it.
-        whole = jax.lax.pcast(jnp.zeros(block_shape, x.dtype), (axis_name,), to="varying")
+    block_shape = list(x.shape)
+    block_shape[scatter_axis] //= jax.lax.axis_size(axis_name)
+    # Typed as varying over the devices like the sums written into it.
+    whole = jax.lax.pcast(jnp.zeros(block_shape, x.dtype), (axis_name,), to="varying")
     return update_leading_chunks(whole, lambda start: total(jax.lax.dynamic_slice_in_dim(x, start, chunk)), count,
                                  chunk)
 

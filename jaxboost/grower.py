@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .devices import all_sum, all_sum_leading
+from .devices import all_sum, all_sum_scattered
 from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram, route_rows,
                         statistic_pairs)
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
@@ -252,8 +252,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         # Looped levels (traced depth) fill only the first 2^depth of their slots; unrolled ones all.
         live_nodes = None if isinstance(depth, int) else 2 ** depth
         split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
-                                              axis_name, level_bounds, leaves, live_nodes, missing_values,
-                                              features_scattered=scatter_features)
+                                              axis_name, level_bounds, leaves, live_nodes, missing_values)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
             feature=write_level(tree.feature, jnp.where(splits, split.feature, 0), first_slot),
@@ -286,10 +285,10 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
                 summed_nodes = jnp.where(children_are_leaves, 0, live_nodes)
             child_of_row, smaller = route_and_build_statistics_histogram(
                 X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin,
-                split.default_left, histogram_splits, left_is_smaller, max_bin, feature_major=scatter_features)
+                split.default_left, histogram_splits, left_is_smaller, max_bin, feature_major=sharded,
+                result_features=summed_features)
             # Only nodes that split have rows in a smaller child: the other slots are zero everywhere.
-            smaller = all_sum_leading(smaller, axis_name, summed_nodes, SCAN_CHUNK_NODES,
-                                      scatter_axis=1 if scatter_features else None)
+            smaller = all_sum_scattered(smaller, axis_name, 1, summed_nodes, SCAN_CHUNK_NODES)
             larger = state.histograms - smaller
             choose = left_is_smaller[:, None, None, None]
             histograms = children(jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller))
@@ -318,12 +317,14 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         return _LevelState(tree=tree, node_of_row=child_of_row, histograms=histograms, path_features=path_features,
                            **{name: field[:next_capacity] for name, field in child_fields.items()}), bounds
 
-    # With rows sharded over devices, a level's histograms are summed over the devices scattered
-    # by feature: each device keeps the block of features it scans (reduce-scatter), so the
-    # sums move, and the sibling subtraction and level copies touch, 1/devices of the cells.
-    # It needs the devices to divide the features; otherwise every device keeps all of them.
+    # With rows sharded over devices, histograms are summed over the devices scattered by
+    # feature: each device keeps the block of features it scans (a reduce-scatter), so the sums
+    # move, and the sibling subtraction and level copies touch, 1/devices of the cells. The
+    # kernels lay them out feature by feature (no transpose before the sum), padded with zero
+    # features to equal blocks.
     devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
-    scatter_features = devices > 1 and n_features % devices == 0
+    sharded = devices > 1
+    summed_features = -(-n_features // devices) * devices
     looped_capacity = min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))
     looped_levels = looped_capacity.bit_length() - 1  # levels whose children fit in looped_capacity
     root_index = jnp.zeros(n_rows, jnp.int32)
@@ -332,17 +333,13 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         # The root alone is summed over rows and devices; the level's other slots start empty.
         return jnp.zeros((looped_capacity,) + root.shape).at[0].set(root)
 
-    local_root = build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin,
-                                            feature_major=scatter_features)
+    local_root = build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin, feature_major=sharded,
+                                            result_features=summed_features)
+    root_histogram = all_sum_scattered(local_root, axis_name, 1)[0]
     # Every row lies in one bin of each feature, so the first feature's bins sum to the root's
-    # totals: no separate sums over rows.
-    if scatter_features:
-        root_histogram = all_sum_leading(local_root, axis_name, None, 1, scatter_axis=1)[0]
-        # Every device sums the same feature, so all hold the same totals bit for bit.
-        root_totals = all_sum(jnp.sum(local_root[0, 0], axis=0), axis_name)
-    else:
-        root_histogram = all_sum(local_root, axis_name)[0]
-        root_totals = jnp.sum(root_histogram[0], axis=0)
+    # totals: no separate sums over rows. Every device sums the same feature's, so all hold
+    # the same totals bit for bit.
+    root_totals = all_sum(jnp.sum(local_root[0, 0], axis=0), axis_name)
     num_gradient_channels = gradients.shape[1] if gradients.ndim == 2 else 1
     root_gradients, root_hessians = root_totals[:num_gradient_channels], root_totals[num_gradient_channels:]
     if leaves is None:

@@ -60,7 +60,8 @@ def _available_native_target(name: str, what: str, kernel: str) -> str | None:
 
 def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax.Array,
                     hessians: jax.Array, num_nodes: int, max_bin: int, row_mask: jax.Array | None = None,
-                    kernel: str = "auto", threads: int = 1, feature_major: bool = False) -> jax.Array:
+                    kernel: str = "auto", threads: int = 1, feature_major: bool = False,
+                    result_features: int | None = None) -> jax.Array:
     """Histogram of the local rows.
 
     Args:
@@ -81,9 +82,11 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
       feature_major: the native kernel lays the result out in memory feature by feature (the
         array is the same; XLA's layout is ``(n_features, num_nodes, max_bin, 2)``), so that
         summing it over devices scattered by feature needs no transpose first.
+      result_features: features of the result (None: ``n_features``): the codes' features, then
+        zero ones (so that the features divide into equal blocks, one per device).
 
     Returns:
-      float32 ``(num_nodes, n_features, max_bin, 2)``: ``[..., 0]`` sums of gradients,
+      float32 ``(num_nodes, result_features, max_bin, 2)``: ``[..., 0]`` sums of gradients,
       ``[..., 1]`` sums of Hessians.
     """
     if row_mask is not None and jnp.shape(row_mask) != jnp.shape(node_index):
@@ -92,11 +95,12 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
     args = (X_binned_T, node_index.astype(jnp.int32), gradients.astype(jnp.float32),
             hessians.astype(jnp.float32))
     mask = jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool)
-    xla = partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin)
+    result_features = X_binned_T.shape[0] if result_features is None else result_features
+    xla = _with_features(partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features)
     if target is None:
         return xla(*args, mask)
     native = partial(_native_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
-                     feature_major=feature_major)
+                     feature_major=feature_major, result_features=result_features)
     # Chosen when lowering: the FFI target exists only on CPU.
     return lax.platform_dependent(*args, mask, cpu=native, default=xla)
 
@@ -105,7 +109,8 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
                               hessians: jax.Array, split_feature: jax.Array, split_threshold_bin: jax.Array,
                               split_default_left: jax.Array, splits: jax.Array, left_is_smaller: jax.Array,
                               max_bin: int, kernel: str = "auto", threads: int = 1,
-                              feature_major: bool = False) -> tuple[jax.Array, jax.Array]:
+                              feature_major: bool = False,
+                              result_features: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Route the local rows to the children of a level's splits, and histogram the smaller children.
 
     One pass over the rows does what would otherwise be a gather, several element-wise ops and
@@ -122,11 +127,11 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         device when rows are sharded (e.g. from the split's global left/right sums), so that
         every device builds the same children.
       max_bin: static number of bins; the missing code is ``max_bin - 1``.
-      kernel, threads, feature_major: as for ``build_histogram``.
+      kernel, threads, feature_major, result_features: as for ``build_histogram``.
 
     Returns:
       ``(child_of_row, smaller)``: int32 ``(n_rows,)`` and float32
-      ``(num_nodes, n_features, max_bin, 2)`` indexed by the parent's position.
+      ``(num_nodes, result_features, max_bin, 2)`` indexed by the parent's position.
     """
     num_nodes = jnp.shape(splits)[0]
     for name, value in [("split_feature", split_feature), ("split_threshold_bin", split_threshold_bin),
@@ -137,11 +142,12 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
     args = (X_binned_T, node_of_row.astype(jnp.int32), gradients.astype(jnp.float32), hessians.astype(jnp.float32),
             split_feature.astype(jnp.int32), split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool),
             splits.astype(bool), left_is_smaller.astype(bool))
-    xla = partial(_xla_route_histogram, num_nodes=num_nodes, max_bin=max_bin)
+    result_features = X_binned_T.shape[0] if result_features is None else result_features
+    xla = _with_features(partial(_xla_route_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features)
     if target is None:
         return xla(*args)
     native = partial(_native_route_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
-                     feature_major=feature_major)
+                     feature_major=feature_major, result_features=result_features)
     # Chosen when lowering: the FFI target exists only on CPU.
     return lax.platform_dependent(*args, cpu=native, default=xla)
 
@@ -246,14 +252,28 @@ def _xla_route_histogram(X_binned_T, node_of_row, gradients, hessians, feature, 
                                         num_nodes=num_nodes, max_bin=max_bin)
 
 
+def _with_features(kernel, result_features: int):
+    """``kernel`` with its histogram (its result, or the last of them) padded with zero features
+    up to ``result_features``."""
+    def padded(*args):
+        outputs = kernel(*args)
+        histogram = outputs[-1] if isinstance(outputs, tuple) else outputs
+        pad = result_features - histogram.shape[1]
+        if pad:
+            histogram = jnp.pad(histogram, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        return outputs[:-1] + (histogram,) if isinstance(outputs, tuple) else histogram
+    return padded
+
+
 # The native kernels' result layouts, major to minor: node-major or feature-major.
 _HISTOGRAM_LAYOUTS = {False: (0, 1, 2, 3), True: (1, 0, 2, 3)}
 
 
 def _native_route_histogram(X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left,
-                            splits, left_is_smaller, *, target, num_nodes, max_bin, threads, feature_major):
+                            splits, left_is_smaller, *, target, num_nodes, max_bin, threads, feature_major,
+                            result_features):
     results = (jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32),
-               jax.ShapeDtypeStruct((num_nodes, X_binned_T.shape[0], max_bin, 2), jnp.float32))
+               jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, 2), jnp.float32))
     inputs = (X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left, splits,
               left_is_smaller)
     outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential",
@@ -271,8 +291,8 @@ def _as_varying_as(result, inputs):
 
 
 def _native_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, target, num_nodes, max_bin,
-                      threads, feature_major):
-    result = jax.ShapeDtypeStruct((num_nodes, X_binned_T.shape[0], max_bin, 2), jnp.float32)
+                      threads, feature_major, result_features):
+    result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, 2), jnp.float32)
     # Under vmap (several models trained at once) the kernel runs once per batch member.
     histogram = jax.ffi.ffi_call(target, result, vmap_method="sequential",
                                  output_layouts=_HISTOGRAM_LAYOUTS[feature_major])(
@@ -328,7 +348,8 @@ def statistic_pairs(statistics) -> StatisticPairs:
 
 def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
                                statistics: jax.Array | StatisticPairs, num_nodes: int, max_bin: int,
-                               row_mask: jax.Array | None = None, feature_major: bool = False) -> jax.Array:
+                               row_mask: jax.Array | None = None, feature_major: bool = False,
+                               result_features: int | None = None) -> jax.Array:
     """``build_histogram`` for any number of per-row channels (vector leaves: K gradients and
     the packed Hessian), two channels per kernel pass.
 
@@ -337,7 +358,7 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
     """
     statistics = statistic_pairs(statistics)
     parts = [build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask,
-                             feature_major=feature_major)
+                             feature_major=feature_major, result_features=result_features)
              for first, second in statistics.pairs]
     return _join_channels(parts, statistics.channels)
 
@@ -351,19 +372,20 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
                                          split_feature: jax.Array, split_threshold_bin: jax.Array,
                                          split_default_left: jax.Array, splits: jax.Array,
                                          left_is_smaller: jax.Array, max_bin: int,
-                                         feature_major: bool = False) -> tuple[jax.Array, jax.Array]:
+                                         feature_major: bool = False,
+                                         result_features: int | None = None) -> tuple[jax.Array, jax.Array]:
     """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
     while routing, the others afterwards over the rows of the smaller children only."""
     statistics = statistic_pairs(statistics)
     pairs = statistics.pairs
     child_of_row, first = route_and_build_histogram(
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
-        left_is_smaller, max_bin, feature_major=feature_major)
+        left_is_smaller, max_bin, feature_major=feature_major, result_features=result_features)
     if len(pairs) == 1:
         return child_of_row, _join_channels([first], statistics.channels)
     goes_right = (child_of_row - 2 * node_of_row) == 1
     in_smaller_child = splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
     rest = [build_histogram(X_binned_T, node_of_row, g, h, splits.shape[0], max_bin, in_smaller_child,
-                            feature_major=feature_major)
+                            feature_major=feature_major, result_features=result_features)
             for g, h in pairs[1:]]
     return child_of_row, _join_channels([first] + rest, statistics.channels)

@@ -159,8 +159,11 @@ struct HistogramProblem {
   const float* hessians;
   const bool* row_mask;  // nullptr: every row
   int64_t n_rows, n_features, num_nodes;
-  float* hist;  // (num_nodes, n_features, kCodeSlots, 2) laid out as `layout`, zeroed
+  float* hist;  // (num_nodes, out_features, kCodeSlots, 2) laid out as `layout`, zeroed
   bool feature_major = false;
+  // Features of the result: n_features and zeroed ones after them (blocks of equal size for
+  // sums over devices scattered by feature).
+  int64_t out_features = 0;
   CellLayout layout{0, 0};  // set by BuildHistogram
   // When set, rows are first routed to the children of this level's splits (child_of_row), and
   // the selected rows are those in the smaller child of a node that splits (row_mask unused).
@@ -211,8 +214,8 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
 }
 
 void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, float* out) {
-  const size_t cells = static_cast<size_t>(problem.num_nodes * problem.n_features * kCodeSlots * 2);
-  problem.layout = MakeLayout(problem.num_nodes, problem.n_features, kCodeSlots, problem.feature_major);
+  const size_t cells = static_cast<size_t>(problem.num_nodes * problem.out_features * kCodeSlots * 2);
+  problem.layout = MakeLayout(problem.num_nodes, problem.out_features, kCodeSlots, problem.feature_major);
   // With fewer than 256 bins, sums go to a scratch buffer with a slot for every code first.
   std::vector<float> scratch;
   if (max_bin != kCodeSlots) {
@@ -235,7 +238,8 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
     for (auto& worker : workers) worker.join();
   }
   if (problem.hist == out) return;
-  const CellLayout out_layout = MakeLayout(problem.num_nodes, problem.n_features, max_bin, problem.feature_major);
+  const CellLayout out_layout = MakeLayout(problem.num_nodes, problem.out_features, max_bin, problem.feature_major);
+  std::memset(out, 0, sizeof(float) * static_cast<size_t>(problem.num_nodes * problem.out_features * max_bin * 2));
   for (int64_t node = 0; node < problem.num_nodes; ++node) {
     for (int64_t f = 0; f < problem.n_features; ++f) {
       const float* source = problem.hist + node * problem.layout.node_stride + f * problem.layout.feature_stride;
@@ -256,7 +260,7 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_
   }
   const int64_t n_features = code_dims[0], n_rows = code_dims[1];
   const int64_t num_nodes = out_dims[0], max_bin = out_dims[2];
-  if (out_dims[1] != n_features || out_dims[3] != 2 || max_bin > kCodeSlots ||
+  if (out_dims[1] < n_features || out_dims[3] != 2 || max_bin > kCodeSlots ||
       static_cast<int64_t>(node_of_row.element_count()) != n_rows ||
       static_cast<int64_t>(gradients.element_count()) != n_rows ||
       static_cast<int64_t>(hessians.element_count()) != n_rows) {
@@ -271,6 +275,7 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_
   HistogramProblem problem{codes.typed_data(), node_of_row.typed_data(), gradients.typed_data(),
                            hessians.typed_data(), mask, n_rows, n_features, num_nodes, nullptr};
   problem.feature_major = feature_major != 0;
+  problem.out_features = out_dims[1];
   BuildHistogram(problem, max_bin, threads, histogram->typed_data());
   return ffi::Error::Success();
 }
@@ -296,7 +301,7 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   for (int64_t count : per_node) {
     if (count != num_nodes) return ffi::Error::InvalidArgument("route kernel: one split per node expected");
   }
-  if (out_dims[1] != n_features || out_dims[3] != 2 || max_bin > kCodeSlots ||
+  if (out_dims[1] < n_features || out_dims[3] != 2 || max_bin > kCodeSlots ||
       static_cast<int64_t>(node_of_row.element_count()) != n_rows ||
       static_cast<int64_t>(child_of_row->element_count()) != n_rows ||
       static_cast<int64_t>(gradients.element_count()) != n_rows ||
@@ -319,6 +324,7 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   problem.route = &level;
   problem.child_of_row = child_of_row->typed_data();
   problem.feature_major = feature_major != 0;
+  problem.out_features = out_dims[1];
   BuildHistogram(problem, max_bin, threads, histogram->typed_data());
   return ffi::Error::Success();
 }

@@ -221,43 +221,34 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
 def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                                   min_child_weight: jax.Array, axis_name: str | None,
                                   bounds: NodeBounds | None = None, leaves: VectorLeaves | None = None,
-                                  live_nodes: jax.Array | None = None, missing_values: bool = True,
-                                  features_scattered: bool = False) -> SplitChoice:
+                                  live_nodes: jax.Array | None = None, missing_values: bool = True) -> SplitChoice:
     """``find_best_splits_of_live_nodes`` with the features divided among the devices of ``axis_name``.
 
-    Each device scans its own block of features and the blocks' winners are compared after one
-    all-gather. Blocks are in feature order, so taking the first best block keeps the tie rule
-    (lower feature first). ``features_scattered``: ``histograms`` hold this device's block only
-    (device ``i`` of ``m``: features ``[i * d / m, (i + 1) * d / m)``); otherwise every device
-    holds all features' summed histograms, and the last block may overlap the one before it (a
-    feature scanned twice gives the same candidate twice).
+    With rows sharded over ``m`` devices, ``histograms`` hold this device's block of ``b``
+    features only: device ``i`` holds features ``[i b, (i + 1) b)`` of the features padded with
+    zero ones to ``m b`` (``feature_allowed`` and the per-feature settings are unpadded). Each
+    device scans its block and the blocks' winners are compared after one all-gather. Blocks
+    are in feature order, so taking the first best block keeps the tie rule (lower feature
+    first); padded features are never allowed.
     """
     devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
-    n_features = feature_allowed.shape[-1]
-    if devices == 1 or (n_features < devices and not features_scattered):
+    if devices == 1:
         return find_best_splits_of_live_nodes(histograms, feature_allowed, reg, min_child_weight, bounds, leaves,
                                               live_nodes, missing_values=missing_values)
-    if features_scattered:
-        block = histograms.shape[1]
-        start = jax.lax.axis_index(axis_name) * block
-    else:
-        block = -(-n_features // devices)
-        start = jnp.minimum(jax.lax.axis_index(axis_name) * block, n_features - block)
+    block = histograms.shape[1]
+    start = jax.lax.axis_index(axis_name) * block
 
     def features_of_block(per_feature, axis=0):
-        return jax.lax.dynamic_slice_in_dim(per_feature, start, block, axis=axis)
+        padding = [(0, 0)] * per_feature.ndim
+        padding[axis] = (0, devices * block - per_feature.shape[axis])
+        return jax.lax.dynamic_slice_in_dim(jnp.pad(per_feature, padding), start, block, axis=axis)
 
     split_cost = jnp.asarray(reg.split_cost)
     local_reg = reg.replace(split_cost=features_of_block(split_cost)) if split_cost.ndim == 1 else reg
     local_bounds = None if bounds is None else bounds._replace(monotone=features_of_block(bounds.monotone))
-    if features_scattered:
-        local = find_best_splits_of_live_nodes(histograms, features_of_block(feature_allowed, axis=1), local_reg,
-                                               min_child_weight, local_bounds, leaves, live_nodes,
-                                               missing_values=missing_values)
-    else:
-        local = find_best_splits_of_live_nodes(histograms, feature_allowed, local_reg, min_child_weight,
-                                               local_bounds, leaves, live_nodes, feature_block=(start, block),
-                                               missing_values=missing_values)
+    local = find_best_splits_of_live_nodes(histograms, features_of_block(feature_allowed, axis=1), local_reg,
+                                           min_child_weight, local_bounds, leaves, live_nodes,
+                                           missing_values=missing_values)
     local = local._replace(feature=local.feature + start)
     # One collective for all fields: integers and flags travel exactly as float32 (< 2^24).
     num_nodes = local.feature.shape[0]

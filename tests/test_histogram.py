@@ -340,31 +340,35 @@ def test_native_histogram_matches_numpy(num_nodes, max_bin, n_features, with_mas
                                err_msg=f"native histogram differs ({num_nodes} nodes, {max_bin} bins, mask {with_mask})")
 
 
-@needs_native
-@pytest.mark.parametrize("max_bin,threads", [(256, 1), (64, 2)])
-def test_feature_major_layout_holds_the_same_histograms(max_bin, threads):
-    """Laid out feature by feature in memory (for sums over devices scattered by feature), the
-    kernels' histograms are the same arrays: the root's path, a masked build and a routed level,
-    with and without the scratch buffer of fewer than 256 bins."""
+@pytest.mark.parametrize("kernel,max_bin,threads,result_features", [
+    pytest.param("native", 256, 1, 9, marks=needs_native), pytest.param("native", 64, 2, 12, marks=needs_native),
+    ("xla", 64, 1, 12)])
+def test_feature_major_padded_histograms_hold_the_same_sums(kernel, max_bin, threads, result_features):
+    """Laid out feature by feature in memory and padded with zero features (for sums over
+    devices scattered by feature), the kernels' histograms hold the same sums: the root's path,
+    a masked build and a routed level, with and without the scratch buffer of fewer than 256
+    bins; the XLA kernel pads alike."""
     X_binned, node_index, gradients, hessians, row_mask = histogram_case(12, 40_000, 9, 5, max_bin)
     args = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
+    options = dict(max_bin=max_bin, kernel=kernel, threads=threads, feature_major=True, result_features=result_features)
+
+    def padded(histogram):
+        return np.pad(histogram, ((0, 0), (0, result_features - 9), (0, 0), (0, 0)))
+
     for nodes, mask in [(1, None), (5, row_mask)]:
-        build = jax.jit(partial(build_histogram, num_nodes=nodes, max_bin=max_bin, kernel="native", threads=threads,
-                                feature_major=True))
+        build = jax.jit(partial(build_histogram, num_nodes=nodes, **options))
         actual = np.asarray(build(*args[:1], jnp.minimum(args[1], nodes - 1), *args[2:],
                                   row_mask=None if mask is None else jnp.asarray(mask)))
         expected = masked_naive_histogram(X_binned, np.minimum(node_index, nodes - 1), gradients, hessians, mask,
                                           nodes, max_bin)
-        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(actual, padded(expected), rtol=1e-5, atol=1e-4)
     _, _, _, _, level = route_case(12, 40_000, 9, 5, max_bin)
     expected_child, in_smaller = naive_route(X_binned, node_index, level, max_bin)
-    route = jax.jit(partial(route_and_build_histogram, max_bin=max_bin, kernel="native", threads=threads,
-                            feature_major=True))
-    child, smaller = route(*args, **{k: jnp.asarray(v) for k, v in level.items()})
+    child, smaller = jax.jit(partial(route_and_build_histogram, **options))(
+        *args, **{k: jnp.asarray(v) for k, v in level.items()})
     np.testing.assert_array_equal(np.asarray(child), expected_child)
-    np.testing.assert_allclose(np.asarray(smaller),
-                               masked_naive_histogram(X_binned, node_index, gradients, hessians, in_smaller, 5,
-                                                      max_bin), rtol=1e-5, atol=1e-4)
+    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, in_smaller, 5, max_bin)
+    np.testing.assert_allclose(np.asarray(smaller), padded(expected), rtol=1e-5, atol=1e-4)
 
 
 @needs_native

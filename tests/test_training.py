@@ -366,8 +366,8 @@ def test_rows_sharded_over_devices_match_one_device(monkeypatch):
     # Import-time setup gives one CPU device per core; small data normally stays on one device,
     # so lower the threshold to exercise the sharded round (psum'd histograms, split scan
     # divided by features, sharded refit and prediction).
-    # Five features: every device keeps all summed histograms; six (divisible by two devices):
-    # they are summed scattered by feature, each device keeping the block it scans.
+    # Histograms are summed scattered by feature, each device keeping the block it scans: five
+    # features are padded to blocks of three, six divide evenly.
     assert len(jax.devices()) >= min(2, os.cpu_count() or 1)
     X, y = _regression_data()
     X[::13, 2] = np.nan
@@ -384,38 +384,26 @@ def test_rows_sharded_over_devices_match_one_device(monkeypatch):
         np.testing.assert_allclose(sharded_prediction, single.predict(features), rtol=1e-3, atol=1e-3)
 
 
-def test_sum_of_leading_slots_over_devices():
-    """``all_sum_leading`` sums the chunks holding the first ``count`` slots over devices and
-    leaves the later slots as each device had them."""
+def test_sum_scattered_over_devices():
+    """``all_sum_scattered`` sums over devices and leaves each device its block of the scattered
+    axis; with a ``count`` only the chunks holding the first ``count`` slots are summed and the
+    later slots are zero."""
     from jax.sharding import Mesh, PartitionSpec
 
     devices = jax.devices()[:2]
     if len(devices) < 2:
         pytest.skip("needs two devices (jaxboost sets up one per core; this machine has one core)")
     mesh = Mesh(np.array(devices), ("rows",))
-    local = np.arange(2 * 8 * 3, dtype=np.float32).reshape(2, 8, 3)  # device, slot, value
+    local = np.arange(2 * 8 * 4, dtype=np.float32).reshape(2, 8, 4)  # device, slot, value
 
-    def run(count, chunk):
-        summed = jax.shard_map(lambda x: jb.devices.all_sum_leading(x[0], "rows", count, chunk)[None], mesh=mesh,
-                               in_specs=PartitionSpec("rows"), out_specs=PartitionSpec("rows"))
-        return np.asarray(jax.jit(summed)(local))
-
-    # A count of 0 (a looped last level, whose children are leaves) sums nothing; a chunk
-    # larger than the slots is one chunk of all of them.
-    for count, chunk, summed_slots in [(0, 2, 0), (1, 2, 2), (3, 2, 4), (8, 2, 8), (0, 16, 0), (3, 16, 8)]:
-        out = run(jnp.int32(count), chunk)
-        expected = local.copy()
-        expected[:, :summed_slots] = local[:, :summed_slots].sum(axis=0)
-        np.testing.assert_array_equal(out, expected)
-
-    # Scattered over the last axis (4 values, 2 per device): device i keeps values [2i, 2i + 2)
-    # of the summed slots, and zeros past them; count None sums every slot.
-    local = np.arange(2 * 8 * 4, dtype=np.float32).reshape(2, 8, 4)
-    for count, chunk, summed_slots in [(jnp.int32(0), 2, 0), (jnp.int32(3), 2, 4), (None, 2, 8), (jnp.int32(8), 3, 8)]:
-        scattered = jax.shard_map(lambda x: jb.devices.all_sum_leading(x[0], "rows", count, chunk, scatter_axis=1)[None],
+    # A count of 0 (a looped last level, whose children are leaves) sums nothing; a chunk that
+    # does not divide the slots, or no count, sums them all.
+    for count, chunk, summed_slots in [(0, 2, 0), (1, 2, 2), (3, 2, 4), (8, 2, 8), (3, 3, 8), (None, 1, 8)]:
+        count = None if count is None else jnp.int32(count)
+        scattered = jax.shard_map(lambda x: jb.devices.all_sum_scattered(x[0], "rows", 1, count, chunk)[None],
                                   mesh=mesh, in_specs=PartitionSpec("rows"), out_specs=PartitionSpec("rows"))
         out = np.asarray(jax.jit(scattered)(local))
-        expected = np.zeros((2, 8, 2), np.float32)
+        expected = np.zeros((2, 8, 2), np.float32)  # device i keeps values [2i, 2i + 2)
         for device in range(2):
             expected[device, :summed_slots] = local[:, :summed_slots, 2 * device:2 * device + 2].sum(axis=0)
         np.testing.assert_array_equal(out, expected)
