@@ -27,7 +27,7 @@ from .derivatives import output_gradient, values_gradients_and_hessian_matrices,
 from .devices import ROW_AXIS, all_sum, compiler_options, mesh_platform
 from .grower import GrowthParams, grow_tree, sample_features
 from .line_search import minimise_segment_offsets, segment_sums
-from .predictor import predict_round
+from .predictor import add_position_values, predict_round
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
 from .tree import Tree, num_heap_nodes
 
@@ -213,9 +213,10 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
     hessian = jnp.where(identity, _split_hessians(counted, diagonal, row_weight)[..., :, None],
                         jnp.where(counted[:, None, None], hessian * row_weight[:, None, None], 0.0))
     gradients = jnp.where(counted[:, None], g * row_weight[:, None], 0.0)
-    tree, row_leaf, _ = grow_tree(X_binned_T, gradients, leaves.pack_hessian(hessian), feature_allowed, tree_key,
-                                  params.growth, shape.max_depth, shape.max_bin, ROW_AXIS, shape.sample_columns,
-                                  leaves, shape.missing_values)
+    tree, row_leaves, _ = grow_tree(X_binned_T, gradients, leaves.pack_hessian(hessian), feature_allowed, tree_key,
+                                    params.growth, shape.max_depth, shape.max_bin, ROW_AXIS, shape.sample_columns,
+                                    leaves, shape.missing_values)
+    row_leaf = row_leaves.heap_index()
     if shape.leaf_refit:
         num_nodes = num_heap_nodes(shape.max_depth)
 
@@ -251,20 +252,20 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row
     num_nodes = num_heap_nodes(shape.max_depth)
 
     def one_output(output):
-        tree, row_leaf, (lower, upper) = grow_tree(
+        tree, row_leaves, (lower, upper) = grow_tree(
             X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
             jax.random.fold_in(tree_key, output), params.growth, shape.max_depth, shape.max_bin, ROW_AXIS,
             shape.sample_columns, missing_values=shape.missing_values)
         if shape.leaf_refit:
-            offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaf, num_nodes, output,
-                                       params.growth.reg, ROW_AXIS, params.loss_params)
+            offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaves.heap_index(), num_nodes,
+                                       output, params.growth.reg, ROW_AXIS, params.loss_params)
             refit = params.growth.learning_rate * clip_leaf_value(offsets, params.growth.reg, lower, upper)
             tree = tree._replace(value=jnp.where(tree.is_leaf, refit, tree.value))
-        return tree, row_leaf
+        return tree, row_leaves
 
     trees, row_leaves = jax.lax.map(one_output, jnp.arange(objective.num_outputs))
-    contribution = jnp.take_along_axis(trees.value, row_leaves, axis=1).T
-    return raw_prediction + contribution, trees, health
+    position_values = jnp.take_along_axis(trees.value, row_leaves.position_leaf, axis=1)  # (K, 2^max_depth)
+    return add_position_values(raw_prediction, position_values, row_leaves.last_position), trees, health
 
 
 def seed_key_data(seed: int) -> np.ndarray:

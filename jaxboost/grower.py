@@ -148,6 +148,20 @@ def prune_by_gamma(tree: Tree, max_depth: int, gamma: jax.Array) -> tuple[Tree, 
 LOOPED_LEVEL_NODES = 32
 
 
+class RowLeaves(NamedTuple):
+    """Where the rows end in a tree: row ``i`` is in leaf ``position_leaf[last_position[i]]``.
+
+    Kept as the two arrays so that a round adds leaf values by position (one small table read
+    per row) rather than first forming every row's leaf."""
+
+    position_leaf: jax.Array  # (2^max_depth,) heap index of the leaf over each last-level position
+    last_position: jax.Array  # (n_rows,) each row's position on the last level
+
+    def heap_index(self) -> jax.Array:
+        """The heap index of each row's leaf, ``(n_rows,)``."""
+        return self.position_leaf[self.last_position]
+
+
 class _LevelState(NamedTuple):
     """The nodes of one level; node arrays are sized for the level's node capacity."""
 
@@ -165,7 +179,7 @@ class _LevelState(NamedTuple):
 def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, feature_allowed: jax.Array,
               key: jax.Array, params: GrowthParams, max_depth: int, max_bin: int,
               axis_name: str | None = None, sample_columns: bool = True,
-              leaves: VectorLeaves | None = None, missing_values: bool = True) -> tuple[Tree, jax.Array, tuple]:
+              leaves: VectorLeaves | None = None, missing_values: bool = True) -> tuple[Tree, RowLeaves, tuple]:
     """Grow one tree.
 
     Args:
@@ -183,9 +197,9 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         direction for missing values (``find_best_splits``); the tree is the same.
 
     Returns:
-      ``(tree, row_leaf, (lower, upper))``: the tree's node arrays (values times the learning
-      rate), the heap index of the leaf holding each row, and every node's value bounds (for
-      leaf refits under monotone constraints).
+      ``(tree, row_leaves, (lower, upper))``: the tree's node arrays (values times the learning
+      rate), the leaf holding each row (``RowLeaves``), and every node's value bounds (for leaf
+      refits under monotone constraints).
 
     The shallow levels (up to ``LOOPED_LEVEL_NODES`` nodes) run in one ``fori_loop`` over
     buffers of that size; each deeper level gets its own body with buffers of its exact size.
@@ -373,9 +387,9 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         state, node_bounds = carry
         tree, node_bounds = record_leaves(state.tree, node_bounds, max_depth, state)
     tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
-    # One gather per row at the end, not a leaf update per level: a row's last-level position
-    # names its path, and the table gives the leaf on that path.
-    return tree, surviving_leaf[leaf_of_position(tree.is_leaf, max_depth)][state.node_of_row], node_bounds
+    # No leaf update per level: a row's last-level position names its path, and the table gives
+    # the leaf on that path.
+    return tree, RowLeaves(surviving_leaf[leaf_of_position(tree.is_leaf, max_depth)], state.node_of_row), node_bounds
 
 
 def leaf_of_position(is_leaf: jax.Array, max_depth: int) -> jax.Array:

@@ -174,7 +174,7 @@ def route_rows(X_binned_T: jax.Array, node_of_row: jax.Array, split_feature: jax
         result = jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32)
         child_of_row = jax.ffi.ffi_call(target, result, vmap_method="sequential")(
             *inputs, missing_bin=np.int64(max_bin - 1))
-        return _as_varying_as(child_of_row, inputs)
+        return as_varying_as(child_of_row, inputs)
 
     return lax.platform_dependent(*args, cpu=native, default=xla)
 
@@ -199,7 +199,7 @@ def cumulative_over_bins(histograms: jax.Array, kernel: str = "auto") -> jax.Arr
     def native(values):
         result = jax.ShapeDtypeStruct(values.shape, jnp.float32)
         # Leading axes are batch axes to the kernel, so a vmapped call is one call.
-        return _as_varying_as(jax.ffi.ffi_call(target, result, vmap_method="expand_dims")(values), (values,))
+        return as_varying_as(jax.ffi.ffi_call(target, result, vmap_method="expand_dims")(values), (values,))
 
     return lax.platform_dependent(histograms, cpu=native, default=xla)
 
@@ -230,7 +230,7 @@ def first_maximum(values: jax.Array, kernel: str = "auto") -> tuple[jax.Array, j
     def native(v):
         results = (jax.ShapeDtypeStruct(v.shape[:1], jnp.int32), jax.ShapeDtypeStruct(v.shape[:1], jnp.float32))
         outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(v)
-        return tuple(_as_varying_as(output, (v,)) for output in outputs)
+        return tuple(as_varying_as(output, (v,)) for output in outputs)
 
     return lax.platform_dependent(values, cpu=native, default=xla)
 
@@ -279,10 +279,10 @@ def _native_route_histogram(X_binned_T, node_of_row, gradients, hessians, featur
     outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential",
                                output_layouts=[None, _HISTOGRAM_LAYOUTS[feature_major]])(
         *inputs, missing_bin=np.int64(max_bin - 1), threads=np.int64(threads), feature_major=np.int64(feature_major))
-    return tuple(_as_varying_as(output, inputs) for output in outputs)
+    return tuple(as_varying_as(output, inputs) for output in outputs)
 
 
-def _as_varying_as(result, inputs):
+def as_varying_as(result, inputs):
     """Inside shard_map a custom call's result is typed as replicated, but it varies with the
     local rows like the XLA kernel's: say so, or the two platform branches disagree in type."""
     varying = frozenset().union(*(_varying_axes(x) for x in inputs))
@@ -298,7 +298,7 @@ def _native_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, 
                                  output_layouts=_HISTOGRAM_LAYOUTS[feature_major])(
         X_binned_T, node_index, gradients, hessians, row_mask, threads=np.int64(threads),
         feature_major=np.int64(feature_major))
-    return _as_varying_as(histogram, (X_binned_T, node_index, gradients, hessians, row_mask))
+    return as_varying_as(histogram, (X_binned_T, node_index, gradients, hessians, row_mask))
 
 
 def _varying_axes(x) -> frozenset:

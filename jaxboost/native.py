@@ -40,10 +40,12 @@ PREDICT_TARGET = "jaxboost_predict"
 ROUTE_TARGET = "jaxboost_route"
 CUMULATIVE_BINS_TARGET = "jaxboost_cumulative_bins"
 FIRST_MAXIMUM_TARGET = "jaxboost_first_maximum"
+ADD_POSITION_VALUES_TARGET = "jaxboost_add_position_values"
 _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
 _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
             PREDICT_TARGET: "JaxboostPredict", ROUTE_TARGET: "JaxboostRoute",
-            CUMULATIVE_BINS_TARGET: "JaxboostCumulativeBins", FIRST_MAXIMUM_TARGET: "JaxboostFirstMaximum"}
+            CUMULATIVE_BINS_TARGET: "JaxboostCumulativeBins", FIRST_MAXIMUM_TARGET: "JaxboostFirstMaximum",
+            ADD_POSITION_VALUES_TARGET: "JaxboostAddPositionValues"}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w"]
 _COMPILE_TIMEOUT_S = 300
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from .native import PREDICT_TARGET, native_target
+from .histogram import as_varying_as
+from .native import ADD_POSITION_VALUES_TARGET, PREDICT_TARGET, native_target
 from .tree import Tree, depth_of_heap
 
 
@@ -50,6 +51,28 @@ def predict_round(trees: Tree, X_binned: jax.Array, missing_bin: int) -> jax.Arr
         return tree.value[leaf_index(tree, X_binned, missing_bin)]
 
     return jax.vmap(one_output, out_axes=1)(trees)
+
+
+def add_position_values(raw_prediction: jax.Array, values: jax.Array, positions: jax.Array) -> jax.Array:
+    """A training round's update: ``raw_prediction`` ``(n, K)`` plus, for row ``i`` and output
+    ``k``, ``values[k, positions[k, i]]`` (``values`` ``(K, P)``: each last-level position's
+    leaf value; ``positions`` ``(K, n)`` int32). On CPU a native kernel, elsewhere a gather."""
+    target = native_target(ADD_POSITION_VALUES_TARGET)
+
+    def gathered(raw, table, at):
+        return raw + jnp.take_along_axis(table, at, axis=1).T
+
+    if target is None:
+        return gathered(raw_prediction, values, positions)
+
+    def native(raw, table, at):
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(raw.shape, jnp.float32), vmap_method="sequential",
+                                input_output_aliases={0: 0})
+        return as_varying_as(call(raw, table, at), (raw, table, at))
+
+    # Chosen when lowering: the FFI target exists only on CPU.
+    return lax.platform_dependent(raw_prediction, values, positions.astype(jnp.int32), cpu=native,
+                                  default=gathered)
 
 
 def _predict_raw_local(trees: Tree, X_binned: jax.Array, initial: jax.Array, missing_bin: int) -> jax.Array:

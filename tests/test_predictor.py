@@ -95,3 +95,30 @@ def test_every_cpu_kernel_matches_the_binned_path(data, simd, monkeypatch):
             assert np.any(model.trees.is_leaf[:, :, :(1 << depth) - 1])
         for n in (1, 63, 65, 200):
             np.testing.assert_array_equal(model.predict_raw(rows[:n]), binned_prediction(model, rows[:n]))
+
+
+@pytest.mark.parametrize("outputs", [1, 3])
+def test_position_values_added_by_the_kernel_equal_a_numpy_gather(outputs, monkeypatch):
+    """A round's update of the training raw predictions: the native kernel (on CPU), the XLA
+    gather (native kernels off) and NumPy agree exactly, inside a sharded program too."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    rng = np.random.default_rng(outputs)
+    n_rows, positions = 5000, 64
+    raw = rng.normal(size=(n_rows, outputs)).astype(np.float32)
+    values = rng.normal(size=(outputs, positions)).astype(np.float32)
+    at = rng.integers(0, positions, size=(outputs, n_rows)).astype(np.int32)
+    expected = raw + np.take_along_axis(values, at, axis=1).T
+    update = jax.jit(predictor.add_position_values)
+    np.testing.assert_array_equal(np.asarray(update(raw, values, at)), expected)
+    devices = jax.devices()[:2]
+    mesh = Mesh(np.array(devices), ("rows",))
+    sharded = jax.jit(jax.shard_map(predictor.add_position_values, mesh=mesh,
+                                    in_specs=(PartitionSpec("rows"), PartitionSpec(), PartitionSpec(None, "rows")),
+                                    out_specs=PartitionSpec("rows")))
+    np.testing.assert_array_equal(np.asarray(sharded(raw, values, at)), expected)
+    assert "jaxboost_add_position_values" in update.lower(raw, values, at).as_text()
+    monkeypatch.setenv("JAXBOOST_NATIVE", "0")
+    gather = jax.jit(lambda *args: predictor.add_position_values(*args))  # a new function: traced again
+    assert "jaxboost_add_position_values" not in gather.lower(raw, values, at).as_text()
+    np.testing.assert_array_equal(np.asarray(gather(raw, values, at)), expected)
