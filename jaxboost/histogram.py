@@ -1,8 +1,9 @@
 """Histograms: per (node, feature, bin) sums of gradients and Hessians.
 
 The kernel builds the histogram of the rows at hand (one device's shard); the caller sums it
-over the row axis (``lax.psum`` when rows are sharded over devices), so the multi-core and
-multi-device paths are a wrapper around this function rather than a rewrite.
+over the row axis (a reduce-scatter by feature when rows are sharded over devices: the kernels
+can lay the result out feature by feature and pad it to equal feature blocks for that), so the
+multi-core and multi-device paths are a wrapper around this function rather than a rewrite.
 
 On CPU, XLA runs one scatter on one core and a flat scatter over ``n * d`` indices spills out of
 cache; a scatter per feature into a small ``(nodes * bins)`` target (``lax.map`` over features)
