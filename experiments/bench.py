@@ -27,6 +27,8 @@ How it is measured (``bench_worker.py`` does one run):
 * ms/tree, the difference method, the same for every library:
   (``--rounds``-round train - warm 1-round train) / (rounds - 1). Per-call overheads (data
   placement, starting value, sklearn's binning inside ``fit``) cancel out.
+* ms/tree vs XGBoost: the ratio of the medians, and "run by run": the median (range) of the ratios
+  of runs taken in the same turn, which share a busy machine's slow spells.
 * predict s: predicting the test set, second (warm) call; XGBoost uses ``inplace_predict``.
 * peak RSS MB: the child's peak resident memory after data generation (the kernel's high-water
   mark is reset once the data exist; it includes the float32 data and imported modules).
@@ -203,6 +205,20 @@ class Runner:
         return summarize(runs)
 
 
+def turn_ratios(runner: Runner, library: str, config: tuple) -> list[float]:
+    """ms/tree of ``library`` over the reference library's, run by run: runs taken in turns
+    share a machine's slow spells, so their ratios vary less than the times do."""
+    ours, reference = runner.results.get((library,) + config, []), runner.results.get((REFERENCE_LIBRARY,) + config, [])
+    return [a["ms_per_tree"] / b["ms_per_tree"] for a, b in zip(ours, reference)
+            if a["status"] == b["status"] == "ok" and a.get("ms_per_tree") and b.get("ms_per_tree")]
+
+
+def fmt_turn_ratios(ratios: list[float]) -> str:
+    if not ratios:
+        return "n/a"
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def summarize(runs: list[dict]) -> dict:
     """Medians over the successful runs; the first failure's status when none succeeded."""
     ok = [run for run in runs if run["status"] == "ok"]
@@ -245,11 +261,13 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def task_table(task: str, summaries: dict[str, dict], device: str = "cpu") -> str:
-    """One row per library; failures and missing libraries get their status in the row."""
+def task_table(task: str, summaries: dict[str, dict], device: str = "cpu", ratios: dict | None = None) -> str:
+    """One row per library; failures and missing libraries get their status in the row.
+    ``ratios``: each library's run-by-run ratios to the reference library."""
     gpu = device == "gpu"
     header = ["library", "binning s", "compile s", "boosting s", "ms/tree", "predict s", METRIC_NAME[task],
-              "peak RSS MB"] + (["peak GPU MB"] if gpu else []) + [f"ms/tree vs {REFERENCE_LIBRARY}"]
+              "peak RSS MB"] + (["peak GPU MB"] if gpu else []) + [f"ms/tree vs {REFERENCE_LIBRARY}",
+                                                                  "run by run: median (range)"]
     reference = summaries.get(REFERENCE_LIBRARY, {}).get("ms_per_tree")
     rows = []
     for library, summary in summaries.items():
@@ -264,7 +282,8 @@ def task_table(task: str, summaries: dict[str, dict], device: str = "cpu") -> st
                      "n/a" if metric is None else (f"{metric:.4f}" if task == "classification" else f"{metric:.3f}"),
                      f"{summary['peak_rss_mb']:.0f}"]
                     + ([fmt_megabytes(summary.get("gpu_peak_mb"))] if gpu else [])
-                    + [fmt_ratio(summary["ms_per_tree"], reference)])
+                    + [fmt_ratio(summary["ms_per_tree"], reference),
+                       fmt_turn_ratios((ratios or {}).get(library, []))])
     return markdown_table(header, rows)
 
 
@@ -287,7 +306,9 @@ def run_tasks(args, runner: Runner) -> list[str]:
         n_samples = args.rows if task == "classification" else args.rows // 2
         title = (f"## {task}: {n_samples:,} samples ({int(n_samples * 0.8):,} train), {args.rounds} rounds, "
                  f"depth {args.depth}, {args.max_bin} bins")
-        section = f"{title}\n\n{task_table(task, summaries, args.device)}"
+        config = (task, args.rows, args.depth, args.max_bin)
+        ratios = {library: turn_ratios(runner, library, config) for library in args.libraries}
+        section = f"{title}\n\n{task_table(task, summaries, args.device, ratios)}"
         print("\n" + section + "\n", flush=True)
         sections.append(section)
     return sections
@@ -307,14 +328,20 @@ def run_scaling(args, runner: Runner) -> str:
 
     rows_table = []
     for rows in [scaled(r, args) for r in SCALING_ROWS]:
+        # In turns, as for the task tables.
+        for repeat in range(1, args.repeats + 1):
+            for library in ["jaxboost"] + ([REFERENCE_LIBRARY] if with_reference else []):
+                runner.run(library, task, rows, args.depth, args.max_bin, predict=False, repeats=repeat)
         ours = ms("jaxboost", rows=rows)
         row = [f"{rows:,}", ms_cell(ours)]
         if with_reference:
             reference = ms(REFERENCE_LIBRARY, rows=rows)
-            row += [ms_cell(reference), fmt_ratio(ours.get("ms_per_tree"), reference.get("ms_per_tree"))]
+            row += [ms_cell(reference), fmt_ratio(ours.get("ms_per_tree"), reference.get("ms_per_tree")),
+                    fmt_turn_ratios(turn_ratios(runner, "jaxboost", (task, rows, args.depth, args.max_bin)))]
         rows_table.append(row)
     rows_header = ["rows", "jaxboost ms/tree"] + (
-        [f"{REFERENCE_LIBRARY} ms/tree", f"jaxboost vs {REFERENCE_LIBRARY}"] if with_reference else [])
+        [f"{REFERENCE_LIBRARY} ms/tree", f"jaxboost vs {REFERENCE_LIBRARY}", "run by run: median (range)"]
+        if with_reference else [])
     depth_table = [[str(depth), ms_cell(ms("jaxboost", depth=depth))] for depth in SCALING_DEPTHS]
     bins_table = [[str(max_bin), ms_cell(ms("jaxboost", max_bin=max_bin))] for max_bin in SCALING_BINS]
     section = "\n\n".join([
@@ -352,6 +379,8 @@ def method_notes(args) -> str:
         "- binning s: jb.Dataset / xgb.QuantileDMatrix / lgb.Dataset(...).construct(); sklearn bins inside fit "
         "(its boosting s includes binning, its ms/tree does not).",
         "- predict s: the test set, second (warm) call; XGBoost: inplace_predict.",
+        f"- ms/tree vs {REFERENCE_LIBRARY}: the ratio of the medians; run by run: the median (and range) of the "
+        "ratios of runs taken in the same turn, which share a busy machine's slow spells.",
         "- peak RSS MB: the child's resident-memory high-water mark reset after data generation (includes the "
         "float32 data and imported libraries).",
         *(["- peak GPU MB: the GPU's memory in use (NVML, sampled every 2 ms), highest value minus the value "
