@@ -18,9 +18,9 @@ axis: the value and the Hessian diagonal).
 
 Rows may be sharded over devices: pass the mapped ``axis_name`` and every sum over rows
 (histograms, row counts) is completed over the devices; everything else is row-local or
-replicated. When the devices divide the features, histograms are summed scattered by feature
-(a reduce-scatter): each device keeps, subtracts and scans only its block of features, and one
-all-gather per level compares the blocks' best splits.
+replicated. Histograms are summed scattered by feature (a reduce-scatter; the features padded
+with zero ones to equal blocks): each device keeps, subtracts and scans only its block of
+features, and one all-gather per level compares the blocks' best splits.
 """
 
 from __future__ import annotations
