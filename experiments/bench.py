@@ -293,13 +293,20 @@ def ms_cell(summary: dict) -> str:
 
 # ----------------------------------------------------------------------------- benchmarks
 
+def rotated(libraries: list[str], turn: int) -> list[str]:
+    """The libraries in the order of turn ``turn``: each turn starts one library later."""
+    start = turn % len(libraries) if libraries else 0
+    return libraries[start:] + libraries[:start]
+
+
 def run_tasks(args, runner: Runner) -> list[str]:
     sections = []
     for task in args.tasks:
         # Repeats alternate between the libraries, so a slow spell of a shared machine falls on
-        # all of them rather than on whichever ran through it.
+        # all of them rather than on whichever ran through it; each turn starts with the next
+        # library, so none always runs in the same place in a turn.
         for repeat in range(1, args.repeats + 1):
-            for library in args.libraries:
+            for library in rotated(args.libraries, repeat - 1):
                 runner.run(library, task, args.rows, args.depth, args.max_bin, repeats=repeat)
         summaries = {library: runner.run(library, task, args.rows, args.depth, args.max_bin)
                      for library in args.libraries}
@@ -330,7 +337,7 @@ def run_scaling(args, runner: Runner) -> str:
     for rows in [scaled(r, args) for r in SCALING_ROWS]:
         # In turns, as for the task tables.
         for repeat in range(1, args.repeats + 1):
-            for library in ["jaxboost"] + ([REFERENCE_LIBRARY] if with_reference else []):
+            for library in rotated(["jaxboost"] + ([REFERENCE_LIBRARY] if with_reference else []), repeat - 1):
                 runner.run(library, task, rows, args.depth, args.max_bin, predict=False, repeats=repeat)
         ours = ms("jaxboost", rows=rows)
         row = [f"{rows:,}", ms_cell(ours)]
@@ -371,7 +378,8 @@ def machine_section(device: str = "cpu") -> str:
 def method_notes(args) -> str:
     return "\n".join([
         f"- Every cell is the median of {args.repeats} run(s); each run is a fresh subprocess per library, "
-        "and the task tables alternate the libraries' runs (the first run of each, then the second, ...).",
+        "and the tables alternate the libraries' runs (the first run of each, then the second, ...), each "
+        "turn starting one library later than the last.",
         f"- ms/tree uses the difference method for every library: (time of a {args.rounds}-round train - time "
         f"of a 1-round train, both in a warmed-up process) / {args.rounds - 1}.",
         "- boosting s: the full train in the warmed-up process (jaxboost's compilation is excluded and shown as "
