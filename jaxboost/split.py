@@ -184,31 +184,22 @@ SCAN_CHUNK_NODES = 8
 def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                                    min_child_weight: jax.Array, bounds: NodeBounds | None = None,
                                    leaves: VectorLeaves | None = None, live_nodes: jax.Array | None = None,
-                                   feature_block: tuple[jax.Array, int] | None = None,
                                    missing_values: bool = True) -> SplitChoice:
     """``find_best_splits`` for the first ``live_nodes`` node slots only (traced; None: all).
 
     A level's node arrays are sized for the widest level that shares its compiled loop, so the
     root's level holds 1 live node in 32 slots. The scan runs over ``SCAN_CHUNK_NODES`` slots at
-    a time, as many times as the live nodes need; the other slots get zeros (no split).
-
-    ``feature_block`` ``(start, size)``: scan only features ``[start, start + size)`` of
-    ``histograms`` and ``feature_allowed`` (``reg`` and ``bounds`` already hold that block's
-    per-feature values). Each chunk cuts its own nodes and features out in one slice, so the
-    slots that are not live are never copied.
+    a time, as many times as the live nodes need; the other slots get zeros (no split). Each
+    chunk cuts its own nodes out in one slice, so the slots that are not live are never copied.
     """
-    num_nodes, n_features = histograms.shape[:2]
-    start_feature, block = (0, n_features) if feature_block is None else feature_block
+    num_nodes = histograms.shape[0]
     chunk = SCAN_CHUNK_NODES
 
     def scan_nodes(start, count):
         def cut(per_node):
-            return jax.lax.dynamic_slice(per_node, (start, start_feature) + (0,) * (per_node.ndim - 2),
-                                         (count, block) + per_node.shape[2:])
+            return jax.lax.dynamic_slice_in_dim(per_node, start, count)
 
-        node_bounds = None if bounds is None else bounds._replace(
-            lower=jax.lax.dynamic_slice_in_dim(bounds.lower, start, count),
-            upper=jax.lax.dynamic_slice_in_dim(bounds.upper, start, count))
+        node_bounds = None if bounds is None else bounds._replace(lower=cut(bounds.lower), upper=cut(bounds.upper))
         return find_best_splits(cut(histograms), cut(feature_allowed), reg, min_child_weight, node_bounds, leaves,
                                 missing_values)
 
