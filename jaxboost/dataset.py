@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .binning import BinEdges, apply_bins, fit_bin_edges
+from .binning import BinEdges, apply_bins, fit_bin_edges, has_missing_code
 from .validation import check_base_margin, check_features, check_labels, check_sample_weight
 
 
@@ -49,7 +49,7 @@ class Dataset:
         self.max_bin = bin_edges.max_bin
         self.X_binned = apply_bins(features, bin_edges)
         # Without missing values the split scan need not try sending them either way.
-        self.has_missing_values = bool(np.any(self.X_binned == bin_edges.missing_bin))
+        self.has_missing_values = has_missing_code(self.X_binned, bin_edges.missing_bin)
 
     def __repr__(self) -> str:
         return f"Dataset(n_rows={self.n_rows}, n_features={self.n_features}, max_bin={self.max_bin})"

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .host_memory import aligned_empty
+
 ROW_AXIS = "rows"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
@@ -165,6 +167,32 @@ def update_leading_chunks(whole, chunk_result, count: jax.Array, chunk: int):
         return jax.tree_util.tree_map(write, result, chunk_result(start))
 
     return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, update, whole)
+
+
+def rows_on_mesh(array: np.ndarray, size: int, mesh: Mesh, fill=0, feature_major: bool = False) -> jax.Array:
+    """``array`` (n, ...) padded to ``size`` rows with ``fill`` and sharded over ``mesh`` by rows;
+    ``feature_major`` places a 2-D array transposed, (d, size), sharded along its second axis.
+
+    Each device's block is written once, into an aligned host buffer that a CPU device then
+    uses in place: a padded copy handed to ``jax.device_put`` would be copied again, and the
+    training data (``X_binned``) would exist twice."""
+    devices = list(mesh.devices.flat)
+    per_device = size // len(devices)
+    shards = []
+    for index, device in enumerate(devices):
+        rows = array[index * per_device:(index + 1) * per_device]
+        if feature_major:
+            block = aligned_empty((array.shape[1], per_device), array.dtype)
+            block[:, :len(rows)] = rows.T
+            block[:, len(rows):] = fill
+        else:
+            block = aligned_empty((per_device,) + array.shape[1:], array.dtype)
+            block[:len(rows)] = rows
+            block[len(rows):] = fill
+        shards.append(jax.device_put(block, device))
+    shape = (array.shape[1], size) if feature_major else (size,) + array.shape[1:]
+    sharding = row_sharding(mesh, len(shape), row_axis=1 if feature_major else 0)
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 def row_sharding(mesh: Mesh, ndim: int, row_axis: int = 0) -> NamedSharding:

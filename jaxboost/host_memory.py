@@ -1,4 +1,4 @@
-"""Host memory: fewer glibc malloc arenas for XLA's many threads.
+"""Host memory: fewer glibc malloc arenas for XLA's many threads, and aligned host buffers.
 
 glibc gives each thread that allocates while another holds the lock an arena of its own (up to
 eight per core), and every arena keeps what its thread freed. XLA's CPU runtime runs many
@@ -11,6 +11,10 @@ third (threads queue on its lock); two per core kept it, and training's speed, a
 At import, on glibc, jaxboost caps the arenas at two per core with ``mallopt`` unless the user
 chose already: ``MALLOC_ARENA_MAX`` in the environment is left to glibc, and
 ``JAXBOOST_MALLOC_ARENAS=N`` sets the cap (0 leaves glibc's default).
+
+JAX's CPU client uses a NumPy array in place, without copying it, when its data start on a
+64-byte boundary: ``aligned_empty`` makes such arrays, so data placed on the host devices
+exist once.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import ctypes
 import ctypes.util
 import os
 import platform
+
+import numpy as np
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
 
@@ -39,3 +45,13 @@ def limit_malloc_arenas() -> int | None:
         return arenas if libc.mallopt(_M_ARENA_MAX, arenas) == 1 else None
     except (OSError, AttributeError):
         return None
+
+
+def aligned_empty(shape: tuple[int, ...], dtype=np.float32, alignment: int = 64) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data start on an ``alignment``-byte boundary,
+    so that ``jax.device_put`` to a CPU device uses it in place."""
+    dtype = np.dtype(dtype)
+    n_bytes = int(np.prod(shape)) * dtype.itemsize
+    buffer = np.empty(n_bytes + alignment, np.uint8)
+    offset = -buffer.ctypes.data % alignment
+    return buffer[offset:offset + n_bytes].view(dtype).reshape(shape)

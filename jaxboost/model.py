@@ -17,6 +17,7 @@ import numpy as np
 
 from .binning import BinEdges, apply_bins
 from .devices import replicated, row_mesh, row_sharding
+from .host_memory import aligned_empty
 from .predictor import native_feature_predictor, packed_nodes, predict_leaf_binned, predict_raw_binned
 from .tree import Tree
 from .validation import check_base_margin, check_features
@@ -32,15 +33,6 @@ def padded_size(n_rows: int, multiple: int = 1) -> int:
         step = 2 ** exponent
         bucket = -(-n_rows // step) * step
     return -(-bucket // multiple) * multiple
-
-
-def _aligned_empty(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
-    """An uninitialised float32 array whose data starts on an ``alignment``-byte boundary (what
-    JAX's CPU client needs to use host memory in place)."""
-    n_bytes = int(np.prod(shape)) * 4
-    buffer = np.empty(n_bytes + alignment, np.uint8)
-    offset = -buffer.ctypes.data % alignment
-    return buffer[offset:offset + n_bytes].view(np.float32).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -138,8 +130,8 @@ class Model:
         shares[:n_rows % devices] += 1
         per_device = size // devices
         # 64-byte aligned, so device_put hands each device its slice without copying it.
-        X_padded = _aligned_empty((devices, per_device, n_features))
-        initial_padded = _aligned_empty((devices, per_device, outputs))
+        X_padded = aligned_empty((devices, per_device, n_features))
+        initial_padded = aligned_empty((devices, per_device, outputs))
         begin = 0
         for device, share in enumerate(shares):
             X_padded[device, :share] = features[begin:begin + share]

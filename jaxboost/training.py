@@ -22,7 +22,7 @@ from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_round, l
                        starting_value)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
-from .devices import replicated, row_mesh, row_sharding
+from .devices import replicated, row_mesh, row_sharding, rows_on_mesh
 from .grower import GrowthParams, empty_tree
 from .model import Model, padded_size
 from .objective import ResolvedLoss, higher_is_better, resolve_loss, resolve_metrics
@@ -87,10 +87,7 @@ class _DeviceRows:
         self.put_rows = put_rows
         self.X_binned = dataset.X_binned  # unpadded: the padded copies below are built once and handed over
         if shard:
-            # Transposed and padded in one copy (not a padded copy and then its transpose).
-            X_binned_T = np.zeros((dataset.X_binned.shape[1], size), np.uint8)
-            X_binned_T[:, :dataset.n_rows] = dataset.X_binned.T
-            self.X_binned_T_device = jax.device_put(X_binned_T, row_sharding(mesh, 2, row_axis=1))
+            self.X_binned_T_device = rows_on_mesh(dataset.X_binned, size, mesh, feature_major=True)
             self.X_binned_device = None
         else:
             self.X_binned_T_device = None

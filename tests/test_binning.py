@@ -102,6 +102,29 @@ def test_zero_weight_rows_do_not_place_edges():
     assert np.all(edges > 0.49), f"edges placed among zero-weight rows: {edges}"
 
 
+def test_binning_in_row_blocks_matches_one_block(monkeypatch):
+    """``apply_bins`` and ``has_missing_code`` work through rows in blocks: blocks that do not
+    divide the rows give the same codes as one block (searchsorted per column in NumPy)."""
+    from jaxboost import binning
+
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=(1000, 4)).astype(np.float32)
+    X[rng.uniform(size=X.shape) < 0.05] = np.nan
+    bin_edges = fit_bin_edges(X, max_bin=32)
+    expected = np.stack([np.where(np.isnan(X[:, f]), bin_edges.missing_bin,
+                                  np.searchsorted(_real_edges(bin_edges, f), X[:, f], side="right"))
+                         for f in range(4)], axis=1)
+    monkeypatch.setattr(binning, "ROW_BLOCK", 300)
+    codes = apply_bins(X, bin_edges)
+    np.testing.assert_array_equal(codes, expected)
+    assert binning.has_missing_code(codes, bin_edges.missing_bin)
+    # The only missing value in the last block, then none at all.
+    X_last = np.nan_to_num(X, nan=0.0)
+    X_last[999, 2] = np.nan
+    assert binning.has_missing_code(apply_bins(X_last, bin_edges), bin_edges.missing_bin)
+    assert not binning.has_missing_code(apply_bins(np.nan_to_num(X, nan=0.0), bin_edges), bin_edges.missing_bin)
+
+
 def test_nan_goes_to_the_missing_code():
     rng = np.random.default_rng(4)
     X = rng.normal(size=(500, 3)).astype(np.float32)

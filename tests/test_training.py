@@ -306,6 +306,12 @@ def test_length_mismatch_and_feature_count_and_non_numeric():
         jb.train(X, y, learning_rate=-0.1)
     with pytest.raises(ValueError, match="infinite"):
         jb.train(np.where(X > 2, np.inf, X), y)
+    # Found past NaN (which is allowed), with its place: -inf where a column is otherwise NaN.
+    with_nan = np.where(X > 0, np.nan, X)
+    with_nan[:, 3] = np.nan
+    with_nan[7, 3] = -np.inf
+    with pytest.raises(ValueError, match=r"infinite values \(first at row 7, feature 3\)"):
+        jb.train(with_nan, y)
 
 
 def test_dataframe_columns_must_match_the_training_columns():
@@ -407,6 +413,32 @@ def test_sum_scattered_over_devices():
         for device in range(2):
             expected[device, :summed_slots] = local[:, :summed_slots, 2 * device:2 * device + 2].sum(axis=0)
         np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("feature_major", [False, True])
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_rows_on_mesh_pads_shards_and_uses_host_memory_in_place(feature_major, n_devices, monkeypatch):
+    """``rows_on_mesh`` pads rows with the fill value, shards them (transposed when feature
+    major), and each CPU device uses its aligned host block without a copy of its own."""
+    from jax.sharding import Mesh
+
+    devices = jax.devices()[:n_devices]
+    if len(devices) < n_devices:
+        pytest.skip("needs two devices (jaxboost sets up one per core; this machine has one core)")
+    mesh = Mesh(np.array(devices), ("rows",))
+    blocks = []
+    aligned_empty = jb.devices.aligned_empty
+    monkeypatch.setattr(jb.devices, "aligned_empty", lambda *args: blocks.append(aligned_empty(*args)) or blocks[-1])
+    array = np.random.default_rng(0).integers(0, 255, size=(37, 3)).astype(np.uint8)
+    placed = jb.devices.rows_on_mesh(array, 48, mesh, fill=7, feature_major=feature_major)
+    expected = np.full((48, 3), 7, np.uint8)
+    expected[:37] = array
+    np.testing.assert_array_equal(np.asarray(placed), expected.T if feature_major else expected)
+    assert placed.sharding.spec[1 if feature_major else 0] == "rows"
+    for shard, block in zip(placed.addressable_shards, blocks):
+        assert shard.data.shape == block.shape == ((3, 48 // n_devices) if feature_major else (48 // n_devices, 3))
+        if shard.device.platform == "cpu":
+            assert shard.data.unsafe_buffer_pointer() == block.ctypes.data, "the device copied its block"
 
 
 def test_missing_value_flag_follows_the_data_and_leaves_trees_unchanged():
