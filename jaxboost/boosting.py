@@ -314,7 +314,7 @@ def round_function(shape: RoundShape) -> Callable:
 @lru_cache(maxsize=64)
 def compiled_round(shape: RoundShape):
     """The jitted round for one static shape (cached, so a new training run reuses it)."""
-    return jax.jit(round_function(shape), donate_argnums=(4,), compiler_options=compiler_options(mesh_platform(shape.mesh)))
+    return jax.jit(round_function(shape), compiler_options=compiler_options(mesh_platform(shape.mesh)))
 
 
 @lru_cache(maxsize=16)
@@ -328,4 +328,4 @@ def compiled_many_rounds(shape: RoundShape, params_axes: tuple):
     params_axes = jax.tree_util.tree_unflatten(treedef, leaf_axes)
     eval_axes = tuple((None, None, None, 0) for _ in shape.metrics)
     batched = jax.vmap(round_function(shape), in_axes=(params_axes, None, None, 0, 0, 0, None, eval_axes))
-    return jax.jit(batched, donate_argnums=(4,), compiler_options=compiler_options(mesh_platform(shape.mesh)))
+    return jax.jit(batched, compiler_options=compiler_options(mesh_platform(shape.mesh)))

@@ -66,8 +66,7 @@ def add_position_values(raw_prediction: jax.Array, values: jax.Array, positions:
         return gathered(raw_prediction, values, positions)
 
     def native(raw, table, at):
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(raw.shape, jnp.float32), vmap_method="sequential",
-                                input_output_aliases={0: 0})
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(raw.shape, jnp.float32), vmap_method="sequential")
         return as_varying_as(call(raw, table, at), (raw, table, at))
 
     # Chosen when lowering: the FFI target exists only on CPU.
