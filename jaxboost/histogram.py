@@ -173,7 +173,8 @@ def route_rows(X_binned_T: jax.Array, node_of_row: jax.Array, split_feature: jax
 
     def native(*inputs):
         result = jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32)
-        child_of_row = jax.ffi.ffi_call(target, result, vmap_method="sequential")(
+        # Routing reads each row's node before writing its child: in place.
+        child_of_row = jax.ffi.ffi_call(target, result, vmap_method="sequential", input_output_aliases={1: 0})(
             *inputs, missing_bin=np.int64(max_bin - 1))
         return as_varying_as(child_of_row, inputs)
 
@@ -277,8 +278,12 @@ def _native_route_histogram(X_binned_T, node_of_row, gradients, hessians, featur
                jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, 2), jnp.float32))
     inputs = (X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left, splits,
               left_is_smaller)
+    # One thread reads each row's node before writing its child, so the children may overwrite
+    # the nodes: XLA then updates the level loop's row positions in place instead of copying
+    # them into the loop state every level. Several threads all read every row's node.
     outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential",
-                               output_layouts=[None, _HISTOGRAM_LAYOUTS[feature_major]])(
+                               output_layouts=[None, _HISTOGRAM_LAYOUTS[feature_major]],
+                               input_output_aliases={1: 0} if threads == 1 else None)(
         *inputs, missing_bin=np.int64(max_bin - 1), threads=np.int64(threads), feature_major=np.int64(feature_major))
     return tuple(as_varying_as(output, inputs) for output in outputs)
 
