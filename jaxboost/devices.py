@@ -126,32 +126,13 @@ def all_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
     return jax.lax.psum(x, axis_name)
 
 
-def all_sum_scattered(x: jax.Array, axis_name: str | None, scatter_axis: int, count: jax.Array | None = None,
-                      chunk: int = 1) -> jax.Array:
+def all_sum_scattered(x: jax.Array, axis_name: str | None, scatter_axis: int) -> jax.Array:
     """The sum of ``x`` over the devices of ``axis_name``, each device keeping only its block of
     axis ``scatter_axis`` (device ``i`` of ``m``: the ``i``-th of ``m`` equal blocks; ``m`` must
-    divide the axis): a reduce-scatter. One device (or none): ``x`` itself.
-
-    ``count`` (traced): only the first ``count`` slots of the leading axis are summed, ``chunk``
-    slots per sum, and the later slots are zero. For a level held in more node slots than it
-    has nodes, whose empty slots are zero on every device anyway: the root's level sums one
-    chunk instead of all 32 slots."""
+    divide the axis): a reduce-scatter. One device (or none): ``x`` itself."""
     if axis_name is None or jax.lax.axis_size(axis_name) == 1:
         return x
-    slots = x.shape[0]
-    chunk = min(chunk, slots)
-
-    def total(part):
-        return jax.lax.psum_scatter(part, axis_name, scatter_dimension=scatter_axis, tiled=True)
-
-    if count is None or slots % chunk:
-        return total(x)
-    block_shape = list(x.shape)
-    block_shape[scatter_axis] //= jax.lax.axis_size(axis_name)
-    # Typed as varying over the devices like the sums written into it.
-    whole = jax.lax.pcast(jnp.zeros(block_shape, x.dtype), (axis_name,), to="varying")
-    return update_leading_chunks(whole, lambda start: total(jax.lax.dynamic_slice_in_dim(x, start, chunk)), count,
-                                 chunk)
+    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_axis, tiled=True)
 
 
 def update_leading_chunks(whole, chunk_result, count: jax.Array, chunk: int):

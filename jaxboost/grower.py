@@ -104,6 +104,43 @@ def write_level(heap_field: jax.Array, level_field: jax.Array, first_slot, when:
     return jax.lax.dynamic_update_slice_in_dim(heap_field, level_field, first_slot, axis=0)
 
 
+def sibling_histograms(parent: jax.Array, smaller: jax.Array, left_is_smaller: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(left, right)`` histograms of each parent's children, from the parent's and its smaller
+    child's (leading axis: the parent's slot): the larger child's is the parent's minus the smaller's."""
+    larger = parent - smaller
+    choose = left_is_smaller.reshape(left_is_smaller.shape + (1,) * (parent.ndim - 1))
+    return jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller)
+
+
+def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller: jax.Array,
+                                     left_is_smaller: jax.Array, live_parents: jax.Array,
+                                     axis_name: str | None) -> jax.Array:
+    """A looped level's children histograms, written over its parents' buffer.
+
+    ``parent_histograms``: ``(slots, ...)`` summed over devices (this device's feature block);
+    ``local_smaller``: this device's smaller-child histograms, ``(slots, ...)`` before the sum
+    over devices. Parent ``p``'s children land in slots ``2 p`` and ``2 p + 1``. Only the chunks
+    of ``SCAN_CHUNK_NODES`` parents that hold the first ``live_parents`` slots (traced) are
+    summed over devices and subtracted, so a level's cost follows its live nodes rather than
+    its buffer's slots (a level holds 2^depth nodes in 32 slots); the other slots keep what they
+    held (zeros, when only empty parents lie past ``live_parents``). The last chunk goes first:
+    its children land past every parent not yet read, so the buffer is updated in place.
+    """
+    slots = parent_histograms.shape[0]
+    chunk = min(SCAN_CHUNK_NODES, slots // 2)
+    num_chunks = jnp.minimum((live_parents + chunk - 1) // chunk, slots // (2 * chunk))
+
+    def one_chunk(step, histograms):
+        start = (num_chunks - 1 - step) * chunk
+        parents = jax.lax.dynamic_slice_in_dim(histograms, start, chunk)
+        smaller = all_sum_scattered(jax.lax.dynamic_slice_in_dim(local_smaller, start, chunk), axis_name, 1)
+        left, right = sibling_histograms(parents, smaller, jax.lax.dynamic_slice_in_dim(left_is_smaller, start, chunk))
+        pairs = jnp.stack([left, right], axis=1).reshape((2 * chunk,) + left.shape[1:])
+        return jax.lax.dynamic_update_slice_in_dim(histograms, pairs, 2 * start, axis=0)
+
+    return jax.lax.fori_loop(0, num_chunks, one_chunk, parent_histograms)
+
+
 def _children(nodes: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
     return jnp.minimum(2 * nodes + 1, num_nodes - 1), jnp.minimum(2 * nodes + 2, num_nodes - 1)
 
@@ -301,11 +338,12 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
                 X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin,
                 split.default_left, histogram_splits, left_is_smaller, max_bin, feature_major=sharded,
                 result_features=summed_features)
-            # Only nodes that split have rows in a smaller child: the other slots are zero everywhere.
-            smaller = all_sum_scattered(smaller, axis_name, 1, summed_nodes, SCAN_CHUNK_NODES)
-            larger = state.histograms - smaller
-            choose = left_is_smaller[:, None, None, None]
-            histograms = children(jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller))
+            if summed_nodes is None:
+                smaller = all_sum_scattered(smaller, axis_name, 1)
+                histograms = children(*sibling_histograms(state.histograms, smaller, left_is_smaller))
+            else:
+                histograms = children_histograms_over_parents(state.histograms, smaller, left_is_smaller,
+                                                              summed_nodes, axis_name)
         lower, upper = state.lower, state.upper
         left_lower, left_upper, right_lower, right_upper = lower, upper, lower, upper
         if monotone is not None:

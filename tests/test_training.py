@@ -391,9 +391,7 @@ def test_rows_sharded_over_devices_match_one_device(monkeypatch):
 
 
 def test_sum_scattered_over_devices():
-    """``all_sum_scattered`` sums over devices and leaves each device its block of the scattered
-    axis; with a ``count`` only the chunks holding the first ``count`` slots are summed and the
-    later slots are zero."""
+    """``all_sum_scattered`` sums over devices and leaves each device its block of the scattered axis."""
     from jax.sharding import Mesh, PartitionSpec
 
     devices = jax.devices()[:2]
@@ -401,18 +399,49 @@ def test_sum_scattered_over_devices():
         pytest.skip("needs two devices (jaxboost sets up one per core; this machine has one core)")
     mesh = Mesh(np.array(devices), ("rows",))
     local = np.arange(2 * 8 * 4, dtype=np.float32).reshape(2, 8, 4)  # device, slot, value
+    scattered = jax.shard_map(lambda x: jb.devices.all_sum_scattered(x[0], "rows", 1)[None],
+                              mesh=mesh, in_specs=PartitionSpec("rows"), out_specs=PartitionSpec("rows"))
+    out = np.asarray(jax.jit(scattered)(local))
+    for device in range(2):  # device i keeps values [2i, 2i + 2)
+        np.testing.assert_array_equal(out[device], local[:, :, 2 * device:2 * device + 2].sum(axis=0))
 
-    # A count of 0 (a looped last level, whose children are leaves) sums nothing; a chunk that
-    # does not divide the slots, or no count, sums them all.
-    for count, chunk, summed_slots in [(0, 2, 0), (1, 2, 2), (3, 2, 4), (8, 2, 8), (3, 3, 8), (None, 1, 8)]:
-        count = None if count is None else jnp.int32(count)
-        scattered = jax.shard_map(lambda x: jb.devices.all_sum_scattered(x[0], "rows", 1, count, chunk)[None],
-                                  mesh=mesh, in_specs=PartitionSpec("rows"), out_specs=PartitionSpec("rows"))
-        out = np.asarray(jax.jit(scattered)(local))
-        expected = np.zeros((2, 8, 2), np.float32)  # device i keeps values [2i, 2i + 2)
-        for device in range(2):
-            expected[device, :summed_slots] = local[:, :summed_slots, 2 * device:2 * device + 2].sum(axis=0)
-        np.testing.assert_array_equal(out, expected)
+
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices):
+    """A looped level's children histograms: for the chunks of 8 parents holding the first
+    ``live`` slots, children ``2 p, 2 p + 1`` are the smaller child summed over devices and the
+    parent minus it (left or right as ``left_is_smaller`` says); slots past them keep their
+    contents; a count of 0 (children that are leaves) changes nothing."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    from jaxboost.grower import children_histograms_over_parents
+
+    devices = jax.devices()[:n_devices]
+    if len(devices) < n_devices:
+        pytest.skip("needs two devices (jaxboost sets up one per core; this machine has one core)")
+    mesh = Mesh(np.array(devices), ("rows",))
+    rng = np.random.default_rng(0)
+    slots, features, bins = 32, 4, 3
+    block = features // n_devices
+    local_smaller = rng.normal(size=(n_devices, slots, features, bins, 2)).astype(np.float32)
+    parents = rng.normal(size=(n_devices, slots, block, bins, 2)).astype(np.float32)  # each device's block
+    left_is_smaller = rng.uniform(size=slots) < 0.5
+    for live in [0, 1, 2, 8, 9, 16]:
+        axis = "rows" if n_devices > 1 else None
+        level = jax.shard_map(
+            lambda p, s, left: children_histograms_over_parents(p[0], s[0], left, jnp.int32(live), axis)[None],
+            mesh=mesh, in_specs=(PartitionSpec("rows"), PartitionSpec("rows"), PartitionSpec()),
+            out_specs=PartitionSpec("rows"))
+        out = np.asarray(jax.jit(level)(parents, local_smaller, left_is_smaller))
+        written = 2 * 8 * -(-live // 8)
+        for device in range(n_devices):
+            smaller = local_smaller[:, :, device * block:(device + 1) * block].sum(axis=0)
+            larger = parents[device] - smaller
+            choose = left_is_smaller[:, None, None, None]
+            children = np.stack([np.where(choose, smaller, larger), np.where(choose, larger, smaller)], axis=1)
+            expected = parents[device].copy()
+            expected[:written] = children.reshape((2 * slots,) + children.shape[2:])[:written]
+            np.testing.assert_allclose(out[device], expected, rtol=1e-6, atol=1e-6, err_msg=f"live={live}")
 
 
 @pytest.mark.parametrize("feature_major", [False, True])
