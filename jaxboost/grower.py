@@ -127,6 +127,8 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
     its children land past every parent not yet read, so the buffer is updated in place.
     """
     slots = parent_histograms.shape[0]
+    if slots < 2:
+        return parent_histograms  # a depth-1 tree's single slot: its children are leaves
     chunk = min(SCAN_CHUNK_NODES, slots // 2)
     num_chunks = jnp.minimum((live_parents + chunk - 1) // chunk, slots // (2 * chunk))
 
