@@ -1,7 +1,8 @@
 // Histogram kernel for XLA on CPU (an XLA FFI custom call).
 //
 // Sums gradients and Hessians per (node, feature, bin) over the rows selected by a row mask,
-// skipping the other rows, so that the smaller child of each split costs only its own rows.
+// skipping the other rows, so that the smaller child of each split costs only its own rows
+// (and rows whose gradient and Hessian are both zero, which add nothing).
 // Rows are taken in blocks: a block's selected rows are first gathered without branches (row
 // id, histogram offset of its node, gradient, Hessian), then a few features at a time add
 // every selected row, (g, h) as one 64-bit vector add (see kFeatureGroup for why a few).
@@ -179,8 +180,15 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
   const bool all_rows = p.route == nullptr && p.row_mask == nullptr && p.num_nodes == 1;
   std::vector<GatheredRow> gathered(all_rows ? 0 : kBlockRows);
   std::vector<float> pairs(all_rows ? 2 * kBlockRows : 0);
-  for (int64_t start = 0; start < p.n_rows; start += kBlockRows) {
-    const int64_t stop = std::min(p.n_rows, start + kBlockRows);
+  // A row whose (g, h) are both zero adds nothing: rows left out of a sample, rows of weight 0,
+  // and the padding rows that close each device's block. The root's pass stops after the last
+  // row that adds something; the gathering passes leave such rows out (but still route them).
+  int64_t end_row = p.n_rows;
+  if (all_rows) {
+    while (end_row > 0 && p.gradients[end_row - 1] == 0.0f && p.hessians[end_row - 1] == 0.0f) --end_row;
+  }
+  for (int64_t start = 0; start < end_row; start += kBlockRows) {
+    const int64_t stop = std::min(end_row, start + kBlockRows);
     if (all_rows) {
       for (int64_t i = start; i < stop; ++i) {
         // A row outside node 0 adds zeros.
@@ -205,8 +213,9 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       } else {
         take = (p.row_mask == nullptr || p.row_mask[i]) && node >= 0 && node < p.num_nodes;
       }
-      gathered[count] = GatheredRow{static_cast<int32_t>(i), node, {p.gradients[i], p.hessians[i]}};
-      count += take;
+      const float g = p.gradients[i], h = p.hessians[i];
+      gathered[count] = GatheredRow{static_cast<int32_t>(i), node, {g, h}};
+      count += take && (g != 0.0f || h != 0.0f);
     }
     AccumulateBlock<false>(p.codes, p.n_rows, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
                            p.layout, p.hist);

@@ -558,6 +558,39 @@ def test_route_and_build_histogram_matches_numpy(kernel, threads, num_nodes, max
     np.testing.assert_allclose(np.asarray(smaller), expected, rtol=1e-5, atol=1e-4)
 
 
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_kernels_skip_rows_of_zero_gradient_and_hessian_but_route_them(threads):
+    """Rows whose gradient and Hessian are both zero (out of a sample, weight 0, padding) add
+    nothing: the native kernels leave them out (the root's pass stops after the last row that
+    adds something) and the histograms still equal the naive sums over every row; such rows are
+    still routed. Rows with only one of the two zero still count."""
+    n_rows, n_features, num_nodes, max_bin = 70_000, 5, 6, 32  # more rows than a kernel block
+    X_binned, node_index, gradients, hessians, level = route_case(3, n_rows, n_features, num_nodes, max_bin)
+    rng = np.random.default_rng(4)
+    zero = rng.uniform(size=n_rows) < 0.3
+    zero[-5000:] = True  # a trailing run, as padding rows are
+    gradients[zero], hessians[zero] = 0.0, 0.0
+    hessians[-1] = 0.75  # the last row counts by its Hessian alone
+    gradients[1::11] = 0.0  # zero gradient, positive Hessian: still counted
+    hessians[2::13] = 0.0  # zero Hessian, nonzero gradient: still counted
+    X_T, g, h = jnp.asarray(X_binned.T), jnp.asarray(gradients), jnp.asarray(hessians)
+
+    root = jax.jit(partial(build_histogram, num_nodes=1, max_bin=max_bin, kernel="native", threads=threads))
+    root_nodes = np.zeros(n_rows, np.int32)
+    np.testing.assert_allclose(np.asarray(root(X_T, jnp.asarray(root_nodes), g, h)),
+                               naive_histogram(X_binned, root_nodes, gradients.astype(np.float64),
+                                               hessians.astype(np.float64), 1, max_bin), rtol=1e-5, atol=1e-3)
+
+    expected_child, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    route = jax.jit(partial(route_and_build_histogram, max_bin=max_bin, kernel="native", threads=threads))
+    child, smaller = route(X_T, jnp.asarray(node_index), g, h, **{k: jnp.asarray(v) for k, v in level.items()})
+    np.testing.assert_array_equal(np.asarray(child), expected_child)
+    np.testing.assert_allclose(np.asarray(smaller), masked_naive_histogram(X_binned, node_index, gradients, hessians,
+                                                                          in_smaller, num_nodes, max_bin),
+                               rtol=1e-5, atol=1e-3)
+
+
 @pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
 def test_route_and_build_histogram_without_splits_only_routes(kernel):
     """A level whose children are leaves (the grower's looped last level) passes no splits:
