@@ -215,7 +215,8 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       }
       const float g = p.gradients[i], h = p.hessians[i];
       gathered[count] = GatheredRow{static_cast<int32_t>(i), node, {g, h}};
-      count += take && (g != 0.0f || h != 0.0f);
+      // Bitwise, not short-circuit: a branch here, taken at random, cost a quarter of a level.
+      count += static_cast<int>(take) & (static_cast<int>(g != 0.0f) | static_cast<int>(h != 0.0f));
     }
     AccumulateBlock<false>(p.codes, p.n_rows, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
                            p.layout, p.hist);
