@@ -274,6 +274,22 @@ def seed_key_data(seed: int) -> np.ndarray:
     return np.array([0, int(seed) % 2 ** 32], np.uint32)
 
 
+def _mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer hash with good avalanche (two xor-shift-multiply rounds)."""
+    for multiplier in (0x7FEB352D, 0x846CA68B):
+        x = (x ^ (x >> 16)) * jnp.uint32(multiplier)
+    return x ^ (x >> 16)
+
+
+def uniform_of_rows(key: jax.Array, row_index: jax.Array) -> jax.Array:
+    """One uniform [0, 1) number per row, from a counter-based hash of the (raw, two-word) key
+    and each row's index in the training data: a row draws the same number wherever the
+    padded layout puts it, so row sampling is the same on any number of devices."""
+    words = key.astype(jnp.uint32)
+    bits = _mix32(_mix32(row_index.astype(jnp.uint32) ^ words[0]) ^ words[1])
+    return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
 def round_function(shape: RoundShape) -> Callable:
     """The (unjitted) boosting round for one static shape."""
     rows = PartitionSpec(ROW_AXIS)
@@ -286,13 +302,13 @@ def round_function(shape: RoundShape) -> Callable:
         check_vma=False,
     )
 
-    def boosting_round(params: RoundParams, X_binned_T, y, sample_weight, raw_prediction, seed_key, round_index,
-                       eval_sets):
+    def boosting_round(params: RoundParams, X_binned_T, y, sample_weight, row_index, raw_prediction, seed_key,
+                       round_index, eval_sets):
         round_key = jax.random.fold_in(seed_key, round_index)
         row_key, column_key, tree_key = jax.random.split(round_key, 3)
         row_weight = sample_weight
         if shape.sample_rows:
-            in_sample = jax.random.uniform(row_key, sample_weight.shape) < params.subsample
+            in_sample = uniform_of_rows(row_key, row_index) < params.subsample
             row_weight = jnp.where(in_sample, sample_weight, 0.0)
         feature_allowed = jnp.ones(X_binned_T.shape[0], bool)
         if shape.sample_columns:
@@ -327,5 +343,5 @@ def compiled_many_rounds(shape: RoundShape, params_axes: tuple):
     treedef, leaf_axes = params_axes
     params_axes = jax.tree_util.tree_unflatten(treedef, leaf_axes)
     eval_axes = tuple((None, None, None, 0) for _ in shape.metrics)
-    batched = jax.vmap(round_function(shape), in_axes=(params_axes, None, None, 0, 0, 0, None, eval_axes))
+    batched = jax.vmap(round_function(shape), in_axes=(params_axes, None, None, 0, None, 0, 0, None, eval_axes))
     return jax.jit(batched, compiler_options=compiler_options(mesh_platform(shape.mesh)))

@@ -150,9 +150,32 @@ def update_leading_chunks(whole, chunk_result, count: jax.Array, chunk: int):
     return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, update, whole)
 
 
+def device_shares(n_rows: int, devices: int) -> np.ndarray:
+    """How many of ``n_rows`` rows each of ``devices`` devices takes: equal shares, the first
+    ``n_rows % devices`` devices one row more. Each device's block holds its share followed by
+    its padding, so the devices finish together (padding rows carry no weight, and the native
+    kernels skip rows of zero gradient and Hessian)."""
+    shares = np.full(devices, n_rows // devices, np.int64)
+    shares[:n_rows % devices] += 1
+    return shares
+
+
+def pad_rows_by_device(array: np.ndarray, size: int, devices: int, fill) -> np.ndarray:
+    """``array`` (n, ...) laid out over ``devices`` blocks of ``size // devices`` rows: each
+    device's share of the rows in order (``device_shares``), then padding rows of ``fill``."""
+    per_device = size // devices
+    padded = np.full((devices, per_device) + array.shape[1:], fill, dtype=array.dtype)
+    begin = 0
+    for device, share in enumerate(device_shares(array.shape[0], devices)):
+        padded[device, :share] = array[begin:begin + share]
+        begin += share
+    return padded.reshape((size,) + array.shape[1:])
+
+
 def rows_on_mesh(array: np.ndarray, size: int, mesh: Mesh, fill=0, feature_major: bool = False) -> jax.Array:
-    """``array`` (n, ...) padded to ``size`` rows with ``fill`` and sharded over ``mesh`` by rows;
-    ``feature_major`` places a 2-D array transposed, (d, size), sharded along its second axis.
+    """``array`` (n, ...) padded to ``size`` rows with ``fill`` and sharded over ``mesh`` by rows,
+    in ``pad_rows_by_device``'s layout; ``feature_major`` places a 2-D array transposed, (d,
+    size), sharded along its second axis.
 
     Each device's block is written once, into an aligned host buffer that a CPU device then
     uses in place: a padded copy handed to ``jax.device_put`` would be copied again, and the
@@ -160,16 +183,18 @@ def rows_on_mesh(array: np.ndarray, size: int, mesh: Mesh, fill=0, feature_major
     devices = list(mesh.devices.flat)
     per_device = size // len(devices)
     shards = []
-    for index, device in enumerate(devices):
-        rows = array[index * per_device:(index + 1) * per_device]
+    begin = 0
+    for device, share in zip(devices, device_shares(array.shape[0], len(devices))):
+        rows = array[begin:begin + share]
+        begin += share
         if feature_major:
             block = aligned_empty((array.shape[1], per_device), array.dtype)
-            block[:, :len(rows)] = rows.T
-            block[:, len(rows):] = fill
+            block[:, :share] = rows.T
+            block[:, share:] = fill
         else:
             block = aligned_empty((per_device,) + array.shape[1:], array.dtype)
-            block[:len(rows)] = rows
-            block[len(rows):] = fill
+            block[:share] = rows
+            block[share:] = fill
         shards.append(jax.device_put(block, device))
     shape = (array.shape[1], size) if feature_major else (size,) + array.shape[1:]
     sharding = row_sharding(mesh, len(shape), row_axis=1 if feature_major else 0)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .binning import BinEdges, apply_bins
-from .devices import replicated, row_mesh, row_sharding
+from .devices import device_shares, replicated, row_mesh, row_sharding
 from .host_memory import aligned_empty
 from .predictor import native_feature_predictor, packed_nodes, predict_leaf_binned, predict_raw_binned
 from .tree import Tree
@@ -126,8 +126,7 @@ class Model:
         to padding rows."""
         n_rows, n_features = features.shape
         devices, outputs = mesh.size, self.num_outputs
-        shares = np.full(devices, n_rows // devices, np.int32)
-        shares[:n_rows % devices] += 1
+        shares = device_shares(n_rows, devices).astype(np.int32)
         per_device = size // devices
         # 64-byte aligned, so device_put hands each device its slice without copying it.
         X_padded = aligned_empty((devices, per_device, n_features))

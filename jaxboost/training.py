@@ -22,7 +22,7 @@ from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_round, l
                        starting_value)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
-from .devices import replicated, row_mesh, row_sharding, rows_on_mesh
+from .devices import pad_rows_by_device, replicated, row_mesh, row_sharding, rows_on_mesh
 from .grower import GrowthParams, empty_tree
 from .model import Model, padded_size
 from .objective import ResolvedLoss, higher_is_better, resolve_loss, resolve_metrics
@@ -61,12 +61,6 @@ def _check_params(num_rounds, max_depth, learning_rate, reg_lambda, reg_alpha, g
         _check_range(name, value, 0, 1, low_open=True)
 
 
-def _pad_rows(array: np.ndarray, size: int, fill) -> np.ndarray:
-    padded = np.full((size,) + array.shape[1:], fill, dtype=array.dtype)
-    padded[: array.shape[0]] = array
-    return padded
-
-
 class _DeviceRows:
     """One dataset's rows padded to a bucket size and placed on the mesh."""
 
@@ -76,13 +70,14 @@ class _DeviceRows:
             raise ValueError("a Dataset used for training or evaluation needs labels y")
         resolved.check_labels(dataset.y)
         self.n_rows = dataset.n_rows
-        size = padded_size(dataset.n_rows, mesh.size if shard else 1)
+        self.devices = mesh.size if shard else 1
+        size = padded_size(dataset.n_rows, self.devices)
         labels = dataset.y.astype(resolved.label_dtype)
         # Padding rows repeat a real label (so the loss stays finite there) with weight 0.
-        self.y = _pad_rows(labels, size, labels[0])
-        self.sample_weight = _pad_rows(dataset.sample_weight if sample_weight is None else sample_weight.astype(np.float32),
-                                       size, 0.0)
-        self.margin = None if margin is None else _pad_rows(margin, size, 0.0)
+        self.y = self.pad(labels, labels[0], size)
+        self.sample_weight = self.pad(dataset.sample_weight if sample_weight is None
+                                      else sample_weight.astype(np.float32), 0.0, size)
+        self.margin = None if margin is None else self.pad(margin, 0.0, size)
         put_rows = (lambda a: jax.device_put(a, row_sharding(mesh, a.ndim))) if shard else jnp.asarray
         self.put_rows = put_rows
         self.X_binned = dataset.X_binned  # unpadded: the padded copies below are built once and handed over
@@ -91,11 +86,18 @@ class _DeviceRows:
             self.X_binned_device = None
         else:
             self.X_binned_T_device = None
-            self.X_binned_device = jnp.asarray(_pad_rows(dataset.X_binned, size, 0))
+            self.X_binned_device = jnp.asarray(self.pad(dataset.X_binned, 0, size))
         self.y_device = put_rows(self.y)
         self.sample_weight_device = put_rows(self.sample_weight)
+        # Each row's index in the data (padding: -1), which row sampling draws by.
+        self.row_index_device = put_rows(self.pad(np.arange(dataset.n_rows, dtype=np.int32), -1, size))
         if base_score is not None:
             self.initial_raw_prediction(base_score)
+
+    def pad(self, array: np.ndarray, fill, size: int | None = None) -> np.ndarray:
+        """Per-row ``array`` (n, ...) in these rows' padded layout: each device's share of the
+        rows, then its padding (``devices.pad_rows_by_device``)."""
+        return pad_rows_by_device(array, self.y.shape[0] if size is None else size, self.devices, fill)
 
     def initial_raw_prediction(self, base_score: np.ndarray):
         start = (np.broadcast_to(base_score, (self.y.shape[0], base_score.shape[0])) if self.margin is None
@@ -225,9 +227,11 @@ def _padded_trees(trees: Tree, num_nodes: int) -> Tree:
 
 def _add_tree_predictions(trees: Tree, rows: _DeviceRows, missing_bin: int, mesh) -> None:
     """Add the raw predictions of ``trees`` to the rows' starting raw predictions."""
+    # Sharded over the mesh whatever the rows' own placement: the rows' padded layout is kept row
+    # for row, with more padding at the end where the mesh does not divide it.
     size = padded_size(rows.y.shape[0], mesh.size)
-    X_binned = _pad_rows(rows.X_binned, size, 0)
-    start = _pad_rows(np.asarray(rows.raw_prediction), size, 0.0)
+    X_binned = pad_rows_by_device(rows.pad(rows.X_binned, 0), size, 1, 0)
+    start = pad_rows_by_device(np.asarray(rows.raw_prediction), size, 1, 0.0)
     raw = predict_raw_binned(jax.device_put(trees, replicated(mesh)), jax.device_put(X_binned, row_sharding(mesh, 2)),
                              jax.device_put(start, row_sharding(mesh, 2)), missing_bin=missing_bin, mesh=mesh)
     rows.raw_prediction = rows.put_rows(np.ascontiguousarray(np.asarray(raw)[: rows.y.shape[0]]))
@@ -451,7 +455,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                           for rows, raw in zip(eval_rows, eval_raw))
         raw_prediction, trees, health, eval_raw, metric_values = boosting_round(
             params, train_rows.X_binned_T_device, train_rows.y_device, train_rows.sample_weight_device,
-            raw_prediction, seed_key, np.int32(round_index), eval_data)
+            train_rows.row_index_device, raw_prediction, seed_key, np.int32(round_index), eval_data)
         # Ask for the flags now: a copy requested only when they are read would queue behind the
         # next round, and the host would wait for that round before dispatching another.
         for flag in health:

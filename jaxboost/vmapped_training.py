@@ -113,8 +113,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     mesh = row_mesh(dataset.n_rows)
     rows = _DeviceRows(dataset, resolved, mesh, shard=True, margin=None, base_score=None)
     padded = rows.y.shape[0]
-    padded_weights = np.zeros((M, padded), np.float32)
-    padded_weights[:, : dataset.n_rows] = model_weights
+    padded_weights = np.ascontiguousarray(rows.pad(model_weights.T.astype(np.float32), 0.0).T)
     weights_device = jax.device_put(padded_weights, row_sharding(mesh, 2, row_axis=1))
     zeros = rows.put_rows(np.zeros((padded, K), np.float32))
     base_scores = np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, rows.y_device, w, params))(
@@ -190,8 +189,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         eval_data = tuple((r.X_binned_device, r.y_device, r.sample_weight_device, raw)
                           for r, raw in zip(eval_rows, eval_raw))
         raw_prediction, trees, health, eval_raw, metric_values = boosting_rounds(
-            params, rows.X_binned_T_device, rows.y_device, weights_device, raw_prediction, seed_keys,
-            jnp.int32(round_index), eval_data)
+            params, rows.X_binned_T_device, rows.y_device, weights_device, rows.row_index_device, raw_prediction,
+            seed_keys, jnp.int32(round_index), eval_data)
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)
         for per_set, values in zip(history, metric_values):

@@ -449,8 +449,9 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices,
 @pytest.mark.parametrize("feature_major", [False, True])
 @pytest.mark.parametrize("n_devices", [1, 2])
 def test_rows_on_mesh_pads_shards_and_uses_host_memory_in_place(feature_major, n_devices, monkeypatch):
-    """``rows_on_mesh`` pads rows with the fill value, shards them (transposed when feature
-    major), and each CPU device uses its aligned host block without a copy of its own."""
+    """``rows_on_mesh`` gives each device an equal share of the rows followed by its padding
+    (the fill value), shards them (transposed when feature major), and each CPU device uses its
+    aligned host block without a copy of its own."""
     from jax.sharding import Mesh
 
     devices = jax.devices()[:n_devices]
@@ -462,8 +463,13 @@ def test_rows_on_mesh_pads_shards_and_uses_host_memory_in_place(feature_major, n
     monkeypatch.setattr(jb.devices, "aligned_empty", lambda *args: blocks.append(aligned_empty(*args)) or blocks[-1])
     array = np.random.default_rng(0).integers(0, 255, size=(37, 3)).astype(np.uint8)
     placed = jb.devices.rows_on_mesh(array, 48, mesh, fill=7, feature_major=feature_major)
-    expected = np.full((48, 3), 7, np.uint8)
-    expected[:37] = array
+    expected = np.full((n_devices, 48 // n_devices, 3), 7, np.uint8)
+    if n_devices == 1:
+        expected[0, :37] = array
+    else:  # 37 rows over two devices: 19 and 18, each block padded to 24
+        expected[0, :19], expected[1, :18] = array[:19], array[19:]
+    expected = expected.reshape(48, 3)
+    np.testing.assert_array_equal(jb.devices.pad_rows_by_device(array, 48, n_devices, 7), expected)
     np.testing.assert_array_equal(np.asarray(placed), expected.T if feature_major else expected)
     assert placed.sharding.spec[1 if feature_major else 0] == "rows"
     for shard, block in zip(placed.addressable_shards, blocks):
@@ -517,3 +523,22 @@ def test_seed_key_data_is_jax_prng_key(seed):
     from jaxboost.boosting import seed_key_data
 
     np.testing.assert_array_equal(seed_key_data(seed), np.asarray(jax.random.key_data(jax.random.PRNGKey(seed))))
+
+
+def test_row_sampling_draws_by_row_index():
+    """Row sampling's uniform numbers come from each row's index in the data, not its place in
+    the padded layout: permuting the indices permutes the draws; they are uniform (deciles
+    within 1% of a tenth) and a new round key draws anew."""
+    from jaxboost.boosting import uniform_of_rows
+
+    key = jnp.asarray(jb.boosting.seed_key_data(3))
+    index = np.arange(200_000, dtype=np.int32)
+    draws = np.asarray(uniform_of_rows(key, jnp.asarray(index)))
+    order = np.random.default_rng(0).permutation(index.size)
+    np.testing.assert_array_equal(np.asarray(uniform_of_rows(key, jnp.asarray(index[order]))), draws[order])
+    assert draws.min() >= 0.0 and draws.max() < 1.0
+    deciles = np.histogram(draws, bins=10, range=(0, 1))[0] / index.size
+    np.testing.assert_allclose(deciles, 0.1, atol=0.01)
+    other = np.asarray(uniform_of_rows(jax.random.fold_in(key, 1), jnp.asarray(index)))
+    assert abs(np.corrcoef(draws, other)[0, 1]) < 0.01
+    assert np.mean((draws < 0.5) == (other < 0.5)) == pytest.approx(0.5, abs=0.01)
