@@ -22,7 +22,7 @@ from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .regularizer import Regularization, check_regularization
 from .training import (_as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
-                       interaction_groups, monotone_array, vector_leaves)
+                       interaction_groups, monotone_array, release_memory_now_and_then, vector_leaves)
 
 # Hyperparameters that may differ between the models, with jb.train's defaults.
 BATCHABLE = dict(learning_rate=0.1, reg_lambda=1.0, reg_alpha=0.0, gamma=0.0, min_child_weight=1.0, subsample=1.0,
@@ -193,6 +193,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
             seed_keys, jnp.int32(round_index), eval_data)
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)
+        release_memory_now_and_then(round_index)
         for per_set, values in zip(history, metric_values):
             per_set.append(np.asarray(values))  # (M, metrics)
 
