@@ -490,4 +490,9 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         _raise_if_unhealthy(*unchecked)
     for callback in all_callbacks:
         callback.after_training(state)
-    return build_model(state.best_iteration)
+    model = build_model(state.best_iteration)
+    # The rounds' device buffers go now, and their pages back to the system with the arenas'
+    # other free pages, rather than sitting in XLA's threads' arenas while the caller predicts.
+    del train_rows, eval_rows, raw_prediction, eval_raw, round_trees
+    release_free_memory()
+    return model
