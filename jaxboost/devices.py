@@ -4,6 +4,10 @@ XLA's CPU backend runs a scatter on one core; the only way to use every core for
 histogram kernel is to give JAX one host device per core and shard the rows over them
 (``shard_map`` + ``psum``). That must be configured before JAX initialises its backends, so
 importing jaxboost does it when it still can and the user has not configured devices.
+
+Rows padded to a bucket size are spread evenly over the devices (``pad_rows_by_device``): each
+device's block holds its share of the rows followed by its padding, so no device carries all of
+the padding and the others wait for it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Training: ``jb.train``, a thin host loop around the compiled boosting round.
 
-The host validates input, bins it once, pads rows to a bucket size (zero-weight rows), places
-the data on the devices, finds the starting value and then calls the compiled round once per
+The host validates input, bins it once, pads rows to a bucket size (zero-weight rows, spread
+evenly: each device's block holds its share of the rows, then its padding), places the data on
+the devices, finds the starting value and then calls the compiled round once per
 round. Per round only a few scalars come back: the eval metrics and the loss's health counts,
 so a custom loss that returns non-finite gradients or negative Hessians stops training at that
 round with an error naming it. Callbacks (``callbacks.py``) run around every round; early
