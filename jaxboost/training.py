@@ -140,7 +140,7 @@ def _raise_if_unhealthy(health, loss_name: str, round_index: int):
 
 
 # Rounds between hand-backs of the malloc arenas' free pages (``host_memory``); a hand-back
-# costs well under a millisecond.
+# took 0.3-3 ms in a 1M x 28 fit, under 1% of 16 rounds' time.
 RELEASE_MEMORY_EVERY_ROUNDS = 16
 
 
