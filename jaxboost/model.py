@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .binning import BinEdges, apply_bins
-from .devices import device_shares, replicated, row_mesh, row_sharding
-from .host_memory import aligned_empty
+from .devices import device_shares, replicated, row_mesh, row_sharding, rows_on_mesh
 from .predictor import native_feature_predictor, packed_nodes, predict_leaf_binned, predict_raw_binned
 from .tree import Tree
 from .validation import check_base_margin, check_features
@@ -124,27 +123,17 @@ class Model:
         as the binned path without binning. Each device takes an equal share of the rows followed
         by its padding, which the kernel skips, so the devices finish together and no time goes
         to padding rows."""
-        n_rows, n_features = features.shape
+        n_rows = features.shape[0]
         devices, outputs = mesh.size, self.num_outputs
         shares = device_shares(n_rows, devices).astype(np.int32)
         per_device = size // devices
-        # 64-byte aligned, so device_put hands each device its slice without copying it.
-        X_padded = aligned_empty((devices, per_device, n_features))
-        initial_padded = aligned_empty((devices, per_device, outputs))
-        begin = 0
-        for device, share in enumerate(shares):
-            X_padded[device, :share] = features[begin:begin + share]
-            X_padded[device, share:] = 0
-            initial_padded[device, :share] = initial[begin:begin + share]
-            initial_padded[device, share:] = 0
-            begin += share
         thresholds = self.bin_edges.edges[trees.feature, np.minimum(trees.threshold_bin,
                                                                     self.bin_edges.edges.shape[1] - 1)]
         put = partial(jax.device_put, device=replicated(mesh))
         raw = np.asarray(native(put(packed_nodes(trees)), put(thresholds.astype(np.float32)),
                                 put(trees.value.astype(np.float32)),
-                                jax.device_put(X_padded.reshape(size, n_features), row_sharding(mesh, 2)),
-                                jax.device_put(initial_padded.reshape(size, outputs), row_sharding(mesh, 2)),
+                                rows_on_mesh(features, size, mesh),
+                                rows_on_mesh(np.asarray(initial, np.float32), size, mesh),
                                 jax.device_put(shares, row_sharding(mesh, 1))))
         return np.concatenate([part[:share] for part, share in zip(raw.reshape(devices, per_device, outputs), shares)])
 
