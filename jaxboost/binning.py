@@ -19,6 +19,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from .host_memory import aligned_empty
+
 MAX_BIN_LIMIT = 256
 MIN_CODE_WIDTH = 16
 # Edges are fit on a row sample of this size when the data are larger (as LightGBM's
@@ -113,12 +115,24 @@ def fit_bin_edges(X: np.ndarray, max_bin: int = 256, sample_weight: np.ndarray |
     return BinEdges(edges=np.ascontiguousarray(edges[:, : width - 1]), n_edges=n_edges)
 
 
-def apply_bins(X: np.ndarray, bin_edges: BinEdges) -> np.ndarray:
-    """Map raw ``X`` (n, d) to ``X_binned`` (n, d) uint8 with the given edges; NaN -> missing bin."""
+def apply_bins(X: np.ndarray, bin_edges: BinEdges, table_width: int | None = None) -> np.ndarray:
+    """Map raw ``X`` (n, d) to ``X_binned`` (n, d) uint8 with the given edges; NaN -> missing bin.
+
+    With ``table_width``, the codes come as a feature-major table ``(d, table_width)`` instead:
+    row ``i``'s codes in column ``i``, zeros after the last row, in a 64-byte aligned buffer
+    (the layout the training kernels read, in place on CPU devices; ``Dataset.X_binned_T``).
+    """
     n_rows, n_features = X.shape
     if n_features != bin_edges.n_features:
         raise ValueError(f"X has {n_features} features but the bin edges were fit on {bin_edges.n_features}")
-    X_binned = np.empty((n_rows, n_features), dtype=np.uint8)
+    if table_width is None:
+        X_binned = np.empty((n_rows, n_features), dtype=np.uint8)
+        feature_codes = X_binned.T
+    else:
+        if table_width < n_rows:
+            raise ValueError(f"table_width {table_width} is less than the {n_rows} rows")
+        feature_codes = aligned_empty((n_features, table_width), np.uint8)
+        feature_codes[:, n_rows:] = 0
 
     def bin_feature(feature):
         real_edges = bin_edges.edges[feature, : bin_edges.n_edges[feature]]
@@ -127,14 +141,13 @@ def apply_bins(X: np.ndarray, bin_edges: BinEdges) -> np.ndarray:
             column = X[start:start + ROW_BLOCK, feature]
             codes = np.searchsorted(real_edges, column, side="right")
             codes[np.isnan(column)] = bin_edges.missing_bin
-            X_binned[start:start + ROW_BLOCK, feature] = codes
+            feature_codes[feature, start:start + len(codes)] = codes
 
     _for_each_feature(bin_feature, n_features)
-    return X_binned
+    return X_binned if table_width is None else feature_codes
 
 
-def has_missing_code(X_binned: np.ndarray, missing_bin: int) -> bool:
-    """Whether any entry of ``X_binned`` is the missing-value code (checked in blocks of rows,
-    with no (n, d) temporary)."""
-    return any(np.any(X_binned[start:start + ROW_BLOCK] == missing_bin)
-               for start in range(0, X_binned.shape[0], ROW_BLOCK))
+def has_missing_code(codes: np.ndarray, missing_bin: int) -> bool:
+    """Whether any entry of 2-D ``codes`` is the missing-value code, checked one line of the
+    first axis at a time (a feature of a feature-major table: no (d, n) temporary)."""
+    return any(np.any(line == missing_bin) for line in codes)

@@ -82,6 +82,8 @@ class RoundShape(NamedTuple):
     hessian_mode: str = "exact"
     vector_leaves: VectorLeaves | None = None  # one tree with vector leaves per round (else one per output)
     missing_values: bool = True  # some training row has a missing value (else the scan skips that direction)
+    # The devices share one code table, each reading it from its row offset (else each holds its rows).
+    shared_codes: bool = False
 
 
 class RoundHealth(NamedTuple):
@@ -198,8 +200,8 @@ def _split_hessians(counted, diagonal, row_weight):
 VECTOR_REFIT_SWEEPS = 2
 
 
-def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, y, row_weight, raw_prediction,
-                            feature_allowed, tree_key):
+def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, row_offset, y, row_weight,
+                            raw_prediction, feature_allowed, tree_key):
     """Row-local body of a round with vector leaves: one tree for all K outputs."""
     objective, leaves = shape.objective, shape.vector_leaves
     K = objective.num_outputs
@@ -215,7 +217,7 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
     gradients = jnp.where(counted[:, None], g * row_weight[:, None], 0.0)
     tree, row_leaves, _ = grow_tree(X_binned_T, gradients, leaves.pack_hessian(hessian), feature_allowed, tree_key,
                                     params.growth, shape.max_depth, shape.max_bin, ROW_AXIS, shape.sample_columns,
-                                    leaves, shape.missing_values)
+                                    leaves, shape.missing_values, row_offset)
     row_leaf = row_leaves.heap_index()
     if shape.leaf_refit:
         num_nodes = num_heap_nodes(shape.max_depth)
@@ -236,12 +238,15 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
     return raw_prediction + tree.value[row_leaf], trees, health
 
 
-def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row_weight, raw_prediction,
-                      feature_allowed, tree_key):
-    """Row-local body of a round (inside ``shard_map``): derivatives, K trees, refits, update."""
+def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_offsets, y, row_weight,
+                      raw_prediction, feature_allowed, tree_key):
+    """Row-local body of a round (inside ``shard_map``): derivatives, K trees, refits, update.
+    ``row_offsets``: this device's first row in a shared code table (``(1,)``; unused when
+    ``X_binned_T`` holds the device's rows only)."""
+    row_offset = row_offsets[0] if shape.shared_codes else None
     if shape.vector_leaves is not None:
-        return _grow_round_vector_tree(shape, params, X_binned_T, y, row_weight, raw_prediction, feature_allowed,
-                                       tree_key)
+        return _grow_round_vector_tree(shape, params, X_binned_T, row_offset, y, row_weight, raw_prediction,
+                                       feature_allowed, tree_key)
     objective = shape.objective
     values, g, h = loss_derivatives(objective, raw_prediction, y, params.loss_params)
     counted = row_weight > 0
@@ -255,7 +260,7 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, y, row
         tree, row_leaves, (lower, upper) = grow_tree(
             X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
             jax.random.fold_in(tree_key, output), params.growth, shape.max_depth, shape.max_bin, ROW_AXIS,
-            shape.sample_columns, missing_values=shape.missing_values)
+            shape.sample_columns, missing_values=shape.missing_values, row_offset=row_offset)
         if shape.leaf_refit:
             offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaves.heap_index(), num_nodes,
                                        output, params.growth.reg, ROW_AXIS, params.loss_params)
@@ -293,17 +298,18 @@ def uniform_of_rows(key: jax.Array, row_index: jax.Array) -> jax.Array:
 def round_function(shape: RoundShape) -> Callable:
     """The (unjitted) boosting round for one static shape."""
     rows = PartitionSpec(ROW_AXIS)
+    codes = PartitionSpec() if shape.shared_codes else PartitionSpec(None, ROW_AXIS)
     grow = jax.shard_map(
         partial(_grow_round_trees, shape),
         mesh=shape.mesh,
-        in_specs=(PartitionSpec(), PartitionSpec(None, ROW_AXIS), rows, rows, PartitionSpec(ROW_AXIS, None),
+        in_specs=(PartitionSpec(), codes, rows, rows, rows, PartitionSpec(ROW_AXIS, None),
                   PartitionSpec(), PartitionSpec()),
         out_specs=(PartitionSpec(ROW_AXIS, None), PartitionSpec(), PartitionSpec()),
         check_vma=False,
     )
 
-    def boosting_round(params: RoundParams, X_binned_T, y, sample_weight, row_index, raw_prediction, seed_key,
-                       round_index, eval_sets):
+    def boosting_round(params: RoundParams, X_binned_T, row_offsets, y, sample_weight, row_index, raw_prediction,
+                       seed_key, round_index, eval_sets):
         round_key = jax.random.fold_in(seed_key, round_index)
         row_key, column_key, tree_key = jax.random.split(round_key, 3)
         row_weight = sample_weight
@@ -313,8 +319,8 @@ def round_function(shape: RoundShape) -> Callable:
         feature_allowed = jnp.ones(X_binned_T.shape[0], bool)
         if shape.sample_columns:
             feature_allowed = sample_features(column_key, feature_allowed, params.colsample_bytree)
-        raw_prediction, trees, health = grow(params, X_binned_T, y, row_weight, raw_prediction, feature_allowed,
-                                             tree_key)
+        raw_prediction, trees, health = grow(params, X_binned_T, row_offsets, y, row_weight, raw_prediction,
+                                             feature_allowed, tree_key)
 
         eval_raw_predictions, metric_values = [], []
         for (X_binned, y_eval, weight_eval, raw_eval), metrics in zip(eval_sets, shape.metrics):
@@ -343,5 +349,5 @@ def compiled_many_rounds(shape: RoundShape, params_axes: tuple):
     treedef, leaf_axes = params_axes
     params_axes = jax.tree_util.tree_unflatten(treedef, leaf_axes)
     eval_axes = tuple((None, None, None, 0) for _ in shape.metrics)
-    batched = jax.vmap(round_function(shape), in_axes=(params_axes, None, None, 0, None, 0, 0, None, eval_axes))
+    batched = jax.vmap(round_function(shape), in_axes=(params_axes, None, None, None, 0, None, 0, 0, None, eval_axes))
     return jax.jit(batched, compiler_options=compiler_options(mesh_platform(shape.mesh)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .binning import BinEdges, apply_bins, fit_bin_edges, has_missing_code
+from .devices import code_table_width
 from .validation import check_base_margin, check_features, check_labels, check_sample_weight
 
 
@@ -25,8 +26,11 @@ class Dataset:
       base_margin: per-row offsets of the raw prediction, (n,) or (n, K).
 
     Attributes (besides the arguments): ``bin_edges``, ``max_bin``, ``X_binned`` (n, d) uint8,
-    and ``has_missing_values``: whether any value is missing (training on data without any
-    scans one missing-value direction only; the trees are the same).
+    ``X_binned_T``: the same codes as the read-only feature-major table the training kernels
+    read (``(d, width)``, columns past ``n_rows`` zero; ``X_binned`` is its transposed view, so
+    the codes are held once), and ``has_missing_values``: whether any value is missing
+    (training on data without any scans one missing-value direction only; the trees are the
+    same).
     """
 
     def __init__(self, X, y=None, sample_weight=None, max_bin: int = 256, *, reference: "Dataset | None" = None,
@@ -47,9 +51,16 @@ class Dataset:
             bin_edges = fit_bin_edges(features, max_bin=max_bin, sample_weight=sample_weight)
         self.bin_edges = bin_edges
         self.max_bin = bin_edges.max_bin
-        self.X_binned = apply_bins(features, bin_edges)
+        self.X_binned_T = apply_bins(features, bin_edges, table_width=code_table_width(self.n_rows))
+        # CPU devices train on this buffer in place: it must not change under them.
+        self.X_binned_T.flags.writeable = False
         # Without missing values the split scan need not try sending them either way.
-        self.has_missing_values = has_missing_code(self.X_binned, bin_edges.missing_bin)
+        self.has_missing_values = has_missing_code(self.X_binned_T[:, :self.n_rows], bin_edges.missing_bin)
+
+    @property
+    def X_binned(self) -> np.ndarray:
+        """The codes ``(n_rows, n_features)`` uint8: a read-only view of ``X_binned_T``."""
+        return self.X_binned_T[:, :self.n_rows].T
 
     def __repr__(self) -> str:
         return f"Dataset(n_rows={self.n_rows}, n_features={self.n_features}, max_bin={self.max_bin})"

@@ -7,7 +7,9 @@ importing jaxboost does it when it still can and the user has not configured dev
 
 Rows padded to a bucket size are spread evenly over the devices (``pad_rows_by_device``): each
 device's block holds its share of the rows followed by its padding, so no device carries all of
-the padding and the others wait for it.
+the padding and the others wait for it. The training codes are the exception on CPU: every
+device reads the Dataset's one code table in place, from the first row of its share
+(``shared_codes_on_mesh``), so the codes are held once.
 """
 
 from __future__ import annotations
@@ -154,6 +156,30 @@ def update_leading_chunks(whole, chunk_result, count: jax.Array, chunk: int):
     return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, update, whole)
 
 
+def padded_size(n_rows: int, multiple: int = 1) -> int:
+    """The bucket size for ``n_rows``: ``m * 2^e`` with ``8 <= m <= 16`` (at most 12.5% padding),
+    rounded up to a multiple of ``multiple`` (the device count)."""
+    if n_rows <= 64:
+        bucket = 64
+    else:
+        exponent = max(int(np.ceil(np.log2(n_rows))) - 4, 0)
+        step = 2 ** exponent
+        bucket = -(-n_rows // step) * step
+    return -(-bucket // multiple) * multiple
+
+
+# Columns of a Dataset's code table past its bucket size. Each device reads the window of its
+# share of the rows and then its padding, and the last device's window ends at most two columns
+# past the bucket size (``shared_codes_on_mesh``), whatever the number of devices.
+CODE_TABLE_SLACK = 64
+
+
+def code_table_width(n_rows: int) -> int:
+    """Columns of the feature-major code table that holds ``n_rows`` rows (a function of the
+    bucket size, so tables of similar sizes share compiled programs)."""
+    return padded_size(n_rows) + CODE_TABLE_SLACK
+
+
 def device_shares(n_rows: int, devices: int) -> np.ndarray:
     """How many of ``n_rows`` rows each of ``devices`` devices takes: equal shares, the first
     ``n_rows % devices`` devices one row more. Each device's block holds its share followed by
@@ -182,8 +208,8 @@ def rows_on_mesh(array: np.ndarray, size: int, mesh: Mesh, fill=0, feature_major
     size), sharded along its second axis.
 
     Each device's block is written once, into an aligned host buffer that a CPU device then
-    uses in place: a padded copy handed to ``jax.device_put`` would be copied again, and the
-    training data (``X_binned``) would exist twice."""
+    uses in place: a padded copy handed to ``jax.device_put`` would be copied again. (CPU
+    training does not copy its codes at all: ``shared_codes_on_mesh``.)"""
     devices = list(mesh.devices.flat)
     per_device = size // len(devices)
     shards = []
@@ -203,6 +229,25 @@ def rows_on_mesh(array: np.ndarray, size: int, mesh: Mesh, fill=0, feature_major
     shape = (array.shape[1], size) if feature_major else (size,) + array.shape[1:]
     sharding = row_sharding(mesh, len(shape), row_axis=1 if feature_major else 0)
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def shared_codes_on_mesh(table: np.ndarray, n_rows: int, size: int, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+    """A feature-major code table ``(d, width)`` holding ``n_rows`` rows, placed on every device
+    of a CPU mesh without a copy (each device uses the one aligned host buffer in place), and
+    each device's first row in it: the device's local rows, ``size // devices`` of them in
+    ``pad_rows_by_device``'s layout, are the table's columns from there on. Its padding rows
+    read the next device's codes (or the table's zero columns); they carry no weight.
+
+    A copy of the rows per device, as ``rows_on_mesh`` makes, would hold the training codes
+    twice: once in the Dataset and once on the devices."""
+    devices = list(mesh.devices.flat)
+    starts = np.concatenate([[0], np.cumsum(device_shares(n_rows, len(devices)))[:-1]]).astype(np.int32)
+    if starts[-1] + size // len(devices) > table.shape[1]:
+        raise ValueError(f"a code table of {table.shape[1]} columns is too narrow for {n_rows} rows padded to {size} "
+                         f"over {len(devices)} devices")
+    codes = jax.make_array_from_single_device_arrays(table.shape, replicated(mesh),
+                                                     [jax.device_put(table, device) for device in devices])
+    return codes, jax.device_put(starts, row_sharding(mesh, 1))
 
 
 def row_sharding(mesh: Mesh, ndim: int, row_axis: int = 0) -> NamedSharding:

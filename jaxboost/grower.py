@@ -218,11 +218,13 @@ class _LevelState(NamedTuple):
 def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, feature_allowed: jax.Array,
               key: jax.Array, params: GrowthParams, max_depth: int, max_bin: int,
               axis_name: str | None = None, sample_columns: bool = True,
-              leaves: VectorLeaves | None = None, missing_values: bool = True) -> tuple[Tree, RowLeaves, tuple]:
+              leaves: VectorLeaves | None = None, missing_values: bool = True,
+              row_offset: jax.Array | None = None) -> tuple[Tree, RowLeaves, tuple]:
     """Grow one tree.
 
     Args:
-      X_binned_T: uint8 ``(n_features, n_rows)``.
+      X_binned_T: uint8 ``(n_features, n_rows)``, or with ``row_offset`` a wider code table
+        whose columns ``[row_offset, row_offset + n_rows)`` are the rows (``build_histogram``).
       gradients, hessians: float32 ``(n_rows,)``, sample weights already applied; rows out of
         the sample (or padding) carry zeros. Vector leaves: ``(n_rows, K)`` gradients and
         ``(n_rows, leaves.hessian_channels)`` packed Hessians.
@@ -234,6 +236,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         apply to scalar leaves only).
       missing_values: False when no row has a missing code: the split scan then skips the
         direction for missing values (``find_best_splits``); the tree is the same.
+      row_offset: int32 scalar or None, as above.
 
     Returns:
       ``(tree, row_leaves, (lower, upper))``: the tree's node arrays (values times the learning
@@ -245,7 +248,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     When the last level that splits fits the loop (``max_depth <= 6``) it runs in the loop too,
     masked: its children are written into the tree as leaves, and it builds no histograms.
     """
-    n_features, n_rows = X_binned_T.shape
+    n_features, n_rows = X_binned_T.shape[0], gradients.shape[0]
     num_nodes = num_heap_nodes(max_depth)
     monotone = params.monotone
     if leaves is not None and monotone is not None:
@@ -326,7 +329,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         histograms = None
         if not children_split:
             child_of_row = route_rows(X_binned_T, node_of_row, split.feature, split.threshold_bin,
-                                      split.default_left, max_bin)
+                                      split.default_left, max_bin, row_offset=row_offset)
         else:
             # Histogram only the child with fewer rows; the sibling's is the parent's minus it.
             # The smaller child by Hessian sum: known on every device without counting rows.
@@ -339,7 +342,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             child_of_row, smaller = route_and_build_statistics_histogram(
                 X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin,
                 split.default_left, histogram_splits, left_is_smaller, max_bin, feature_major=sharded,
-                result_features=summed_features)
+                result_features=summed_features, row_offset=row_offset)
             if summed_nodes is None:
                 smaller = all_sum_scattered(smaller, axis_name, 1)
                 histograms = children(*sibling_histograms(state.histograms, smaller, left_is_smaller))
@@ -388,7 +391,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         return jnp.zeros((looped_capacity,) + root.shape).at[0].set(root)
 
     local_root = build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin, feature_major=sharded,
-                                            result_features=summed_features)
+                                            result_features=summed_features, row_offset=row_offset)
     root_histogram = all_sum_scattered(local_root, axis_name, 1)[0]
     # Every row lies in one bin of each feature, so the first feature's bins sum to the root's
     # totals: no separate sums over rows. Every device sums the same feature's, so all hold

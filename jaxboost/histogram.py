@@ -62,12 +62,13 @@ def _available_native_target(name: str, what: str, kernel: str) -> str | None:
 def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax.Array,
                     hessians: jax.Array, num_nodes: int, max_bin: int, row_mask: jax.Array | None = None,
                     kernel: str = "auto", threads: int = 1, feature_major: bool = False,
-                    result_features: int | None = None) -> jax.Array:
+                    result_features: int | None = None, row_offset: jax.Array | None = None) -> jax.Array:
     """Histogram of the local rows.
 
     Args:
       X_binned_T: uint8 ``(n_features, n_rows)``, feature-major so each feature's codes are
-        contiguous; codes lie in ``[0, max_bin)``.
+        contiguous; codes lie in ``[0, max_bin)``. With ``row_offset``, a wider code table
+        whose columns ``[row_offset, row_offset + n_rows)`` are the local rows.
       node_index: int32 ``(n_rows,)`` in ``[0, num_nodes)``; rows that belong to no node being
         built must be left out by ``row_mask`` or carry zero gradient and Hessian (their index
         is then irrelevant).
@@ -85,6 +86,9 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
         summing it over devices scattered by feature needs no transpose first.
       result_features: features of the result (None: ``n_features``): the codes' features, then
         zero ones (so that the features divide into equal blocks, one per device).
+      row_offset: int32 scalar, the first local row's column in ``X_binned_T`` (the devices of
+        a CPU share one table, each reading its own columns), or None when the columns are
+        the rows.
 
     Returns:
       float32 ``(num_nodes, result_features, max_bin, 2)``: ``[..., 0]`` sums of gradients,
@@ -93,8 +97,8 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
     if row_mask is not None and jnp.shape(row_mask) != jnp.shape(node_index):
         raise ValueError(f"row_mask must hold one flag per row, shape {node_index.shape}; got {jnp.shape(row_mask)}")
     target = _choose_native_target(HISTOGRAM_TARGET, "histogram", kernel, threads, X_binned_T, max_bin)
-    args = (X_binned_T, node_index.astype(jnp.int32), gradients.astype(jnp.float32),
-            hessians.astype(jnp.float32))
+    args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
+            gradients.astype(jnp.float32), hessians.astype(jnp.float32))
     mask = jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool)
     result_features = X_binned_T.shape[0] if result_features is None else result_features
     xla = _with_features(partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features)
@@ -110,8 +114,8 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
                               hessians: jax.Array, split_feature: jax.Array, split_threshold_bin: jax.Array,
                               split_default_left: jax.Array, splits: jax.Array, left_is_smaller: jax.Array,
                               max_bin: int, kernel: str = "auto", threads: int = 1,
-                              feature_major: bool = False,
-                              result_features: int | None = None) -> tuple[jax.Array, jax.Array]:
+                              feature_major: bool = False, result_features: int | None = None,
+                              row_offset: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Route the local rows to the children of a level's splits, and histogram the smaller children.
 
     One pass over the rows does what would otherwise be a gather, several element-wise ops and
@@ -128,7 +132,7 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         device when rows are sharded (e.g. from the split's global left/right sums), so that
         every device builds the same children.
       max_bin: static number of bins; the missing code is ``max_bin - 1``.
-      kernel, threads, feature_major, result_features: as for ``build_histogram``.
+      kernel, threads, feature_major, result_features, row_offset: as for ``build_histogram``.
 
     Returns:
       ``(child_of_row, smaller)``: int32 ``(n_rows,)`` and float32
@@ -140,8 +144,8 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         if jnp.shape(value) != (num_nodes,):
             raise ValueError(f"{name} must have shape ({num_nodes},) like splits; got {jnp.shape(value)}")
     target = _choose_native_target(ROUTE_HISTOGRAM_TARGET, "route", kernel, threads, X_binned_T, max_bin)
-    args = (X_binned_T, node_of_row.astype(jnp.int32), gradients.astype(jnp.float32), hessians.astype(jnp.float32),
-            split_feature.astype(jnp.int32), split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool),
+    args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_of_row), node_of_row.astype(jnp.int32),
+            gradients.astype(jnp.float32), hessians.astype(jnp.float32), split_feature.astype(jnp.int32), split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool),
             splits.astype(bool), left_is_smaller.astype(bool))
     result_features = X_binned_T.shape[0] if result_features is None else result_features
     xla = _with_features(partial(_xla_route_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features)
@@ -155,14 +159,15 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
 
 def route_rows(X_binned_T: jax.Array, node_of_row: jax.Array, split_feature: jax.Array,
                split_threshold_bin: jax.Array, split_default_left: jax.Array, max_bin: int,
-               kernel: str = "auto") -> jax.Array:
+               kernel: str = "auto", row_offset: jax.Array | None = None) -> jax.Array:
     """The routing of ``route_and_build_histogram`` without histograms (the last level):
-    ``child_of_row = 2 * node_of_row + goes_right``. ``kernel`` as for ``build_histogram``.
+    ``child_of_row = 2 * node_of_row + goes_right``. ``kernel`` and ``row_offset`` as for
+    ``build_histogram``.
 
     On CPU a native kernel does it: XLA fuses the level's split search into the per-row gather
     and recomputes it for every row (about 7 ms a tree at 400k rows per core)."""
-    args = (X_binned_T, node_of_row.astype(jnp.int32), split_feature.astype(jnp.int32),
-            split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool))
+    args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_of_row), node_of_row.astype(jnp.int32),
+            split_feature.astype(jnp.int32), split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool))
 
     def xla(*inputs):
         return _xla_route(*inputs, max_bin=max_bin)[0]
@@ -174,7 +179,7 @@ def route_rows(X_binned_T: jax.Array, node_of_row: jax.Array, split_feature: jax
     def native(*inputs):
         result = jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32)
         # Routing reads each row's node before writing its child: in place.
-        child_of_row = jax.ffi.ffi_call(target, result, vmap_method="sequential", input_output_aliases={1: 0})(
+        child_of_row = jax.ffi.ffi_call(target, result, vmap_method="sequential", input_output_aliases={2: 0})(
             *inputs, missing_bin=np.int64(max_bin - 1))
         return as_varying_as(child_of_row, inputs)
 
@@ -237,20 +242,39 @@ def first_maximum(values: jax.Array, kernel: str = "auto") -> tuple[jax.Array, j
     return lax.platform_dependent(values, cpu=native, default=xla)
 
 
-def _xla_route(X_binned_T, node_of_row, feature, threshold_bin, default_left, *, max_bin):
+def _offset_operand(X_binned_T, row_offset, rows: jax.Array) -> jax.Array:
+    """``row_offset`` as the kernels' int32 ``(1,)`` operand (0 when None, after checking that
+    the code table's columns are the rows)."""
+    if row_offset is None:
+        if jnp.shape(X_binned_T)[1] != jnp.shape(rows)[0]:
+            raise ValueError(f"X_binned_T has {jnp.shape(X_binned_T)[1]} rows (columns) but the per-row arrays "
+                             f"{jnp.shape(rows)[0]}; pass row_offset to read a window of a wider table")
+        return jnp.zeros((1,), jnp.int32)
+    return jnp.reshape(jnp.asarray(row_offset, jnp.int32), (1,))
+
+
+def _local_codes(X_binned_T, row_offset, n_rows: int):
+    """The columns of the local rows (the XLA kernels' view of ``row_offset``): a copy when
+    the table is wider than the rows, which only the native kernels avoid."""
+    if X_binned_T.shape[1] == n_rows:
+        return X_binned_T
+    return lax.dynamic_slice_in_dim(X_binned_T, row_offset[0], n_rows, axis=1)
+
+
+def _xla_route(X_binned_T, row_offset, node_of_row, feature, threshold_bin, default_left, *, max_bin):
     """``(child_of_row, goes_right)``: codes equal to ``max_bin - 1`` are missing and follow the
     node's default direction."""
-    code = X_binned_T[feature[node_of_row], jnp.arange(node_of_row.shape[0])]
+    code = X_binned_T[feature[node_of_row], row_offset[0] + jnp.arange(node_of_row.shape[0])]
     goes_right = jnp.where(code == max_bin - 1, ~default_left[node_of_row], code > threshold_bin[node_of_row])
     return 2 * node_of_row + goes_right.astype(jnp.int32), goes_right
 
 
-def _xla_route_histogram(X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left, splits,
-                         left_is_smaller, *, num_nodes, max_bin):
-    child_of_row, goes_right = _xla_route(X_binned_T, node_of_row, feature, threshold_bin, default_left,
+def _xla_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin,
+                         default_left, splits, left_is_smaller, *, num_nodes, max_bin):
+    child_of_row, goes_right = _xla_route(X_binned_T, row_offset, node_of_row, feature, threshold_bin, default_left,
                                           max_bin=max_bin)
     in_smaller_child = splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
-    return child_of_row, _xla_histogram(X_binned_T, node_of_row, gradients, hessians, in_smaller_child,
+    return child_of_row, _xla_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, in_smaller_child,
                                         num_nodes=num_nodes, max_bin=max_bin)
 
 
@@ -271,19 +295,19 @@ def _with_features(kernel, result_features: int):
 _HISTOGRAM_LAYOUTS = {False: (0, 1, 2, 3), True: (1, 0, 2, 3)}
 
 
-def _native_route_histogram(X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left,
-                            splits, left_is_smaller, *, target, num_nodes, max_bin, threads, feature_major,
-                            result_features):
+def _native_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin,
+                            default_left, splits, left_is_smaller, *, target, num_nodes, max_bin, threads,
+                            feature_major, result_features):
     results = (jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32),
                jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, 2), jnp.float32))
-    inputs = (X_binned_T, node_of_row, gradients, hessians, feature, threshold_bin, default_left, splits,
-              left_is_smaller)
+    inputs = (X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin, default_left,
+              splits, left_is_smaller)
     # One thread reads each row's node before writing its child, so the children may overwrite
     # the nodes: XLA then updates the level loop's row positions in place instead of copying
     # them into the loop state every level. Several threads all read every row's node.
     outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential",
                                output_layouts=[None, _HISTOGRAM_LAYOUTS[feature_major]],
-                               input_output_aliases={1: 0} if threads == 1 else None)(
+                               input_output_aliases={2: 0} if threads == 1 else None)(
         *inputs, missing_bin=np.int64(max_bin - 1), threads=np.int64(threads), feature_major=np.int64(feature_major))
     return tuple(as_varying_as(output, inputs) for output in outputs)
 
@@ -296,15 +320,15 @@ def as_varying_as(result, inputs):
     return lax.pcast(result, missing, to="varying") if missing else result
 
 
-def _native_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, target, num_nodes, max_bin,
-                      threads, feature_major, result_features):
+def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, *, target, num_nodes,
+                      max_bin, threads, feature_major, result_features):
     result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, 2), jnp.float32)
     # Under vmap (several models trained at once) the kernel runs once per batch member.
     histogram = jax.ffi.ffi_call(target, result, vmap_method="sequential",
                                  output_layouts=_HISTOGRAM_LAYOUTS[feature_major])(
-        X_binned_T, node_index, gradients, hessians, row_mask, threads=np.int64(threads),
+        X_binned_T, row_offset, node_index, gradients, hessians, row_mask, threads=np.int64(threads),
         feature_major=np.int64(feature_major))
-    return as_varying_as(histogram, (X_binned_T, node_index, gradients, hessians, row_mask))
+    return as_varying_as(histogram, (X_binned_T, row_offset, node_index, gradients, hessians, row_mask))
 
 
 def _varying_axes(x) -> frozenset:
@@ -314,7 +338,8 @@ def _varying_axes(x) -> frozenset:
     return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
 
 
-def _xla_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin):
+def _xla_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin):
+    X_binned_T = _local_codes(X_binned_T, row_offset, node_index.shape[0])
     if row_mask.shape[0]:
         gradients = jnp.where(row_mask, gradients, 0.0)
         hessians = jnp.where(row_mask, hessians, 0.0)
@@ -355,7 +380,7 @@ def statistic_pairs(statistics) -> StatisticPairs:
 def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
                                statistics: jax.Array | StatisticPairs, num_nodes: int, max_bin: int,
                                row_mask: jax.Array | None = None, feature_major: bool = False,
-                               result_features: int | None = None) -> jax.Array:
+                               result_features: int | None = None, row_offset: jax.Array | None = None) -> jax.Array:
     """``build_histogram`` for any number of per-row channels (vector leaves: K gradients and
     the packed Hessian), two channels per kernel pass.
 
@@ -364,7 +389,7 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
     """
     statistics = statistic_pairs(statistics)
     parts = [build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask,
-                             feature_major=feature_major, result_features=result_features)
+                             feature_major=feature_major, result_features=result_features, row_offset=row_offset)
              for first, second in statistics.pairs]
     return _join_channels(parts, statistics.channels)
 
@@ -378,20 +403,20 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
                                          split_feature: jax.Array, split_threshold_bin: jax.Array,
                                          split_default_left: jax.Array, splits: jax.Array,
                                          left_is_smaller: jax.Array, max_bin: int,
-                                         feature_major: bool = False,
-                                         result_features: int | None = None) -> tuple[jax.Array, jax.Array]:
+                                         feature_major: bool = False, result_features: int | None = None,
+                                         row_offset: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
     while routing, the others afterwards over the rows of the smaller children only."""
     statistics = statistic_pairs(statistics)
     pairs = statistics.pairs
     child_of_row, first = route_and_build_histogram(
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
-        left_is_smaller, max_bin, feature_major=feature_major, result_features=result_features)
+        left_is_smaller, max_bin, feature_major=feature_major, result_features=result_features, row_offset=row_offset)
     if len(pairs) == 1:
         return child_of_row, _join_channels([first], statistics.channels)
     goes_right = (child_of_row - 2 * node_of_row) == 1
     in_smaller_child = splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
     rest = [build_histogram(X_binned_T, node_of_row, g, h, splits.shape[0], max_bin, in_smaller_child,
-                            feature_major=feature_major, result_features=result_features)
+                            feature_major=feature_major, result_features=result_features, row_offset=row_offset)
             for g, h in pairs[1:]]
     return child_of_row, _join_channels([first] + rest, statistics.channels)

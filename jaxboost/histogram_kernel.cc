@@ -8,6 +8,8 @@
 // every selected row, (g, h) as one 64-bit vector add (see kFeatureGroup for why a few).
 // Threads, when asked for, each take a range of features (disjoint cells, no reduction). A
 // level's routing runs in the gathering pass, so each row's node is read once.
+// The codes are a feature-major table that may be wider than the local rows: the devices of a
+// CPU share one table, each reading the columns from its first row on (a row offset operand).
 
 #include <algorithm>
 #include <cmath>
@@ -75,10 +77,10 @@ struct GatheredRow {
 // rows are every row from `first_row` on, all in node 0 (the root), with their (g, h) in
 // `pairs`, so there are no row ids or nodes to read.
 template <int Group, bool AllRows>
-void AccumulateGroup(const uint8_t* codes, int64_t n_rows, int64_t first, int64_t first_row,
+void AccumulateGroup(const uint8_t* codes, int64_t stride, int64_t first, int64_t first_row,
                      const GatheredRow* gathered, const float* pairs, int64_t count, CellLayout layout,
                      float* hist) {
-  const uint8_t* group_codes = codes + first * n_rows + first_row;
+  const uint8_t* group_codes = codes + first * stride + first_row;
   float* group_hist = hist + first * layout.feature_stride;
   for (int64_t j = 0; j < count; ++j) {
     const uint8_t* row_codes = group_codes + (AllRows ? j : gathered[j].row);
@@ -86,7 +88,7 @@ void AccumulateGroup(const uint8_t* codes, int64_t n_rows, int64_t first, int64_
     const float* pair = AllRows ? pairs + 2 * j : gathered[j].pair;
 #pragma GCC unroll 8
     for (int k = 0; k < Group; ++k) {
-      AddPair(node_hist + k * layout.feature_stride + 2 * static_cast<int64_t>(row_codes[k * n_rows]), pair);
+      AddPair(node_hist + k * layout.feature_stride + 2 * static_cast<int64_t>(row_codes[k * stride]), pair);
     }
   }
 }
@@ -100,15 +102,15 @@ constexpr int64_t kFeatureGroup = 4;
 // Adds the selected rows of a block to features [feature_begin, feature_end); `AllRows`: the
 // block's rows are every row from `first_row` on, all in node 0.
 template <bool AllRows>
-void AccumulateBlock(const uint8_t* codes, int64_t n_rows, int64_t feature_begin, int64_t feature_end,
+void AccumulateBlock(const uint8_t* codes, int64_t stride, int64_t feature_begin, int64_t feature_end,
                      int64_t first_row, const GatheredRow* gathered, const float* pairs, int64_t count,
                      CellLayout layout, float* hist) {
   int64_t f = feature_begin;
   for (; f + kFeatureGroup <= feature_end; f += kFeatureGroup) {
-    AccumulateGroup<kFeatureGroup, AllRows>(codes, n_rows, f, first_row, gathered, pairs, count, layout, hist);
+    AccumulateGroup<kFeatureGroup, AllRows>(codes, stride, f, first_row, gathered, pairs, count, layout, hist);
   }
   for (; f < feature_end; ++f) {
-    AccumulateGroup<1, AllRows>(codes, n_rows, f, first_row, gathered, pairs, count, layout, hist);
+    AccumulateGroup<1, AllRows>(codes, stride, f, first_row, gathered, pairs, count, layout, hist);
   }
 }
 
@@ -133,12 +135,12 @@ std::vector<int32_t> ClampedFeatures(const int32_t* feature, int64_t num_nodes, 
 
 // Row i's child (2 * node + goes_right, as the grower numbers the next level); `in_smaller_child`
 // says whether it lands in the smaller child of a node that splits.
-inline int32_t RouteRow(const uint8_t* codes, int64_t n_rows, const int32_t* node_of_row, const SplitsOfLevel& level,
+inline int32_t RouteRow(const uint8_t* codes, int64_t stride, const int32_t* node_of_row, const SplitsOfLevel& level,
                         int64_t i, bool* in_smaller_child) {
   const int32_t node = node_of_row[i];
   const bool in_range = node >= 0 && node < level.num_nodes;
   const int32_t safe_node = in_range ? node : 0;
-  const int64_t code = codes[static_cast<int64_t>(level.feature[safe_node]) * n_rows + i];
+  const int64_t code = codes[static_cast<int64_t>(level.feature[safe_node]) * stride + i];
   const bool goes_right = code == level.missing_bin ? !level.default_left[safe_node]
                                                     : code > level.threshold_bin[safe_node];
   if (in_smaller_child != nullptr) {
@@ -148,18 +150,19 @@ inline int32_t RouteRow(const uint8_t* codes, int64_t n_rows, const int32_t* nod
 }
 
 // Rows [row_begin, row_end) routed, without histograms (the last level).
-void RouteRows(const uint8_t* codes, int64_t n_rows, const int32_t* node_of_row, const SplitsOfLevel& level,
+void RouteRows(const uint8_t* codes, int64_t stride, const int32_t* node_of_row, const SplitsOfLevel& level,
                int64_t row_begin, int64_t row_end, int32_t* child_of_row) {
-  for (int64_t i = row_begin; i < row_end; ++i) child_of_row[i] = RouteRow(codes, n_rows, node_of_row, level, i, nullptr);
+  for (int64_t i = row_begin; i < row_end; ++i) child_of_row[i] = RouteRow(codes, stride, node_of_row, level, i, nullptr);
 }
 
 struct HistogramProblem {
-  const uint8_t* codes;
+  const uint8_t* codes;  // the local rows' codes: feature f of row i at codes[f * code_stride + i]
   const int32_t* node_of_row;
   const float* gradients;
   const float* hessians;
   const bool* row_mask;  // nullptr: every row
   int64_t n_rows, n_features, num_nodes;
+  int64_t code_stride;
   float* hist;  // (num_nodes, out_features, kCodeSlots, 2) laid out as `layout`, zeroed
   bool feature_major = false;
   // Features of the result: n_features and zeroed ones after them (blocks of equal size for
@@ -196,7 +199,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
         pairs[2 * (i - start)] = take ? p.gradients[i] : 0.0f;
         pairs[2 * (i - start) + 1] = take ? p.hessians[i] : 0.0f;
       }
-      AccumulateBlock<true>(p.codes, p.n_rows, feature_begin, feature_end, start, nullptr, pairs.data(),
+      AccumulateBlock<true>(p.codes, p.code_stride, feature_begin, feature_end, start, nullptr, pairs.data(),
                             stop - start, p.layout, p.hist);
       continue;
     }
@@ -208,7 +211,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       const int32_t node = p.node_of_row[i];
       bool take;
       if (p.route != nullptr) {
-        const int32_t child = RouteRow(p.codes, p.n_rows, p.node_of_row, *p.route, i, &take);
+        const int32_t child = RouteRow(p.codes, p.code_stride, p.node_of_row, *p.route, i, &take);
         if (writes_children) p.child_of_row[i] = child;
       } else {
         take = (p.row_mask == nullptr || p.row_mask[i]) && node >= 0 && node < p.num_nodes;
@@ -218,7 +221,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       // Bitwise, not short-circuit: a branch here, taken at random, cost a quarter of a level.
       count += static_cast<int>(take) & (static_cast<int>(g != 0.0f) | static_cast<int>(h != 0.0f));
     }
-    AccumulateBlock<false>(p.codes, p.n_rows, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
+    AccumulateBlock<false>(p.codes, p.code_stride, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
                            p.layout, p.hist);
   }
 }
@@ -259,19 +262,43 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
   }
 }
 
-ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_of_row,
-                         ffi::Buffer<ffi::F32> gradients, ffi::Buffer<ffi::F32> hessians,
-                         ffi::Buffer<ffi::PRED> row_mask, int64_t threads, int64_t feature_major,
-                         ffi::ResultBuffer<ffi::F32> histogram) {
-  const auto code_dims = codes.dimensions();
-  const auto out_dims = histogram->dimensions();
-  if (code_dims.size() != 2 || out_dims.size() != 4) {
-    return ffi::Error::InvalidArgument("histogram kernel: codes must be 2-D and the histogram 4-D");
+// The local rows' codes: columns [row_offset, row_offset + n_rows) of a (features, width) code
+// table, so that the devices of one host can all read one table in place (each from its own
+// first row) rather than each holding a copy of its rows.
+struct LocalCodes {
+  const uint8_t* codes;
+  int64_t stride;
+  int64_t n_features;
+};
+
+ffi::Error FindLocalCodes(const ffi::Buffer<ffi::U8>& codes, const ffi::Buffer<ffi::S32>& row_offset, int64_t n_rows,
+                          const std::string& kernel, LocalCodes* local) {
+  const auto dims = codes.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument(kernel + ": codes must be 2-D");
+  if (row_offset.element_count() != 1) return ffi::Error::InvalidArgument(kernel + ": one row offset expected");
+  const int64_t offset = row_offset.typed_data()[0];
+  if (offset < 0 || offset + n_rows > dims[1]) {
+    return ffi::Error::InvalidArgument(kernel + ": the rows lie outside the code table");
   }
-  const int64_t n_features = code_dims[0], n_rows = code_dims[1];
+  if (n_rows > INT32_MAX) return ffi::Error::InvalidArgument(kernel + ": more than 2^31 - 1 rows");
+  *local = LocalCodes{codes.typed_data() + offset, dims[1], dims[0]};
+  return ffi::Error::Success();
+}
+
+ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset,
+                         ffi::Buffer<ffi::S32> node_of_row, ffi::Buffer<ffi::F32> gradients,
+                         ffi::Buffer<ffi::F32> hessians, ffi::Buffer<ffi::PRED> row_mask, int64_t threads,
+                         int64_t feature_major, ffi::ResultBuffer<ffi::F32> histogram) {
+  const auto out_dims = histogram->dimensions();
+  if (out_dims.size() != 4) return ffi::Error::InvalidArgument("histogram kernel: the histogram must be 4-D");
+  const int64_t n_rows = static_cast<int64_t>(node_of_row.element_count());
+  LocalCodes local;
+  if (ffi::Error error = FindLocalCodes(codes, row_offset, n_rows, "histogram kernel", &local); error.failure()) {
+    return error;
+  }
+  const int64_t n_features = local.n_features;
   const int64_t num_nodes = out_dims[0], max_bin = out_dims[2];
   if (out_dims[1] < n_features || out_dims[3] != 2 || max_bin > kCodeSlots ||
-      static_cast<int64_t>(node_of_row.element_count()) != n_rows ||
       static_cast<int64_t>(gradients.element_count()) != n_rows ||
       static_cast<int64_t>(hessians.element_count()) != n_rows) {
     return ffi::Error::InvalidArgument("histogram kernel: inconsistent shapes");
@@ -280,28 +307,30 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_
   if (mask_size != 0 && mask_size != n_rows) {
     return ffi::Error::InvalidArgument("histogram kernel: the row mask must be empty or one flag per row");
   }
-  if (n_rows > INT32_MAX) return ffi::Error::InvalidArgument("histogram kernel: more than 2^31 - 1 rows");
   const bool* mask = mask_size == 0 ? nullptr : row_mask.typed_data();
-  HistogramProblem problem{codes.typed_data(), node_of_row.typed_data(), gradients.typed_data(),
-                           hessians.typed_data(), mask, n_rows, n_features, num_nodes, nullptr};
+  HistogramProblem problem{local.codes, node_of_row.typed_data(), gradients.typed_data(),
+                           hessians.typed_data(), mask, n_rows, n_features, num_nodes, local.stride, nullptr};
   problem.feature_major = feature_major != 0;
   problem.out_features = out_dims[1];
   BuildHistogram(problem, max_bin, threads, histogram->typed_data());
   return ffi::Error::Success();
 }
 
-ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_of_row,
+ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset,
+                              ffi::Buffer<ffi::S32> node_of_row,
                               ffi::Buffer<ffi::F32> gradients, ffi::Buffer<ffi::F32> hessians,
                               ffi::Buffer<ffi::S32> feature, ffi::Buffer<ffi::S32> threshold_bin,
                               ffi::Buffer<ffi::PRED> default_left, ffi::Buffer<ffi::PRED> splits,
                               ffi::Buffer<ffi::PRED> left_is_smaller, int64_t missing_bin, int64_t threads,
                               int64_t feature_major, ffi::ResultBuffer<ffi::S32> child_of_row, ffi::ResultBuffer<ffi::F32> histogram) {
-  const auto code_dims = codes.dimensions();
   const auto out_dims = histogram->dimensions();
-  if (code_dims.size() != 2 || out_dims.size() != 4) {
-    return ffi::Error::InvalidArgument("route kernel: codes must be 2-D and the histogram 4-D");
+  if (out_dims.size() != 4) return ffi::Error::InvalidArgument("route kernel: the histogram must be 4-D");
+  const int64_t n_rows = static_cast<int64_t>(node_of_row.element_count());
+  LocalCodes local;
+  if (ffi::Error error = FindLocalCodes(codes, row_offset, n_rows, "route kernel", &local); error.failure()) {
+    return error;
   }
-  const int64_t n_features = code_dims[0], n_rows = code_dims[1];
+  const int64_t n_features = local.n_features;
   const int64_t num_nodes = out_dims[0], max_bin = out_dims[2];
   const int64_t per_node[] = {static_cast<int64_t>(feature.element_count()),
                               static_cast<int64_t>(threshold_bin.element_count()),
@@ -312,25 +341,23 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
     if (count != num_nodes) return ffi::Error::InvalidArgument("route kernel: one split per node expected");
   }
   if (out_dims[1] < n_features || out_dims[3] != 2 || max_bin > kCodeSlots ||
-      static_cast<int64_t>(node_of_row.element_count()) != n_rows ||
       static_cast<int64_t>(child_of_row->element_count()) != n_rows ||
       static_cast<int64_t>(gradients.element_count()) != n_rows ||
       static_cast<int64_t>(hessians.element_count()) != n_rows) {
     return ffi::Error::InvalidArgument("route kernel: inconsistent shapes");
   }
   if (n_features == 0) return ffi::Error::InvalidArgument("route kernel: no features");
-  if (n_rows > INT32_MAX) return ffi::Error::InvalidArgument("route kernel: more than 2^31 - 1 rows");
   const std::vector<int32_t> safe_feature = ClampedFeatures(feature.typed_data(), num_nodes, n_features);
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
                             splits.typed_data(), left_is_smaller.typed_data(), num_nodes, missing_bin};
   if (std::none_of(splits.typed_data(), splits.typed_data() + num_nodes, [](bool split) { return split; })) {
     // No smaller children (a looped last level): routing alone, without gathering rows.
     std::memset(histogram->typed_data(), 0, sizeof(float) * static_cast<size_t>(histogram->element_count()));
-    RouteRows(codes.typed_data(), n_rows, node_of_row.typed_data(), level, 0, n_rows, child_of_row->typed_data());
+    RouteRows(local.codes, local.stride, node_of_row.typed_data(), level, 0, n_rows, child_of_row->typed_data());
     return ffi::Error::Success();
   }
-  HistogramProblem problem{codes.typed_data(), node_of_row.typed_data(), gradients.typed_data(),
-                           hessians.typed_data(), nullptr, n_rows, n_features, num_nodes, nullptr};
+  HistogramProblem problem{local.codes, node_of_row.typed_data(), gradients.typed_data(),
+                           hessians.typed_data(), nullptr, n_rows, n_features, num_nodes, local.stride, nullptr};
   problem.route = &level;
   problem.child_of_row = child_of_row->typed_data();
   problem.feature_major = feature_major != 0;
@@ -340,17 +367,20 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
 }
 
 // Routing alone, for the last level (whose children get no histograms).
-ffi::Error RouteImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_of_row, ffi::Buffer<ffi::S32> feature,
-                     ffi::Buffer<ffi::S32> threshold_bin, ffi::Buffer<ffi::PRED> default_left, int64_t missing_bin,
+ffi::Error RouteImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset, ffi::Buffer<ffi::S32> node_of_row,
+                     ffi::Buffer<ffi::S32> feature, ffi::Buffer<ffi::S32> threshold_bin,
+                     ffi::Buffer<ffi::PRED> default_left, int64_t missing_bin,
                      ffi::ResultBuffer<ffi::S32> child_of_row) {
-  const auto code_dims = codes.dimensions();
-  if (code_dims.size() != 2) return ffi::Error::InvalidArgument("route kernel: codes must be 2-D");
-  const int64_t n_features = code_dims[0], n_rows = code_dims[1];
+  const int64_t n_rows = static_cast<int64_t>(node_of_row.element_count());
+  LocalCodes local;
+  if (ffi::Error error = FindLocalCodes(codes, row_offset, n_rows, "route kernel", &local); error.failure()) {
+    return error;
+  }
+  const int64_t n_features = local.n_features;
   const int64_t num_nodes = static_cast<int64_t>(feature.element_count());
   if (n_features == 0) return ffi::Error::InvalidArgument("route kernel: no features");
   if (static_cast<int64_t>(threshold_bin.element_count()) != num_nodes ||
       static_cast<int64_t>(default_left.element_count()) != num_nodes ||
-      static_cast<int64_t>(node_of_row.element_count()) != n_rows ||
       static_cast<int64_t>(child_of_row->element_count()) != n_rows) {
     return ffi::Error::InvalidArgument("route kernel: inconsistent shapes");
   }
@@ -358,7 +388,7 @@ ffi::Error RouteImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> node_of_r
   // No smaller children: the split flags are never read.
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
                             nullptr, nullptr, num_nodes, missing_bin};
-  RouteRows(codes.typed_data(), n_rows, node_of_row.typed_data(), level, 0, n_rows, child_of_row->typed_data());
+  RouteRows(local.codes, local.stride, node_of_row.typed_data(), level, 0, n_rows, child_of_row->typed_data());
   return ffi::Error::Success();
 }
 
@@ -468,6 +498,7 @@ XLA_FFI_DEFINE_HANDLER(kRouteHandler, RouteImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::Buffer<ffi::PRED>>()
                            .Attr<int64_t>("missing_bin")
                            .Ret<ffi::Buffer<ffi::S32>>());
@@ -475,6 +506,7 @@ XLA_FFI_DEFINE_HANDLER(kRouteHandler, RouteImpl,
 XLA_FFI_DEFINE_HANDLER(kRouteHistogramHandler, RouteHistogramImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::U8>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::F32>>()
@@ -492,6 +524,7 @@ XLA_FFI_DEFINE_HANDLER(kRouteHistogramHandler, RouteHistogramImpl,
 XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::U8>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::F32>>()

@@ -16,22 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .binning import BinEdges, apply_bins
-from .devices import device_shares, replicated, row_mesh, row_sharding, rows_on_mesh
+from .devices import device_shares, padded_size, replicated, row_mesh, row_sharding, rows_on_mesh
 from .predictor import native_feature_predictor, packed_nodes, predict_leaf_binned, predict_raw_binned
 from .tree import Tree
 from .validation import check_base_margin, check_features
-
-
-def padded_size(n_rows: int, multiple: int = 1) -> int:
-    """The bucket size for ``n_rows``: ``m * 2^e`` with ``8 <= m <= 16`` (at most 12.5% padding),
-    rounded up to a multiple of ``multiple`` (the device count)."""
-    if n_rows <= 64:
-        bucket = 64
-    else:
-        exponent = max(int(np.ceil(np.log2(n_rows))) - 4, 0)
-        step = 2 ** exponent
-        bucket = -(-n_rows // step) * step
-    return -(-bucket // multiple) * multiple
 
 
 @dataclass(frozen=True)

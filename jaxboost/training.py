@@ -2,8 +2,8 @@
 
 The host validates input, bins it once, pads rows to a bucket size (zero-weight rows, spread
 evenly: each device's block holds its share of the rows, then its padding), places the data on
-the devices, finds the starting value and then calls the compiled round once per
-round. Per round only a few scalars come back: the eval metrics and the loss's health counts,
+the devices (CPU devices read the Dataset's code table in place, each from its first row),
+finds the starting value and then calls the compiled round once per round. Per round only a few scalars come back: the eval metrics and the loss's health counts,
 so a custom loss that returns non-finite gradients or negative Hessians stops training at that
 round with an error naming it. Callbacks (``callbacks.py``) run around every round; early
 stopping and the evaluation log are callbacks. Training can continue from a model
@@ -23,10 +23,13 @@ from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_round, l
                        starting_value)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
-from .devices import pad_rows_by_device, replicated, row_mesh, row_sharding, rows_on_mesh
+from .devices import (mesh_platform, pad_rows_by_device, padded_size, replicated, row_mesh, row_sharding, rows_on_mesh,
+                      shared_codes_on_mesh)
 from .grower import GrowthParams, empty_tree
+from .histogram import HISTOGRAM_TARGET
 from .host_memory import release_free_memory
-from .model import Model, padded_size
+from .model import Model
+from .native import native_target
 from .objective import ResolvedLoss, higher_is_better, resolve_loss, resolve_metrics
 from .predictor import predict_raw_binned
 from .regularizer import Regularization, VectorLeaves, check_regularization, check_vector_regularization
@@ -83,11 +86,17 @@ class _DeviceRows:
         put_rows = (lambda a: jax.device_put(a, row_sharding(mesh, a.ndim))) if shard else jnp.asarray
         self.put_rows = put_rows
         self.X_binned = dataset.X_binned  # unpadded: the padded copies below are built once and handed over
-        if shard:
+        # CPU devices with the native kernels all read the Dataset's code table in place, each
+        # from its first row; elsewhere each device gets a copy of its rows.
+        self.shared_codes = shard and mesh_platform(mesh) == "cpu" and native_target(HISTOGRAM_TARGET) is not None
+        self.X_binned_T_device = self.X_binned_device = self.row_offsets_device = None
+        if self.shared_codes:
+            self.X_binned_T_device, self.row_offsets_device = shared_codes_on_mesh(dataset.X_binned_T, self.n_rows,
+                                                                                   size, mesh)
+        elif shard:
             self.X_binned_T_device = rows_on_mesh(dataset.X_binned, size, mesh, feature_major=True)
-            self.X_binned_device = None
+            self.row_offsets_device = put_rows(np.zeros(self.devices, np.int32))
         else:
-            self.X_binned_T_device = None
             self.X_binned_device = jnp.asarray(self.pad(dataset.X_binned, 0, size))
         self.y_device = put_rows(self.y)
         self.sample_weight_device = put_rows(self.sample_weight)
@@ -392,7 +401,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        leaf_refit=bool(leaf_refit),
                        sample_columns=min(colsample_bytree, colsample_bylevel, colsample_bynode) < 1,
                        sample_rows=subsample < 1, metrics=(metrics,) * len(eval_rows), mesh=mesh,
-                       hessian_mode=hessian, vector_leaves=leaves, missing_values=dataset.has_missing_values)
+                       hessian_mode=hessian, vector_leaves=leaves, missing_values=dataset.has_missing_values,
+                       shared_codes=train_rows.shared_codes)
     boosting_round = compiled_round(shape)
     schedule = _Schedule(learning_rate)
     first_round = 0 if init_model is None else init_model.num_rounds
@@ -468,8 +478,9 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         eval_data = tuple((rows.X_binned_device, rows.y_device, rows.sample_weight_device, raw)
                           for rows, raw in zip(eval_rows, eval_raw))
         raw_prediction, trees, health, eval_raw, metric_values = boosting_round(
-            params, train_rows.X_binned_T_device, train_rows.y_device, train_rows.sample_weight_device,
-            train_rows.row_index_device, raw_prediction, seed_key, np.int32(round_index), eval_data)
+            params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
+            train_rows.sample_weight_device, train_rows.row_index_device, raw_prediction, seed_key,
+            np.int32(round_index), eval_data)
         # Ask for the flags now: a copy requested only when they are read would queue behind the
         # next round, and the host would wait for that round before dispatching another.
         for flag in health:

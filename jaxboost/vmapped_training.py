@@ -180,7 +180,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        leaf_refit=bool(leaf_refit), sample_columns=min(sampled) < 1,
                        sample_rows=min(v["subsample"] for v in per_model) < 1, metrics=(metrics,) * len(eval_rows),
                        mesh=mesh, hessian_mode=hessian, vector_leaves=leaves,
-                       missing_values=dataset.has_missing_values)
+                       missing_values=dataset.has_missing_values, shared_codes=rows.shared_codes)
     boosting_rounds = compiled_many_rounds(shape, params_axes)
 
     history = [[] for _ in eval_rows]
@@ -189,8 +189,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         eval_data = tuple((r.X_binned_device, r.y_device, r.sample_weight_device, raw)
                           for r, raw in zip(eval_rows, eval_raw))
         raw_prediction, trees, health, eval_raw, metric_values = boosting_rounds(
-            params, rows.X_binned_T_device, rows.y_device, weights_device, rows.row_index_device, raw_prediction,
-            seed_keys, jnp.int32(round_index), eval_data)
+            params, rows.X_binned_T_device, rows.row_offsets_device, rows.y_device, weights_device,
+            rows.row_index_device, raw_prediction, seed_keys, jnp.int32(round_index), eval_data)
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)
         release_memory_now_and_then(round_index)

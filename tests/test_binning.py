@@ -103,8 +103,10 @@ def test_zero_weight_rows_do_not_place_edges():
 
 
 def test_binning_in_row_blocks_matches_one_block(monkeypatch):
-    """``apply_bins`` and ``has_missing_code`` work through rows in blocks: blocks that do not
-    divide the rows give the same codes as one block (searchsorted per column in NumPy)."""
+    """``apply_bins`` works through rows in blocks: blocks that do not divide the rows give the
+    same codes as one block (searchsorted per column in NumPy), row-major or as a feature-major
+    table (zeros past the rows, in an aligned buffer); ``has_missing_code`` finds a missing
+    code anywhere."""
     from jaxboost import binning
 
     rng = np.random.default_rng(7)
@@ -118,6 +120,13 @@ def test_binning_in_row_blocks_matches_one_block(monkeypatch):
     codes = apply_bins(X, bin_edges)
     np.testing.assert_array_equal(codes, expected)
     assert binning.has_missing_code(codes, bin_edges.missing_bin)
+    table = apply_bins(X, bin_edges, table_width=1100)
+    assert table.shape == (4, 1100) and table.dtype == np.uint8 and table.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(table[:, :1000], expected.T)
+    assert not table[:, 1000:].any()
+    assert binning.has_missing_code(table, bin_edges.missing_bin)
+    with pytest.raises(ValueError, match="less than the 1000 rows"):
+        apply_bins(X, bin_edges, table_width=999)
     # The only missing value in the last block, then none at all.
     X_last = np.nan_to_num(X, nan=0.0)
     X_last[999, 2] = np.nan

@@ -716,3 +716,61 @@ def test_first_maximum_matches_numpy_argmax(kernel):
     np.testing.assert_array_equal(np.asarray(batched_index[1]), np.argmax(values[::-1], axis=1))
     with pytest.raises(ValueError, match="rows, n > 0"):
         first_maximum(jnp.zeros((3, 0)), kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel,threads", [("xla", 1), pytest.param("native", 1, marks=needs_native),
+                                            pytest.param("native", 2, marks=needs_native)])
+def test_kernels_read_the_local_rows_of_a_shared_code_table(kernel, threads):
+    """Devices that share one code table each read the columns from their row offset on: the
+    root histogram, a masked histogram, a routed level and the last level's routing over that
+    window equal the naive results on those rows alone, whatever the codes around it hold."""
+    n_rows, n_features, num_nodes, max_bin, offset, width = 40_000, 5, 6, 32, 12_345, 60_000
+    X_binned, node_index, gradients, hessians, level = route_case(21, n_rows, n_features, num_nodes, max_bin)
+    row_mask = np.random.default_rng(22).uniform(size=n_rows) < 0.5
+    X_binned[::9, 3] = max_bin - 1
+    table = np.random.default_rng(23).integers(0, max_bin, size=(n_features, width)).astype(np.uint8)
+    table[:, offset:offset + n_rows] = X_binned.T
+    args = dict(gradients=jnp.asarray(gradients), hessians=jnp.asarray(hessians))
+    options = dict(max_bin=max_bin, kernel=kernel, threads=threads)
+
+    @jax.jit
+    def window_results(table, row_offset, node_index, row_mask):
+        root = build_histogram(table, jnp.zeros_like(node_index), num_nodes=1, row_offset=row_offset, **args,
+                               **options)
+        masked = build_histogram(table, node_index, num_nodes=num_nodes, row_mask=row_mask, row_offset=row_offset,
+                                 **args, **options)
+        level_args = {k: jnp.asarray(v) for k, v in level.items()}
+        routed = route_and_build_histogram(table, node_index, **args, **level_args, row_offset=row_offset,
+                                           **options)
+        last = route_rows(table, node_index, level_args["split_feature"], level_args["split_threshold_bin"],
+                          level_args["split_default_left"], max_bin, kernel=kernel, row_offset=row_offset)
+        return root, masked, routed, last
+
+    root, masked, (child, smaller), last = window_results(jnp.asarray(table), jnp.int32(offset),
+                                                          jnp.asarray(node_index), jnp.asarray(row_mask))
+    g64, h64 = gradients.astype(np.float64), hessians.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(root), naive_histogram(X_binned, np.zeros(n_rows, np.int32), g64, h64, 1,
+                                                                 max_bin), rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(masked), masked_naive_histogram(X_binned, node_index, gradients, hessians,
+                                                                          row_mask, num_nodes, max_bin),
+                               rtol=1e-5, atol=1e-3)
+    expected_child, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    np.testing.assert_array_equal(np.asarray(child), expected_child)
+    np.testing.assert_array_equal(np.asarray(last), expected_child)
+    np.testing.assert_allclose(np.asarray(smaller), masked_naive_histogram(X_binned, node_index, gradients, hessians,
+                                                                          in_smaller, num_nodes, max_bin),
+                               rtol=1e-5, atol=1e-3)
+
+
+@needs_native
+def test_native_kernels_refuse_a_window_outside_the_code_table():
+    X_binned, node_index, gradients, hessians, _ = histogram_case(24, 1000, 3, 2, 16)
+    table = jnp.asarray(np.zeros((3, 1500), np.uint8))
+    build = jax.jit(lambda offset: build_histogram(table, jnp.asarray(node_index), jnp.asarray(gradients),
+                                                   jnp.asarray(hessians), 2, 16, kernel="native", row_offset=offset))
+    np.testing.assert_allclose(np.asarray(build(jnp.int32(500))).sum(axis=(0, 1, 2))[1],
+                               hessians.sum() * 3, rtol=1e-4)  # the last possible window is accepted
+    with pytest.raises(Exception, match="outside the code table"):
+        np.asarray(build(jnp.int32(501)))
+    with pytest.raises(ValueError, match="pass row_offset"):
+        build_histogram(table, jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians), 2, 16)

@@ -478,6 +478,46 @@ def test_rows_on_mesh_pads_shards_and_uses_host_memory_in_place(feature_major, n
             assert shard.data.unsafe_buffer_pointer() == block.ctypes.data, "the device copied its block"
 
 
+@pytest.mark.skipif(jb.native.native_target(jb.histogram.HISTOGRAM_TARGET) is None,
+                    reason="the shared code table is read by the native kernels only")
+def test_cpu_devices_share_the_datasets_code_table_and_grow_the_same_trees(monkeypatch):
+    """On CPU the devices read the Dataset's feature-major code table in place, each from the
+    first row of its share, instead of holding copies of their rows: every device's buffer is
+    the Dataset's, the rows of each device start where its share does, and the trees (with row
+    sampling, on rows that do not divide evenly) are bit for bit those grown from per-device
+    copies."""
+    from jaxboost import training
+    from jaxboost.devices import code_table_width, device_shares, row_mesh
+
+    rng = np.random.default_rng(11)
+    n_rows = 2 * jb.devices.MIN_ROWS_PER_DEVICE + 1001  # two devices where there are two
+    X = rng.normal(size=(n_rows, 5)).astype(np.float32)
+    X[rng.uniform(size=X.shape) < 0.02] = np.nan
+    y = (X[:, 0] - X[:, 2] + rng.normal(size=n_rows) > 0).astype(np.float32)
+    dataset = jb.Dataset(X, y, max_bin=64)
+    assert dataset.X_binned_T.shape == (5, code_table_width(n_rows)) and not dataset.X_binned_T.flags.writeable
+    assert np.shares_memory(dataset.X_binned, dataset.X_binned_T)
+    np.testing.assert_array_equal(dataset.X_binned, jb.binning.apply_bins(X, dataset.bin_edges))
+
+    resolved = jb.objective.resolve_loss("logistic", y, None, None)
+    mesh = row_mesh(n_rows)
+    rows = training._DeviceRows(dataset, resolved, mesh, shard=True, margin=None, base_score=None)
+    assert rows.shared_codes
+    for shard in rows.X_binned_T_device.addressable_shards:
+        assert shard.data.unsafe_buffer_pointer() == dataset.X_binned_T.ctypes.data, "a device copied the codes"
+    starts = np.concatenate([[0], np.cumsum(device_shares(n_rows, mesh.size))[:-1]])
+    np.testing.assert_array_equal(np.asarray(rows.row_offsets_device), starts)
+
+    settings = dict(loss="logistic", num_rounds=4, max_depth=4, subsample=0.8, seed=3)
+    shared = jb.train(dataset, **settings)
+    monkeypatch.setattr(training, "native_target", lambda name: None)  # the layout choice only
+    copied_rows = training._DeviceRows(dataset, resolved, mesh, shard=True, margin=None, base_score=None)
+    assert not copied_rows.shared_codes and copied_rows.X_binned_T_device.shape[1] == rows.y.shape[0]
+    copied = jb.train(dataset, **settings)
+    for name, a, b in zip(shared.trees._fields, shared.trees, copied.trees):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 def test_missing_value_flag_follows_the_data_and_leaves_trees_unchanged():
     """A Dataset records whether any value is missing; without any, training scans one missing
     direction only, and the trees are exactly those of the full scan."""
