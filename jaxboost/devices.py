@@ -192,9 +192,13 @@ def device_shares(n_rows: int, devices: int) -> np.ndarray:
 
 def pad_rows_by_device(array: np.ndarray, size: int, devices: int, fill) -> np.ndarray:
     """``array`` (n, ...) laid out over ``devices`` blocks of ``size // devices`` rows: each
-    device's share of the rows in order (``device_shares``), then padding rows of ``fill``."""
+    device's share of the rows in order (``device_shares``), then padding rows of ``fill``.
+
+    The result is 64-byte aligned, so CPU devices use it (each its block, when the blocks stay
+    aligned) in place: the host copy is then the device's, not a second one."""
     per_device = size // devices
-    padded = np.full((devices, per_device) + array.shape[1:], fill, dtype=array.dtype)
+    padded = aligned_empty((devices, per_device) + array.shape[1:], array.dtype)
+    padded[...] = fill
     begin = 0
     for device, share in enumerate(device_shares(array.shape[0], devices)):
         padded[device, :share] = array[begin:begin + share]
