@@ -31,7 +31,10 @@ How it is measured (``bench_worker.py`` does one run):
   of runs taken in the same turn, which share a busy machine's slow spells.
 * predict s: predicting the test set, second (warm) call; XGBoost uses ``inplace_predict``.
 * peak RSS MB: the child's peak resident memory after data generation (the kernel's high-water
-  mark is reset once the data exist; it includes the float32 data and imported modules).
+  mark is reset once the data exist; it includes the float32 data and imported modules). A
+  memory table per task splits it: RSS at start (data + imports), the peak anonymous memory
+  (RssAnon sampled every 5 ms) and the mapped files at the end (RssFile: shared libraries'
+  code pages, which JAX's compiler makes large).
 * Quietness: load average and the CPU used by other processes are sampled before and after the
   runs, and other processes' CPU is also measured during them (machine-wide CPU from
   /proc/stat minus the children's own CPU).
@@ -79,7 +82,8 @@ SCALING_ROWS = [100_000, 1_000_000, 4_000_000]
 SCALING_DEPTHS = [4, 6, 8, 10]
 SCALING_BINS = [64, 256]
 NUMERIC_FIELDS = ["binning_s", "compile_s", "boosting_s", "ms_per_tree", "predict_s", "metric", "peak_rss_mb",
-                  "first_round_s", "warm_round_s", "data_peak_rss_mb", "gpu_peak_mb"]
+                  "first_round_s", "warm_round_s", "data_peak_rss_mb", "gpu_peak_mb", "rss_start_mb",
+                  "peak_anonymous_mb", "file_rss_mb"]
 # On a GPU only jaxboost and XGBoost run (LightGBM's wheels and scikit-learn are CPU-only).
 GPU_LIBRARIES = ["jaxboost", "xgboost"]
 
@@ -287,6 +291,24 @@ def task_table(task: str, summaries: dict[str, dict], device: str = "cpu", ratio
     return markdown_table(header, rows)
 
 
+def memory_table(summaries: dict[str, dict]) -> str:
+    """Where each library's peak RSS comes from (medians, MB): what the process held before
+    binning (the data and the imported libraries), the peak, its anonymous part (the process's
+    own memory: heaps, arrays, compiled code) and the mapped files (shared libraries' code
+    pages, shared with other processes and reclaimable) at the end."""
+    header = ["library", "RSS at start (data + imports)", "peak RSS", "peak above start", "peak anonymous",
+              "mapped files at end"]
+    rows = []
+    for library, summary in summaries.items():
+        if summary["status"] != "ok":
+            continue
+        start, peak = summary.get("rss_start_mb"), summary["peak_rss_mb"]
+        rows.append([library, fmt_megabytes(start), fmt_megabytes(peak),
+                     fmt_megabytes(None if start is None else peak - start),
+                     fmt_megabytes(summary.get("peak_anonymous_mb")), fmt_megabytes(summary.get("file_rss_mb"))])
+    return markdown_table(header, rows)
+
+
 def ms_cell(summary: dict) -> str:
     return fmt_ms(summary["ms_per_tree"]) if summary["status"] == "ok" else summary["status"]
 
@@ -315,7 +337,8 @@ def run_tasks(args, runner: Runner) -> list[str]:
                  f"depth {args.depth}, {args.max_bin} bins")
         config = (task, args.rows, args.depth, args.max_bin)
         ratios = {library: turn_ratios(runner, library, config) for library in args.libraries}
-        section = f"{title}\n\n{task_table(task, summaries, args.device, ratios)}"
+        section = (f"{title}\n\n{task_table(task, summaries, args.device, ratios)}\n\nMemory (MB, medians):\n\n"
+                   f"{memory_table(summaries)}")
         print("\n" + section + "\n", flush=True)
         sections.append(section)
     return sections
@@ -390,7 +413,10 @@ def method_notes(args) -> str:
         f"- ms/tree vs {REFERENCE_LIBRARY}: the ratio of the medians; run by run: the median (and range) of the "
         "ratios of runs taken in the same turn, which share a busy machine's slow spells.",
         "- peak RSS MB: the child's resident-memory high-water mark reset after data generation (includes the "
-        "float32 data and imported libraries).",
+        "float32 data and imported libraries). The memory tables split it: RSS at start is what the child held "
+        "once the data existed and the library was imported; peak anonymous is the highest RssAnon sampled every "
+        "5 ms (the process's own memory); mapped files is RssFile at the end (mostly the libraries' machine "
+        "code: shared between processes and reclaimable, but counted in RSS).",
         *(["- peak GPU MB: the GPU's memory in use (NVML, sampled every 2 ms), highest value minus the value "
            "before the library was imported; it includes the CUDA context. JAX runs with "
            "XLA_PYTHON_CLIENT_PREALLOCATE=false.",

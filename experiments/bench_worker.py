@@ -106,34 +106,51 @@ def current_rss_mb() -> float | None:
     return None if rss_kb is None else rss_kb / 1024
 
 
-class GpuMemorySampler:
-    """Peak GPU memory in use (device-wide, NVML) above the level when it started, sampled
-    every ``interval_s`` on a thread; ``peak_mb`` is None without ``pynvml`` or a GPU."""
+class PeakSampler:
+    """The highest value of ``read()`` (MB), sampled every ``interval_s`` on a thread until
+    ``stop``; ``peak_mb`` is None when ``read`` is None (nothing to measure)."""
 
-    def __init__(self, interval_s: float = 0.002):
+    def __init__(self, read, interval_s: float):
         import threading
-        self.peak_mb, self._interval_s, self._stop = None, interval_s, threading.Event()
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        except Exception:  # no NVML, no driver or no GPU: report nothing rather than fail the run
+        self.peak_mb, self._read, self._interval_s, self._stop = None, read, interval_s, threading.Event()
+        if read is None:
             return
-        self._used = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2 ** 20
-        self._baseline_mb, self.peak_mb = self._used(), 0.0
+        self.peak_mb = read()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self):
         while not self._stop.wait(self._interval_s):
-            self.peak_mb = max(self.peak_mb, self._used() - self._baseline_mb)
+            self.peak_mb = max(self.peak_mb, self._read())
 
     def stop(self) -> float | None:
         if self.peak_mb is not None:
             self._stop.set()
             self._thread.join()
-            self.peak_mb = max(self.peak_mb, self._used() - self._baseline_mb)
+            self.peak_mb = max(self.peak_mb, self._read())
         return self.peak_mb
+
+
+def gpu_memory_sampler() -> PeakSampler:
+    """Peak GPU memory in use (device-wide, NVML) above the level when it started, every 2 ms;
+    its ``peak_mb`` is None without ``pynvml`` or a GPU."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:  # no NVML, no driver or no GPU: report nothing rather than fail the run
+        return PeakSampler(None, 0.002)
+    used_mb = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2 ** 20  # noqa: E731
+    baseline_mb = used_mb()
+    return PeakSampler(lambda: used_mb() - baseline_mb, 0.002)
+
+
+def anonymous_memory_sampler() -> PeakSampler:
+    """Peak anonymous resident memory (RssAnon: heaps, arrays, JIT code; not mapped files such
+    as shared libraries' code), every 5 ms: the part of peak RSS that is the process's own."""
+    if _read_status_kb("RssAnon") is None:
+        return PeakSampler(None, 0.005)
+    return PeakSampler(lambda: _read_status_kb("RssAnon") / 1024, 0.005)
 
 
 # ----------------------------------------------------------------------------- libraries
@@ -269,13 +286,14 @@ def measure(args) -> dict:
     threads = os.cpu_count() or 1
     X_train, X_test, y_train, y_test = make_task(args.task, args.rows)
     data_peak_mb = peak_rss_mb(since_reset=False)
-    gpu_memory = GpuMemorySampler() if args.device == "gpu" else None
+    gpu_memory = gpu_memory_sampler() if args.device == "gpu" else None
     try:
         runner = RUNNERS[args.library](args.task, args.depth, args.max_bin, threads, args.device)
     except ImportError as error:
         return {"status": "not installed", "detail": str(error)}
     since_reset = reset_peak_rss()
     rss_start_mb = current_rss_mb()
+    anonymous_memory = anonymous_memory_sampler()
 
     dataset, binning_s = timed(runner.build, X_train, y_train)
     _, first_round_s = timed(runner.train, dataset, 1)
@@ -294,8 +312,10 @@ def measure(args) -> dict:
         runner.predict(model, X_test)  # warm-up (jaxboost compiles its predictor here)
         prediction, predict_s = timed(runner.predict, model, X_test)
         result.update(predict_s=predict_s, metric=score(args.task, y_test, prediction))
+    file_kb = _read_status_kb("RssFile")
     result.update(peak_rss_mb=peak_rss_mb(since_reset), peak_rss_since_data=since_reset,
-                  rss_start_mb=rss_start_mb, data_peak_rss_mb=data_peak_mb, threads=threads)
+                  rss_start_mb=rss_start_mb, data_peak_rss_mb=data_peak_mb, threads=threads,
+                  peak_anonymous_mb=anonymous_memory.stop(), file_rss_mb=None if file_kb is None else file_kb / 1024)
     if gpu_memory is not None:
         result.update(gpu_peak_mb=gpu_memory.stop(), gpu_name=gpu_name())
     return result
