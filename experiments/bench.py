@@ -357,7 +357,8 @@ def run_scaling(args, runner: Runner) -> str:
         return runner.run(library, task, rows, depth, max_bin, predict=False)
 
     rows_table = []
-    for rows in [scaled(r, args) for r in SCALING_ROWS]:
+    row_counts = [scaled(r, args) for r in SCALING_ROWS]
+    for rows in row_counts:
         # In turns, as for the task tables.
         for repeat in range(1, args.repeats + 1):
             for library in rotated(["jaxboost"] + ([REFERENCE_LIBRARY] if with_reference else []), repeat - 1):
@@ -372,11 +373,16 @@ def run_scaling(args, runner: Runner) -> str:
     rows_header = ["rows", "jaxboost ms/tree"] + (
         [f"{REFERENCE_LIBRARY} ms/tree", f"jaxboost vs {REFERENCE_LIBRARY}", "run by run: median (range)"]
         if with_reference else [])
+    memory_header, memory_table_rows = growth_of_memory(["jaxboost"] + ([REFERENCE_LIBRARY] if with_reference else []),
+                                                        row_counts, ms)
     depth_table = [[str(depth), ms_cell(ms("jaxboost", depth=depth))] for depth in SCALING_DEPTHS]
     bins_table = [[str(max_bin), ms_cell(ms("jaxboost", max_bin=max_bin))] for max_bin in SCALING_BINS]
     section = "\n\n".join([
         f"## Scaling (classification task, {args.rounds} rounds, median ms/tree of {args.repeats} repeat(s))",
         f"### vs rows (depth {args.depth}, {args.max_bin} bins)\n\n" + markdown_table(rows_header, rows_table),
+        "### peak memory vs rows (MB above the RSS at start, i.e. without the data and the imports; "
+        "the last column: its growth per training row between the two largest sizes)\n\n"
+        + markdown_table(memory_header, memory_table_rows),
         f"### vs depth ({base_rows:,} rows, {args.max_bin} bins)\n\n"
         + markdown_table(["depth", "jaxboost ms/tree"], depth_table),
         f"### vs bins ({base_rows:,} rows, depth {args.depth})\n\n"
@@ -384,6 +390,26 @@ def run_scaling(args, runner: Runner) -> str:
     ])
     print("\n" + section + "\n", flush=True)
     return section
+
+
+def growth_of_memory(libraries: list[str], row_counts: list[int], summary_of) -> tuple[list[str], list[list[str]]]:
+    """Per library: peak RSS above the RSS at start for each row count (``summary_of(library,
+    rows=...)`` gives the medians), and bytes per training row (80% of the rows) between the
+    two largest counts: how memory grows with the data, apart from what a library holds
+    whatever the data size."""
+    header = ["library"] + [f"{rows:,} rows" for rows in row_counts] + ["bytes per training row"]
+    table = []
+    for library in libraries:
+        above = []
+        for rows in row_counts:
+            summary = summary_of(library, rows=rows)
+            ok = summary["status"] == "ok" and summary.get("rss_start_mb") is not None
+            above.append(summary["peak_rss_mb"] - summary["rss_start_mb"] if ok else None)
+        slope = None
+        if len(row_counts) > 1 and above[-1] is not None and above[-2] is not None:
+            slope = (above[-1] - above[-2]) * 2 ** 20 / (0.8 * (row_counts[-1] - row_counts[-2]))
+        table.append([library] + [fmt_megabytes(value) for value in above] + [fmt_megabytes(slope)])
+    return header, table
 
 
 # ----------------------------------------------------------------------------- report
