@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .host_memory import aligned_empty
+from .host_memory import HOST_ALIGNMENT, aligned_empty
 
 ROW_AXIS = "rows"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -245,6 +245,11 @@ def shared_codes_on_mesh(table: np.ndarray, n_rows: int, size: int, mesh: Mesh) 
     A copy of the rows per device, as ``rows_on_mesh`` makes, would hold the training codes
     twice: once in the Dataset and once on the devices."""
     devices = list(mesh.devices.flat)
+    if table.ctypes.data % HOST_ALIGNMENT:
+        # An unaligned table (one unpickled, say) would be copied once per device: align it once.
+        aligned = aligned_empty(table.shape, table.dtype)
+        aligned[...] = table
+        table = aligned
     starts = np.concatenate([[0], np.cumsum(device_shares(n_rows, len(devices)))[:-1]]).astype(np.int32)
     if starts[-1] + size // len(devices) > table.shape[1]:
         raise ValueError(f"a code table of {table.shape[1]} columns is too narrow for {n_rows} rows padded to {size} "

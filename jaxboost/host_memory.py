@@ -75,7 +75,12 @@ def release_free_memory() -> bool:
     return True
 
 
-def aligned_empty(shape: tuple[int, ...], dtype=np.float32, alignment: int = 64) -> np.ndarray:
+# The alignment at which a CPU device uses a host buffer in place (``jax.device_put`` copies
+# less aligned arrays).
+HOST_ALIGNMENT = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype=np.float32, alignment: int = HOST_ALIGNMENT) -> np.ndarray:
     """An uninitialised C-contiguous array whose data start on an ``alignment``-byte boundary,
     so that ``jax.device_put`` to a CPU device uses it in place."""
     dtype = np.dtype(dtype)

@@ -517,6 +517,14 @@ def test_cpu_devices_share_the_datasets_code_table_and_grow_the_same_trees(monke
     for name, a, b in zip(shared.trees._fields, shared.trees, copied.trees):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
+    # A table that lost its alignment (an unpickled Dataset, say) is aligned once, not copied per device.
+    unaligned_storage = np.empty(dataset.X_binned_T.size + 1, np.uint8)[1:].reshape(dataset.X_binned_T.shape)
+    unaligned_storage[...] = dataset.X_binned_T
+    codes, _ = jb.devices.shared_codes_on_mesh(unaligned_storage, n_rows, rows.y.shape[0], mesh)
+    pointers = {shard.data.unsafe_buffer_pointer() for shard in codes.addressable_shards}
+    assert len(pointers) == 1 and unaligned_storage.ctypes.data not in pointers
+    np.testing.assert_array_equal(np.asarray(codes), dataset.X_binned_T)
+
 
 def test_missing_value_flag_follows_the_data_and_leaves_trees_unchanged():
     """A Dataset records whether any value is missing; without any, training scans one missing
