@@ -932,76 +932,61 @@ PredictKernel ChoosePredictKernel() {
   return PredictKernel::kScalar;
 }
 
-// Only the first `walked` rows (one int32) walk the trees: the others are padding, whose raw
-// prediction is left at its starting value.
-ffi::Error PredictImpl(ffi::Buffer<ffi::F32> features, ffi::Buffer<ffi::S32> packed, ffi::Buffer<ffi::F32> thresholds,
-                       ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> initial, ffi::Buffer<ffi::S32> walked,
-                       ffi::ResultBuffer<ffi::F32> raw) {
-  const auto feature_dims = features.dimensions();
-  const auto tree_dims = packed.dimensions();
-  if (feature_dims.size() != 2 || tree_dims.size() != 3) {
-    return ffi::Error::InvalidArgument("predict kernel: X (n, d), trees (rounds, outputs, nodes) expected");
-  }
-  const int64_t n_rows = feature_dims[0], n_features = feature_dims[1];
-  const int64_t rounds = tree_dims[0], outputs = tree_dims[1], nodes = tree_dims[2];
-  if (static_cast<int64_t>(values.element_count()) != rounds * outputs * nodes ||
-      static_cast<int64_t>(thresholds.element_count()) != rounds * outputs * nodes ||
-      static_cast<int64_t>(initial.element_count()) != n_rows * outputs ||
-      static_cast<int64_t>(raw->element_count()) != n_rows * outputs) {
-    return ffi::Error::InvalidArgument("predict kernel: inconsistent shapes");
-  }
-  if (n_features == 0) return ffi::Error::InvalidArgument("predict kernel: no features");
-  if (walked.element_count() != 1 || walked.typed_data()[0] < 0 || walked.typed_data()[0] > n_rows) {
-    return ffi::Error::InvalidArgument("predict kernel: the count of rows to walk must be one int in [0, n]");
-  }
-  const int64_t n_walked = walked.typed_data()[0];
-  const float* x = features.typed_data();
-  const int32_t* node_info = packed.typed_data();
-  float* out = raw->typed_data();
-  std::copy(initial.typed_data(), initial.typed_data() + n_rows * outputs, out);
-  if (n_walked == 0 || outputs == 0) return ffi::Error::Success();
+// Raw predictions of raw float32 features X (n_rows, n_features), C order: `raw` (n_rows,
+// outputs) holds the starting values and receives the predictions. Trees are (rounds, outputs,
+// nodes) heaps. Called from Python directly (ctypes, which releases the GIL), not through XLA:
+// the rows are read where they lie, with no copy into device buffers and no program to compile.
+// `threads` each walk a contiguous range of rows. Returns nullptr, or what was wrong.
+const char* PredictRaw(const float* x, int64_t n_rows, int64_t n_features, const int32_t* node_info,
+                       const float* thresholds, const float* values, int64_t rounds, int64_t outputs, int64_t nodes,
+                       int64_t threads, float* raw) {
+  if (n_rows < 0 || n_features <= 0 || rounds < 0 || outputs < 0) return "predict kernel: bad sizes";
+  if (n_rows == 0 || rounds == 0 || outputs == 0) return nullptr;
   int64_t depth = 0;
   while ((int64_t{2} << depth) - 1 < nodes) ++depth;  // nodes = 2^(depth+1) - 1
   // Checked once here, so the walk itself needs no bounds checks.
-  if ((int64_t{2} << depth) - 1 != nodes) return ffi::Error::InvalidArgument("predict kernel: not a full heap");
+  if ((int64_t{2} << depth) - 1 != nodes) return "predict kernel: not a full heap";
   // Node positions and gather offsets (within 64 rows of X) are int32.
-  if (depth > 24 || n_features > INT32_MAX / 64) {
-    return ffi::Error::InvalidArgument("predict kernel: trees or rows too large");
-  }
+  if (depth > 24 || n_features > INT32_MAX / 64) return "predict kernel: trees or rows too large";
   for (int64_t i = 0; i < rounds * outputs * nodes; ++i) {
     const int64_t feature = node_info[i] >> 10;
     if ((node_info[i] & 1) == 0 && (feature < 0 || feature >= n_features)) {
-      return ffi::Error::InvalidArgument("predict kernel: split feature out of range");
+      return "predict kernel: split feature out of range";
     }
   }
-  const PredictForest forest =
-      BuildForest(node_info, thresholds.typed_data(), values.typed_data(), rounds * outputs, depth, n_features);
-  switch (ChoosePredictKernel()) {
+  const PredictForest forest = BuildForest(node_info, thresholds, values, rounds * outputs, depth, n_features);
+  const PredictKernel kernel = ChoosePredictKernel();
+  auto walk = [&](int64_t begin, int64_t end) {
+    const float* rows_x = x + begin * n_features;
+    float* rows_raw = raw + begin * outputs;
+    switch (kernel) {
 #ifdef JAXBOOST_X86_DISPATCH
-    case PredictKernel::kAvx512:
-      PredictRows<kVectorBlockRows>(forest, x, n_features, outputs, n_walked, out, PredictBlockAvx512);
-      break;
-    case PredictKernel::kAvx2:
-      PredictRows<kVectorBlockRows>(forest, x, n_features, outputs, n_walked, out, PredictBlockAvx2);
-      break;
+      case PredictKernel::kAvx512:
+        PredictRows<kVectorBlockRows>(forest, rows_x, n_features, outputs, end - begin, rows_raw, PredictBlockAvx512);
+        break;
+      case PredictKernel::kAvx2:
+        PredictRows<kVectorBlockRows>(forest, rows_x, n_features, outputs, end - begin, rows_raw, PredictBlockAvx2);
+        break;
 #endif
-    default:
-      PredictRows<64>(forest, x, n_features, outputs, n_walked, out, PredictBlockScalar<64>);
+      default:
+        PredictRows<64>(forest, rows_x, n_features, outputs, end - begin, rows_raw, PredictBlockScalar<64>);
+    }
+  };
+  // Ranges of whole 64-row blocks, so only the last range ends in a partial block.
+  const int64_t blocks = (n_rows + 63) / 64;
+  threads = std::max<int64_t>(1, std::min(threads, blocks));
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t begin = std::min(n_rows, t * blocks / threads * 64);
+    const int64_t end = std::min(n_rows, (t + 1) * blocks / threads * 64);
+    workers.emplace_back(walk, begin, end);
   }
-  return ffi::Error::Success();
+  walk(0, std::min(n_rows, blocks / threads * 64));
+  for (auto& worker : workers) worker.join();
+  return nullptr;
 }
 
-XLA_FFI_DEFINE_HANDLER(kPredictHandler, PredictImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::F32>>());
-
-// A training round's update of the raw predictions: row i adds, for each output k, the value
+// A training round's update of the raw predictions// A training round's update of the raw predictions: row i adds, for each output k, the value
 // at its last-level position, values[k, positions[k, i]] (positions clamped into range, as a
 // gather would). XLA's gather computed the leaf of every row through two small tables and
 // bounds checks, about 4 ns a row; this is one load from a table in L1.
@@ -1057,8 +1042,11 @@ extern "C" XLA_FFI_Error* JaxboostCumulativeBins(XLA_FFI_CallFrame* call_frame) 
   return kCumulativeBinsHandler(call_frame);
 }
 
-extern "C" XLA_FFI_Error* JaxboostPredict(XLA_FFI_CallFrame* call_frame) {
-  return kPredictHandler(call_frame);
+extern "C" const char* JaxboostPredictRaw(const float* x, int64_t n_rows, int64_t n_features,
+                                          const int32_t* node_info, const float* thresholds, const float* values,
+                                          int64_t rounds, int64_t outputs, int64_t nodes, int64_t threads,
+                                          float* raw) {
+  return PredictRaw(x, n_rows, n_features, node_info, thresholds, values, rounds, outputs, nodes, threads, raw);
 }
 
 extern "C" XLA_FFI_Error* JaxboostAddPositionValues(XLA_FFI_CallFrame* call_frame) {

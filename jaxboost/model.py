@@ -7,7 +7,6 @@ few bucket sizes so that predicting on many batch sizes compiles only a few prog
 
 from __future__ import annotations
 
-from functools import partial
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -16,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .binning import BinEdges, apply_bins
-from .devices import device_shares, padded_size, replicated, row_mesh, row_sharding, rows_on_mesh
-from .predictor import native_feature_predictor, packed_nodes, predict_leaf_binned, predict_raw_binned
+from .devices import mesh_platform, padded_size, replicated, row_mesh, row_sharding
+from .native import feature_predictor_available, predict_raw_features
+from .predictor import packed_nodes, predict_leaf_binned, predict_raw_binned
 from .tree import Tree
 from .validation import check_base_margin, check_features
 
@@ -88,13 +88,12 @@ class Model:
         if np.any((split_features < 0) | (split_features >= self.n_features)):
             raise ValueError(f"the model's trees split on feature indices out of range for its {self.n_features} "
                              "features: the model is corrupt")
-        # Rows are sharded over the devices (every core on a CPU) like in training.
+        # Rows are split over the devices (every core on a CPU) like in training.
         mesh = row_mesh(n_rows)
-        size = padded_size(n_rows, mesh.size)
-        native = native_feature_predictor(mesh)
-        if native is not None:
-            raw = self._predict_raw_native(native, mesh, size, features, initial, trees)
+        if mesh_platform(mesh) == "cpu" and feature_predictor_available():
+            raw = self._predict_raw_native(features, initial, trees, threads=mesh.size)
             return raw[:, 0] if self.num_outputs == 1 else raw
+        size = padded_size(n_rows, mesh.size)
         initial_padded = np.zeros((size, self.num_outputs), np.float32)
         initial_padded[:n_rows] = initial
         X_padded = np.zeros((size, features.shape[1]), np.uint8)
@@ -105,25 +104,17 @@ class Model:
                                             missing_bin=self.bin_edges.missing_bin, mesh=mesh))[:n_rows]
         return raw[:, 0] if self.num_outputs == 1 else raw
 
-    def _predict_raw_native(self, native, mesh, size: int, features: np.ndarray, initial: np.ndarray,
-                            trees: Tree) -> np.ndarray:
+    def _predict_raw_native(self, features: np.ndarray, initial: np.ndarray, trees: Tree, threads: int) -> np.ndarray:
         """``predict_raw`` on CPU: raw features against the splits' bin edges, the same routing
-        as the binned path without binning. Each device takes an equal share of the rows followed
-        by its padding, which the kernel skips, so the devices finish together and no time goes
-        to padding rows."""
-        n_rows = features.shape[0]
-        devices, outputs = mesh.size, self.num_outputs
-        shares = device_shares(n_rows, devices).astype(np.int32)
-        per_device = size // devices
+        as the binned path without binning, walked by the native kernel on the host where the
+        rows lie (no device copy of X, no program to compile), ``threads`` ranges of rows at once."""
         thresholds = self.bin_edges.edges[trees.feature, np.minimum(trees.threshold_bin,
                                                                     self.bin_edges.edges.shape[1] - 1)]
-        put = partial(jax.device_put, device=replicated(mesh))
-        raw = np.asarray(native(put(packed_nodes(trees)), put(thresholds.astype(np.float32)),
-                                put(trees.value.astype(np.float32)),
-                                rows_on_mesh(features, size, mesh),
-                                rows_on_mesh(np.asarray(initial, np.float32), size, mesh),
-                                jax.device_put(shares, row_sharding(mesh, 1))))
-        return np.concatenate([part[:share] for part, share in zip(raw.reshape(devices, per_device, outputs), shares)])
+        raw = np.array(initial, dtype=np.float32, order="C")
+        predict_raw_features(features, np.ascontiguousarray(packed_nodes(trees), np.int32),
+                             np.ascontiguousarray(thresholds, np.float32),
+                             np.ascontiguousarray(trees.value, np.float32), raw, threads)
+        return raw
 
     def predict(self, X, *, iteration_range: tuple[int, int] | None = None, base_margin=None) -> np.ndarray:
         """Predictions after the link: probabilities for logistic, class probabilities for softmax."""

@@ -31,19 +31,19 @@ import tempfile
 from pathlib import Path
 
 import jax
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
 HISTOGRAM_TARGET = "jaxboost_histogram"
 ROUTE_HISTOGRAM_TARGET = "jaxboost_route_histogram"
-PREDICT_TARGET = "jaxboost_predict"
 ROUTE_TARGET = "jaxboost_route"
 CUMULATIVE_BINS_TARGET = "jaxboost_cumulative_bins"
 FIRST_MAXIMUM_TARGET = "jaxboost_first_maximum"
 ADD_POSITION_VALUES_TARGET = "jaxboost_add_position_values"
 _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
 _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
-            PREDICT_TARGET: "JaxboostPredict", ROUTE_TARGET: "JaxboostRoute",
+            ROUTE_TARGET: "JaxboostRoute",
             CUMULATIVE_BINS_TARGET: "JaxboostCumulativeBins", FIRST_MAXIMUM_TARGET: "JaxboostFirstMaximum",
             ADD_POSITION_VALUES_TARGET: "JaxboostAddPositionValues"}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w"]
@@ -124,3 +124,50 @@ def native_target(name: str) -> str | None:
     if not native_enabled():
         return None
     return name if name in _registered_targets() else None
+
+
+@functools.cache
+def _predict_function():
+    function = _load_library().JaxboostPredictRaw
+    function.restype = ctypes.c_char_p
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer, size, size, pointer, pointer, pointer, size, size, size, size, pointer]
+    return function
+
+
+def feature_predictor_available() -> bool:
+    """Whether ``predict_raw_features`` can run: native kernels on and built."""
+    if not native_enabled():
+        return False
+    try:
+        _predict_function()
+    except Exception as error:  # noqa: BLE001 - whatever went wrong, the XLA predictor remains
+        logger.debug("jaxboost native predictor unavailable, using the XLA predictor: %s", error)
+        return False
+    return True
+
+
+def predict_raw_features(X: np.ndarray, packed: np.ndarray, thresholds: np.ndarray, values: np.ndarray,
+                         raw: np.ndarray, threads: int) -> None:
+    """Add every tree's leaf value to ``raw`` in place, walking raw features on the host.
+
+    ``X`` float32 ``(n, d)``; ``packed`` (``predictor.packed_nodes``), ``thresholds`` (the
+    splits' bin edges) and ``values`` shaped ``(rounds, K, nodes)``; ``raw`` float32 ``(n, K)``
+    holding the starting values. A row goes left when ``x < threshold`` (exactly "bin <=
+    threshold_bin") and NaN takes the node's default direction. The C++ walk reads ``X`` where
+    it lies, with ``threads`` threads and without the GIL."""
+    n_rows, n_features = X.shape
+    rounds, outputs, nodes = packed.shape
+    checks = [(X, np.float32, 2), (packed, np.int32, 3), (thresholds, np.float32, 3), (values, np.float32, 3),
+              (raw, np.float32, 2)]
+    for array, dtype, ndim in checks:
+        if array.dtype != dtype or array.ndim != ndim or not array.flags.c_contiguous:
+            raise TypeError(f"predict_raw_features needs C-contiguous {dtype.__name__} arrays of {ndim} dimensions")
+    if thresholds.shape != packed.shape or values.shape != packed.shape or raw.shape != (n_rows, outputs):
+        raise ValueError(f"inconsistent shapes: X {X.shape}, trees {packed.shape}, raw {raw.shape}")
+    if not raw.flags.writeable:
+        raise ValueError("raw must be writeable: it receives the predictions")
+    error = _predict_function()(X.ctypes.data, n_rows, n_features, packed.ctypes.data, thresholds.ctypes.data,
+                                values.ctypes.data, rounds, outputs, nodes, int(threads), raw.ctypes.data)
+    if error:
+        raise ValueError(error.decode())

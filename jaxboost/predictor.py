@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from .histogram import as_varying_as
-from .native import ADD_POSITION_VALUES_TARGET, PREDICT_TARGET, native_target
+from .native import ADD_POSITION_VALUES_TARGET, native_target
 from .tree import Tree, depth_of_heap
 
 
@@ -80,33 +80,6 @@ def _predict_raw_local(trees: Tree, X_binned: jax.Array, initial: jax.Array, mis
 
     raw_prediction, _ = lax.scan(add_round, initial, trees)
     return raw_prediction
-
-
-def _native_predict_raw_local(target: str, packed: jax.Array, thresholds: jax.Array, values: jax.Array,
-                              X: jax.Array, initial: jax.Array, walked: jax.Array) -> jax.Array:
-    result = jax.ShapeDtypeStruct(initial.shape, jnp.float32)
-    return jax.ffi.ffi_call(target, result, vmap_method="sequential")(X, packed, thresholds, values, initial,
-                                                                       walked)
-
-
-def native_feature_predictor(mesh: Mesh):
-    """On CPU with the native kernels built: ``f(packed, thresholds, values, X, initial, walked) -> raw``
-    predicting from raw float32 ``X`` (no binning; a row goes left when ``x < threshold``, the
-    split's bin edge, which is exactly "bin <= threshold_bin"). ``walked`` (one int32 per device)
-    is how many leading rows of each device's share are real; the others are padding, whose raw
-    prediction stays ``initial``. None elsewhere: bin and use ``predict_raw_binned``."""
-    if mesh.devices.flat[0].platform != "cpu":
-        return None
-    target = native_target(PREDICT_TARGET)
-    return None if target is None else _sharded_feature_predictor(mesh, target)
-
-
-@lru_cache(maxsize=16)
-def _sharded_feature_predictor(mesh: Mesh, target: str):
-    rows = PartitionSpec(mesh.axis_names[0])
-    return jax.jit(jax.shard_map(partial(_native_predict_raw_local, target), mesh=mesh,
-                                 in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), rows, rows, rows),
-                                 out_specs=rows, check_vma=False))
 
 
 @lru_cache(maxsize=16)

@@ -15,9 +15,9 @@ import pytest
 import jaxboost as jb
 from jaxboost import predictor
 from jaxboost.binning import apply_bins
-from jaxboost.native import PREDICT_TARGET, native_target
+from jaxboost.native import feature_predictor_available
 
-pytestmark = pytest.mark.skipif(native_target(PREDICT_TARGET) is None,
+pytestmark = pytest.mark.skipif(not feature_predictor_available(),
                                 reason="the native kernels could not be built here; the binned path is tested elsewhere")
 
 
@@ -95,6 +95,22 @@ def test_every_cpu_kernel_matches_the_binned_path(data, simd, monkeypatch):
             assert np.any(model.trees.is_leaf[:, :, :(1 << depth) - 1])
         for n in (1, 63, 65, 200):
             np.testing.assert_array_equal(model.predict_raw(rows[:n]), binned_prediction(model, rows[:n]))
+
+
+def test_native_walk_over_several_threads_matches_the_binned_path(data):
+    """The host walk splits the rows into ranges of whole 64-row blocks, one per thread: any
+    number of threads (more than there are blocks, too) gives the binned path's predictions,
+    for every row, with the partial block at the end."""
+    X, signal = data
+    model = jb.train(X, np.digitize(signal, [-1.0, 0.5]).astype(np.float32), loss="softmax", num_rounds=5,
+                     max_depth=4)
+    rows = np.random.default_rng(12).normal(size=(1037, 6)).astype(np.float32)
+    rows[::9, 3] = np.nan
+    expected = binned_prediction(model, rows)
+    initial = np.broadcast_to(model.base_score, (len(rows), model.num_outputs))
+    for threads in (1, 2, 3, 7, 40):
+        np.testing.assert_array_equal(model._predict_raw_native(rows, initial, model.trees, threads), expected,
+                                      err_msg=f"{threads} threads")
 
 
 @pytest.mark.parametrize("outputs", [1, 3])
