@@ -16,6 +16,7 @@ import numpy as np
 
 from .binning import BinEdges, apply_bins
 from .devices import mesh_platform, padded_size, replicated, row_mesh, row_sharding
+from .link import apply_link
 from .native import feature_predictor_available, predict_raw_features
 from .predictor import packed_nodes, predict_leaf_binned, predict_raw_binned
 from .tree import Tree
@@ -119,7 +120,7 @@ class Model:
     def predict(self, X, *, iteration_range: tuple[int, int] | None = None, base_margin=None) -> np.ndarray:
         """Predictions after the link: probabilities for logistic, class probabilities for softmax."""
         raw = self.predict_raw(X, iteration_range=iteration_range, base_margin=base_margin)
-        return np.asarray(self.link(jnp.asarray(raw)))
+        return apply_link(self.link, raw)
 
     def predict_leaf(self, X, *, iteration_range: tuple[int, int] | None = None) -> np.ndarray:
         """Heap index of the leaf reached per row and tree: ``(n, rounds)`` or ``(n, rounds, K)``."""

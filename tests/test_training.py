@@ -590,3 +590,23 @@ def test_row_sampling_draws_by_row_index():
     other = np.asarray(uniform_of_rows(jax.random.fold_in(key, 1), jnp.asarray(index)))
     assert abs(np.corrcoef(draws, other)[0, 1]) < 0.01
     assert np.mean((draws < 0.5) == (other < 0.5)) == pytest.approx(0.5, abs=0.01)
+
+
+def test_predict_applies_the_link_in_fixed_chunks_compiled_once():
+    """The link is applied to chunks of ``LINK_CHUNK_ROWS`` rows (the last zero-padded), so new
+    batch sizes do not compile it again; the result is the link of the raw predictions, row for
+    row, for one output and for a row-wise link over several (softmax)."""
+    from jaxboost.link import LINK_CHUNK_ROWS, _compiled_link
+
+    rng = np.random.default_rng(5)
+    n_rows = LINK_CHUNK_ROWS + 123  # one full chunk and a partial one
+    X = rng.normal(size=(n_rows, 4)).astype(np.float32)
+    labels = np.digitize(X[:, 0] + 0.3 * rng.normal(size=n_rows), [-0.5, 0.5]).astype(np.float32)
+    for loss, y in [("logistic", (labels > 0).astype(np.float32)), ("softmax", labels)]:
+        model = jb.train(X[:3000], y[:3000], loss=loss, num_rounds=3, max_depth=3)
+        compiled = _compiled_link(model.link)
+        for rows in (1, 7, 3000, n_rows):
+            raw = model.predict_raw(X[:rows])
+            np.testing.assert_allclose(model.predict(X[:rows]), np.asarray(model.link(jnp.asarray(raw))),
+                                       rtol=1e-6, atol=1e-7, err_msg=f"{loss}, {rows} rows")
+        assert compiled._cache_size() == 1, f"{loss}: the link compiled {compiled._cache_size()} times"
