@@ -15,6 +15,10 @@ On CPU a native kernel (``histogram_kernel.cc``, an XLA FFI custom call built on
 adding zeros for them, so the smaller child of each split costs only its own rows. The choice
 is made per backend when the program is lowered; other backends, and CPUs where the kernel
 could not be built, use the XLA kernel.
+
+The codes may be a table wider than the local rows, read from a row offset: the devices of a
+CPU share the Dataset's one table that way instead of each holding a copy of its rows (the XLA
+kernel slices its rows out, a copy, so only the native kernels get that table).
 """
 
 from __future__ import annotations
@@ -145,8 +149,9 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
             raise ValueError(f"{name} must have shape ({num_nodes},) like splits; got {jnp.shape(value)}")
     target = _choose_native_target(ROUTE_HISTOGRAM_TARGET, "route", kernel, threads, X_binned_T, max_bin)
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_of_row), node_of_row.astype(jnp.int32),
-            gradients.astype(jnp.float32), hessians.astype(jnp.float32), split_feature.astype(jnp.int32), split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool),
-            splits.astype(bool), left_is_smaller.astype(bool))
+            gradients.astype(jnp.float32), hessians.astype(jnp.float32), split_feature.astype(jnp.int32),
+            split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool), splits.astype(bool),
+            left_is_smaller.astype(bool))
     result_features = X_binned_T.shape[0] if result_features is None else result_features
     xla = _with_features(partial(_xla_route_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features)
     if target is None:

@@ -3,9 +3,10 @@
 The host validates input, bins it once, pads rows to a bucket size (zero-weight rows, spread
 evenly: each device's block holds its share of the rows, then its padding), places the data on
 the devices (CPU devices read the Dataset's code table in place, each from its first row),
-finds the starting value and then calls the compiled round once per round. Per round only a few scalars come back: the eval metrics and the loss's health counts,
-so a custom loss that returns non-finite gradients or negative Hessians stops training at that
-round with an error naming it. Callbacks (``callbacks.py``) run around every round; early
+finds the starting value and then calls the compiled round once per round. Per round only a
+few scalars come back: the eval metrics and the loss's health counts, so a custom loss that
+returns non-finite gradients or negative Hessians stops training at that round with an error
+naming it. Callbacks (``callbacks.py``) run around every round; early
 stopping and the evaluation log are callbacks. Training can continue from a model
 (``init_model``): its trees give the starting raw predictions and round keys go on counting.
 """
