@@ -87,10 +87,11 @@ class RoundShape(NamedTuple):
 
 
 class RoundHealth(NamedTuple):
-    """Counts of rows whose loss value or derivatives a custom loss got wrong this round."""
+    """Whether a custom loss got some counted row's value or derivatives wrong this round (read
+    off the sums of the rows' marked gradients and split Hessians: ``_round_health``)."""
 
-    non_finite: jax.Array
-    negative_hessian: jax.Array
+    non_finite: jax.Array  # bool: a loss value, gradient or Hessian that is not finite
+    negative_hessian: jax.Array  # bool: a Hessian below -NEGATIVE_HESSIAN_TOLERANCE
 
 
 def loss_derivatives(objective: Objective, raw_prediction: jax.Array, y: jax.Array, loss_params: dict | None = None):
@@ -181,19 +182,37 @@ def _apply_hessian_mode(shape: RoundShape, params: RoundParams, h: jax.Array) ->
     return off_diagonal + diagonal[..., :, None] * identity
 
 
-def _round_health(counted: jax.Array, values, g, h, diagonal) -> RoundHealth:
-    finite = (jnp.isfinite(values) & jnp.all(jnp.isfinite(g.reshape(g.shape[0], -1)), axis=1)
-              & jnp.all(jnp.isfinite(h.reshape(h.shape[0], -1)), axis=1))
-    negative = jnp.any(diagonal < -NEGATIVE_HESSIAN_TOLERANCE, axis=1)
-    return RoundHealth(non_finite=all_sum(jnp.sum(counted & ~finite), ROW_AXIS),
-                       negative_hessian=all_sum(jnp.sum(counted & negative), ROW_AXIS))
+# The round's health travels in the arrays the tree is grown from, not in per-row flags of its
+# own: XLA's CPU reductions do not fuse their inputs, so counting flagged rows held two more
+# row-sized buffers per device (at 4M x 28 rows that pushed a round's temporaries past the
+# size glibc reuses, and every round paid page faults for them). A counted row whose loss
+# value, gradient or Hessian is not finite gets a NaN gradient; one with a negative Hessian a
+# -inf split Hessian; the sums over rows then say whether any row went wrong.
+
+def _marked_gradients(counted, values, g, h, row_weight):
+    """Weighted gradients ``(n, K)``, zero for rows that do not count; NaN (0 * inf and 0 * NaN
+    are NaN) for a counted row whose loss value or Hessian entries are not finite."""
+    marks = 0.0 * (values + jnp.sum(h.reshape(h.shape[0], -1), axis=1))
+    return jnp.where(counted[:, None], g * row_weight[:, None] + marks[:, None], 0.0)
 
 
 def _split_hessians(counted, diagonal, row_weight):
     # A zero Hessian (absolute error, quantile, hinge, Huber's tails) would make every node
     # weightless: the split search uses the row's sample weight instead, as XGBoost does for
-    # absolute error. Leaf values then come from the exact refit.
-    return jnp.where(counted[:, None], jnp.where(diagonal > 0, diagonal, 1.0) * row_weight[:, None], 0.0)
+    # absolute error. Leaf values then come from the exact refit. A negative one is marked -inf.
+    curvature = jnp.where(diagonal < -NEGATIVE_HESSIAN_TOLERANCE, -jnp.inf,
+                          jnp.where(diagonal > 0, diagonal, 1.0) * row_weight[:, None])
+    return jnp.where(counted[:, None], curvature, 0.0)
+
+
+def _round_health(gradients, split_hessians) -> RoundHealth:
+    """The health marks of ``_marked_gradients`` and ``_split_hessians``, summed over all rows.
+    Gradients whose sum overflows float32 count as non-finite (so would the histograms' sums)."""
+    gradient_sum = all_sum(jnp.sum(gradients), ROW_AXIS)
+    hessian_sum = all_sum(jnp.sum(split_hessians), ROW_AXIS)
+    negative = hessian_sum == -jnp.inf
+    return RoundHealth(non_finite=~jnp.isfinite(gradient_sum) | (~jnp.isfinite(hessian_sum) & ~negative),
+                       negative_hessian=negative)
 
 
 # Coordinate sweeps over the outputs when refitting vector leaves on the true loss.
@@ -210,11 +229,12 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
     counted = row_weight > 0
     hessian = _apply_hessian_mode(shape, params, hessian)
     diagonal = jnp.diagonal(hessian, axis1=-2, axis2=-1)
-    health = _round_health(counted, values, g, hessian, diagonal)
+    split_diagonal = _split_hessians(counted, diagonal, row_weight)
+    gradients = _marked_gradients(counted, values, g, hessian, row_weight)
+    health = _round_health(gradients, split_diagonal)
     identity = jnp.eye(K, dtype=bool)
-    hessian = jnp.where(identity, _split_hessians(counted, diagonal, row_weight)[..., :, None],
+    hessian = jnp.where(identity, split_diagonal[..., :, None],
                         jnp.where(counted[:, None, None], hessian * row_weight[:, None, None], 0.0))
-    gradients = jnp.where(counted[:, None], g * row_weight[:, None], 0.0)
     tree, row_leaves, _ = grow_tree(X_binned_T, gradients, leaves.pack_hessian(hessian), feature_allowed, tree_key,
                                     params.growth, shape.max_depth, shape.max_bin, ROW_AXIS, shape.sample_columns,
                                     leaves, shape.missing_values, row_offset)
@@ -251,9 +271,9 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_of
     values, g, h = loss_derivatives(objective, raw_prediction, y, params.loss_params)
     counted = row_weight > 0
     h = _apply_hessian_mode(shape, params, h)
-    health = _round_health(counted, values, g, h, h)
-    gradients = jnp.where(counted[:, None], g * row_weight[:, None], 0.0)
+    gradients = _marked_gradients(counted, values, g, h, row_weight)
     split_hessians = _split_hessians(counted, h, row_weight)
+    health = _round_health(gradients, split_hessians)
     num_nodes = num_heap_nodes(shape.max_depth)
 
     def one_output(output):

@@ -4,7 +4,7 @@ The host validates input, bins it once, pads rows to a bucket size (zero-weight 
 evenly: each device's block holds its share of the rows, then its padding), places the data on
 the devices (CPU devices read the Dataset's code table in place, each from its first row),
 finds the starting value and then calls the compiled round once per round. Per round only a
-few scalars come back: the eval metrics and the loss's health counts, so a custom loss that
+few scalars come back: the eval metrics and the loss's health flags, so a custom loss that
 returns non-finite gradients or negative Hessians stops training at that round with an error
 naming it. Callbacks (``callbacks.py``) run around every round; early
 stopping and the evaluation log are callbacks. Training can continue from a model
@@ -137,16 +137,15 @@ def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:
 
 
 def _raise_if_unhealthy(health, loss_name: str, round_index: int):
-    # np.asarray first: np.sum of a JAX array would dispatch one more JAX computation per round.
-    non_finite, negative = int(np.asarray(health.non_finite).sum()), int(np.asarray(health.negative_hessian).sum())
-    if non_finite:
-        raise FloatingPointError(f"loss {loss_name!r} produced non-finite values, gradients or Hessians for {non_finite} "
-                                 f"row(s) at round {round_index}; check the loss for overflow, log(0) or 0/0 at "
-                                 "the raw predictions reached")
-    if negative:
-        raise ValueError(f"loss {loss_name!r} produced negative Hessians for {negative} row(s) at round "
-                         f"{round_index}; a loss must be convex in the raw prediction (zero Hessians are fine), "
-                         "or train with hessian='floor' or 'constant'")
+    # np.asarray first: np.any of a JAX array would dispatch one more JAX computation per round.
+    if np.asarray(health.non_finite).any():
+        raise FloatingPointError(f"loss {loss_name!r} produced non-finite values, gradients or Hessians at round "
+                                 f"{round_index} (or gradients whose sum overflows float32); check the loss for "
+                                 "overflow, log(0) or 0/0 at the raw predictions reached")
+    if np.asarray(health.negative_hessian).any():
+        raise ValueError(f"loss {loss_name!r} produced negative Hessians at round {round_index}; a loss must be "
+                         "convex in the raw prediction (zero Hessians are fine), or train with hessian='floor' "
+                         "or 'constant'")
 
 
 # Rounds between hand-backs of the malloc arenas' free pages (``host_memory``); a hand-back

@@ -351,6 +351,44 @@ def test_custom_loss_with_negative_hessian_is_rejected():
         jb.train(X, y, loss=concave, **COMMON)
 
 
+def test_round_health_is_read_from_the_marked_gradients_and_hessians():
+    """A counted row whose loss value, gradient or Hessian is not finite marks its gradient NaN,
+    one with a negative Hessian marks its split Hessian -inf, and the round's health is read off
+    the sums; rows that do not count (weight 0) mark nothing, and finite rows keep their exact
+    weighted gradients."""
+    from jaxboost.boosting import _marked_gradients, _round_health, _split_hessians
+
+    from jax.sharding import Mesh, PartitionSpec
+
+    def marked(values, g, h, weight):
+        counted = weight > 0
+        gradients = _marked_gradients(counted, values, g[:, None], h[:, None], weight)
+        return _round_health(gradients, _split_hessians(counted, h[:, None], weight)), gradients[:, 0]
+
+    # The sums run over the rows' mesh axis, as inside a round.
+    rows = PartitionSpec("rows")
+    on_mesh = jax.jit(jax.shard_map(marked, mesh=Mesh(np.array(jax.devices()[:1]), ("rows",)), in_specs=rows,
+                                    out_specs=(PartitionSpec(), rows), check_vma=False))
+
+    def health(values, g, h, weight):
+        flags, gradients = on_mesh(*(jnp.asarray(a, jnp.float32) for a in (values, g, h, weight)))
+        return bool(flags.non_finite), bool(flags.negative_hessian), np.asarray(gradients)
+
+    fine = dict(values=[1.0, 2.0, 3.0], g=[0.5, -1.5, 2.0], h=[1.0, 0.0, 2.0], weight=[1.0, 2.0, 0.5])
+    non_finite, negative, gradients = health(**fine)
+    assert (non_finite, negative) == (False, False)
+    np.testing.assert_array_equal(gradients, np.float32([0.5, -3.0, 1.0]))
+    for field, index, bad in [("values", 1, np.nan), ("values", 0, np.inf), ("g", 2, np.nan), ("h", 0, np.inf)]:
+        case = {name: list(value) for name, value in fine.items()}
+        case[field][index] = bad
+        assert health(**case)[:2] == (True, False), f"{field}[{index}] = {bad}"
+        case["weight"][index] = 0.0  # the same row, not counted
+        assert health(**case)[:2] == (False, False), f"{field}[{index}] = {bad} with weight 0"
+    assert health(**{**fine, "h": [1.0, -0.5, 2.0]})[:2] == (False, True)
+    assert health(**{**fine, "h": [1.0, -0.5, 2.0], "weight": [1.0, 0.0, 0.5]})[:2] == (False, False)
+    assert health(**{**fine, "g": [3e38, 3e38, 0.0], "weight": [1.0, 1.0, 1.0]})[:2] == (True, False)  # overflow
+
+
 def test_custom_vector_loss_with_num_outputs():
     rng = np.random.default_rng(0)
     X = rng.normal(size=(N_ROWS, N_FEATURES)).astype(np.float32)
