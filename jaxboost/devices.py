@@ -206,33 +206,23 @@ def pad_rows_by_device(array: np.ndarray, size: int, devices: int, fill) -> np.n
     return padded.reshape((size,) + array.shape[1:])
 
 
-def rows_on_mesh(array: np.ndarray, size: int, mesh: Mesh, fill=0, feature_major: bool = False) -> jax.Array:
-    """``array`` (n, ...) padded to ``size`` rows with ``fill`` and sharded over ``mesh`` by rows,
-    in ``pad_rows_by_device``'s layout; ``feature_major`` places a 2-D array transposed, (d,
-    size), sharded along its second axis.
-
-    Each device's block is written once, into an aligned host buffer that a CPU device then
-    uses in place: a padded copy handed to ``jax.device_put`` would be copied again. (CPU
-    training does not copy its codes at all: ``shared_codes_on_mesh``.)"""
+def copied_codes_on_mesh(X_binned: np.ndarray, size: int, mesh: Mesh) -> jax.Array:
+    """Codes ``X_binned`` (n, d) placed as ``(d, size)`` sharded by rows: each device gets a
+    feature-major copy of its share of the rows, then zero padding (``pad_rows_by_device``'s
+    layout), written once into an aligned block that a CPU device uses in place. For devices
+    that cannot share the Dataset's table (``shared_codes_on_mesh``)."""
     devices = list(mesh.devices.flat)
     per_device = size // len(devices)
     shards = []
     begin = 0
-    for device, share in zip(devices, device_shares(array.shape[0], len(devices))):
-        rows = array[begin:begin + share]
+    for device, share in zip(devices, device_shares(X_binned.shape[0], len(devices))):
+        block = aligned_empty((X_binned.shape[1], per_device), X_binned.dtype)
+        block[:, :share] = X_binned[begin:begin + share].T
+        block[:, share:] = 0
         begin += share
-        if feature_major:
-            block = aligned_empty((array.shape[1], per_device), array.dtype)
-            block[:, :share] = rows.T
-            block[:, share:] = fill
-        else:
-            block = aligned_empty((per_device,) + array.shape[1:], array.dtype)
-            block[:share] = rows
-            block[share:] = fill
         shards.append(jax.device_put(block, device))
-    shape = (array.shape[1], size) if feature_major else (size,) + array.shape[1:]
-    sharding = row_sharding(mesh, len(shape), row_axis=1 if feature_major else 0)
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    return jax.make_array_from_single_device_arrays((X_binned.shape[1], size), row_sharding(mesh, 2, row_axis=1),
+                                                    shards)
 
 
 def shared_codes_on_mesh(table: np.ndarray, n_rows: int, size: int, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
@@ -242,8 +232,8 @@ def shared_codes_on_mesh(table: np.ndarray, n_rows: int, size: int, mesh: Mesh) 
     ``pad_rows_by_device``'s layout, are the table's columns from there on. Its padding rows
     read the next device's codes (or the table's zero columns); they carry no weight.
 
-    A copy of the rows per device, as ``rows_on_mesh`` makes, would hold the training codes
-    twice: once in the Dataset and once on the devices."""
+    A copy of the rows per device, as ``copied_codes_on_mesh`` makes, would hold the training
+    codes twice: once in the Dataset and once on the devices."""
     devices = list(mesh.devices.flat)
     if table.ctypes.data % HOST_ALIGNMENT:
         # An unaligned table (one unpickled, say) would be copied once per device: align it once.

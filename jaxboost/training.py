@@ -24,8 +24,8 @@ from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_round, l
                        starting_value)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
-from .devices import (mesh_platform, pad_rows_by_device, padded_size, replicated, row_mesh, row_sharding, rows_on_mesh,
-                      shared_codes_on_mesh)
+from .devices import (copied_codes_on_mesh, mesh_platform, pad_rows_by_device, padded_size, replicated, row_mesh,
+                      row_sharding, shared_codes_on_mesh)
 from .grower import GrowthParams, empty_tree
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import release_free_memory
@@ -95,7 +95,7 @@ class _DeviceRows:
             self.X_binned_T_device, self.row_offsets_device = shared_codes_on_mesh(dataset.X_binned_T, self.n_rows,
                                                                                    size, mesh)
         elif shard:
-            self.X_binned_T_device = rows_on_mesh(dataset.X_binned, size, mesh, feature_major=True)
+            self.X_binned_T_device = copied_codes_on_mesh(dataset.X_binned, size, mesh)
             self.row_offsets_device = put_rows(np.zeros(self.devices, np.int32))
         else:
             self.X_binned_device = jnp.asarray(self.pad(dataset.X_binned, 0, size))

@@ -484,34 +484,42 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices,
             np.testing.assert_allclose(out[device], expected, rtol=1e-6, atol=1e-6, err_msg=f"live={live}")
 
 
-@pytest.mark.parametrize("feature_major", [False, True])
 @pytest.mark.parametrize("n_devices", [1, 2])
-def test_rows_on_mesh_pads_shards_and_uses_host_memory_in_place(feature_major, n_devices, monkeypatch):
-    """``rows_on_mesh`` gives each device an equal share of the rows followed by its padding
-    (the fill value), shards them (transposed when feature major), and each CPU device uses its
-    aligned host block without a copy of its own."""
+def test_rows_are_padded_by_device_and_placed_in_place(n_devices, monkeypatch):
+    """Each device gets an equal share of the rows followed by its padding: per-row arrays
+    (``pad_rows_by_device``, aligned) and the codes copied feature-major per device
+    (``copied_codes_on_mesh``); each CPU device uses its aligned host block without a copy of
+    its own."""
     from jax.sharding import Mesh
 
     devices = jax.devices()[:n_devices]
     if len(devices) < n_devices:
         pytest.skip("needs two devices (jaxboost sets up one per core; this machine has one core)")
     mesh = Mesh(np.array(devices), ("rows",))
+    codes = np.random.default_rng(0).integers(0, 255, size=(37, 3)).astype(np.uint8)
+    expected = np.full((n_devices, 64 // n_devices, 3), 7, np.uint8)
+    if n_devices == 1:
+        expected[0, :37] = codes
+    else:  # 37 rows over two devices: 19 and 18, each block padded to 32
+        expected[0, :19], expected[1, :18] = codes[:19], codes[19:]
+    expected = expected.reshape(64, 3)
+    np.testing.assert_array_equal(jb.devices.pad_rows_by_device(codes, 64, n_devices, 7), expected)
+
+    labels = jb.devices.pad_rows_by_device(codes[:, 0].astype(np.float32), 64, n_devices, -1.0)
+    assert labels.ctypes.data % jb.host_memory.HOST_ALIGNMENT == 0
+    placed_labels = jax.device_put(labels, jb.devices.row_sharding(mesh, 1))
+    for index, shard in enumerate(placed_labels.addressable_shards):
+        if shard.device.platform == "cpu":  # blocks of 32 float32 stay aligned
+            assert shard.data.unsafe_buffer_pointer() == labels.ctypes.data + index * 128, "a device copied its rows"
+
     blocks = []
     aligned_empty = jb.devices.aligned_empty
     monkeypatch.setattr(jb.devices, "aligned_empty", lambda *args: blocks.append(aligned_empty(*args)) or blocks[-1])
-    array = np.random.default_rng(0).integers(0, 255, size=(37, 3)).astype(np.uint8)
-    placed = jb.devices.rows_on_mesh(array, 48, mesh, fill=7, feature_major=feature_major)
-    expected = np.full((n_devices, 48 // n_devices, 3), 7, np.uint8)
-    if n_devices == 1:
-        expected[0, :37] = array
-    else:  # 37 rows over two devices: 19 and 18, each block padded to 24
-        expected[0, :19], expected[1, :18] = array[:19], array[19:]
-    expected = expected.reshape(48, 3)
-    np.testing.assert_array_equal(jb.devices.pad_rows_by_device(array, 48, n_devices, 7), expected)
-    np.testing.assert_array_equal(np.asarray(placed), expected.T if feature_major else expected)
-    assert placed.sharding.spec[1 if feature_major else 0] == "rows"
+    placed = jb.devices.copied_codes_on_mesh(codes, 64, mesh)
+    np.testing.assert_array_equal(np.asarray(placed), jb.devices.pad_rows_by_device(codes, 64, n_devices, 0).T)
+    assert placed.sharding.spec[1] == "rows"
     for shard, block in zip(placed.addressable_shards, blocks):
-        assert shard.data.shape == block.shape == ((3, 48 // n_devices) if feature_major else (48 // n_devices, 3))
+        assert shard.data.shape == block.shape == (3, 64 // n_devices)
         if shard.device.platform == "cpu":
             assert shard.data.unsafe_buffer_pointer() == block.ctypes.data, "the device copied its block"
 
