@@ -353,10 +353,18 @@ def round_function(shape: RoundShape) -> Callable:
     return boosting_round
 
 
+# Position of ``raw_prediction`` in ``boosting_round``'s arguments (donated by the compiled rounds).
+RAW_PREDICTION_ARGUMENT = 6
+
+
 @lru_cache(maxsize=64)
 def compiled_round(shape: RoundShape):
-    """The jitted round for one static shape (cached, so a new training run reuses it)."""
-    return jax.jit(round_function(shape), compiler_options=compiler_options(mesh_platform(shape.mesh)))
+    """The jitted round for one static shape (cached, so a new training run reuses it).
+
+    The raw predictions are donated: the round writes the new ones over the old, so a round
+    holds one copy of them, not two."""
+    return jax.jit(round_function(shape), donate_argnums=RAW_PREDICTION_ARGUMENT,
+                   compiler_options=compiler_options(mesh_platform(shape.mesh)))
 
 
 @lru_cache(maxsize=16)
@@ -370,4 +378,5 @@ def compiled_many_rounds(shape: RoundShape, params_axes: tuple):
     params_axes = jax.tree_util.tree_unflatten(treedef, leaf_axes)
     eval_axes = tuple((None, None, None, 0) for _ in shape.metrics)
     batched = jax.vmap(round_function(shape), in_axes=(params_axes, None, None, None, 0, None, 0, 0, None, eval_axes))
-    return jax.jit(batched, compiler_options=compiler_options(mesh_platform(shape.mesh)))
+    return jax.jit(batched, donate_argnums=RAW_PREDICTION_ARGUMENT,
+                   compiler_options=compiler_options(mesh_platform(shape.mesh)))

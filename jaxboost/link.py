@@ -77,6 +77,8 @@ def apply_link(link: Callable, raw_prediction: np.ndarray) -> np.ndarray:
     prediction depends on its own raw prediction only), in chunks of ``LINK_CHUNK_ROWS`` rows,
     the last padded with zeros."""
     raw_prediction = np.asarray(raw_prediction, np.float32)
+    if link is identity:  # nothing to compute, so nothing to compile
+        return raw_prediction
     n_rows = raw_prediction.shape[0]
     padded = np.zeros((-(-n_rows // LINK_CHUNK_ROWS) * LINK_CHUNK_ROWS,) + raw_prediction.shape[1:], np.float32)
     padded[:n_rows] = raw_prediction

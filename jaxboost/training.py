@@ -13,6 +13,7 @@ stopping and the evaluation log are callbacks. Training can continue from a mode
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Callable, NamedTuple
 
@@ -101,10 +102,14 @@ class _DeviceRows:
             self.X_binned_device = jnp.asarray(self.pad(dataset.X_binned, 0, size))
         self.y_device = put_rows(self.y)
         self.sample_weight_device = put_rows(self.sample_weight)
-        # Each row's index in the data (padding: -1), which row sampling draws by.
-        self.row_index_device = put_rows(self.pad(np.arange(dataset.n_rows, dtype=np.int32), -1, size))
         if base_score is not None:
             self.initial_raw_prediction(base_score)
+
+    @functools.cached_property
+    def row_index_device(self) -> jax.Array:
+        """Each row's index in the data (padding: -1), which row sampling draws by; built on
+        first use, so training without row sampling does not hold it."""
+        return self.put_rows(self.pad(np.arange(self.n_rows, dtype=np.int32), -1))
 
     def pad(self, array: np.ndarray, fill, size: int | None = None) -> np.ndarray:
         """Per-row ``array`` (n, ...) in these rows' padded layout: each device's share of the
@@ -115,6 +120,13 @@ class _DeviceRows:
         start = (np.broadcast_to(base_score, (self.y.shape[0], base_score.shape[0])) if self.margin is None
                  else self.margin)
         self.raw_prediction = self.put_rows(np.ascontiguousarray(start, dtype=np.float32))
+
+
+def positives_weighted(dataset: Dataset, scale_pos_weight: float) -> np.ndarray:
+    """The Dataset's sample weights with the rows labelled 1 weighted by ``scale_pos_weight``."""
+    if scale_pos_weight == 1:
+        return dataset.sample_weight
+    return np.where(dataset.y == 1, dataset.sample_weight * np.float32(scale_pos_weight), dataset.sample_weight)
 
 
 def _as_dataset(data, y, sample_weight, max_bin, base_margin, reference=None) -> Dataset:
@@ -360,12 +372,10 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     if init_model is not None and init_model.params.get("multi_strategy", "one_output_per_tree") != multi_strategy:
         raise ValueError(f"init_model was trained with multi_strategy="
                          f"{init_model.params.get('multi_strategy', 'one_output_per_tree')!r}; continue it with the same")
-    weights = np.where(dataset.y == 1, dataset.sample_weight * np.float32(scale_pos_weight), dataset.sample_weight)
-
     mesh = row_mesh(dataset.n_rows)
     margin = check_base_margin(dataset.base_margin, dataset.n_rows, K)
     train_rows = _DeviceRows(dataset, resolved, mesh, shard=True, margin=margin, base_score=None,
-                             sample_weight=weights)
+                             sample_weight=positives_weighted(dataset, scale_pos_weight))
     if init_model is not None:
         base_score = np.asarray(init_model.base_score, np.float32)
     elif margin is None:
@@ -462,7 +472,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     for callback in all_callbacks:
         callback.before_training(state)
 
-    raw_prediction = train_rows.raw_prediction
+    # The rounds donate the raw predictions (each overwrites the last), so none is kept here.
+    raw_prediction, train_rows.raw_prediction = train_rows.raw_prediction, None
     eval_raw = tuple(rows.raw_prediction for rows in eval_rows)
     # With nothing to read between rounds (no eval sets, no callbacks), a round's health is
     # checked once the next round has been dispatched, so the device never waits for the host.
@@ -479,7 +490,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                           for rows, raw in zip(eval_rows, eval_raw))
         raw_prediction, trees, health, eval_raw, metric_values = boosting_round(
             params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
-            train_rows.sample_weight_device, train_rows.row_index_device, raw_prediction, seed_key,
+            train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
+            raw_prediction, seed_key,
             np.int32(round_index), eval_data)
         # Ask for the flags now: a copy requested only when they are read would queue behind the
         # next round, and the host would wait for that round before dispatching another.

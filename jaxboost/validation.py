@@ -55,9 +55,11 @@ def check_features(X, n_features: int | None = None, what: str = "X",
 
 
 def check_labels(y, n_rows: int, what: str = "y") -> np.ndarray:
-    """Labels as float64 (n,): finite and one per row."""
+    """Labels as an owned float32 array (n,), finite and one per row. Training computes in
+    float32, so the labels are held once, in that precision (as XGBoost holds them)."""
     try:
-        labels = np.asarray(y, dtype=np.float64)
+        with np.errstate(over="ignore"):  # overflowing labels are named below
+            labels = np.array(y, dtype=np.float32)
     except (TypeError, ValueError) as error:
         raise TypeError(f"{what} must be numeric labels: {error}") from error
     if labels.ndim == 2 and labels.shape[1] == 1:
@@ -68,15 +70,20 @@ def check_labels(y, n_rows: int, what: str = "y") -> np.ndarray:
         raise ValueError(f"{what} has {labels.shape[0]} labels but X has {n_rows} rows")
     bad = ~np.isfinite(labels)
     if bad.any():
+        first = int(np.argmax(bad))
+        if np.isfinite(np.asarray(y, dtype=np.float64).reshape(-1)[first]):
+            raise ValueError(f"{what} has label(s) beyond float32's range (first at row {first}: "
+                             f"{np.asarray(y, dtype=np.float64).reshape(-1)[first]:g}); labels must be finite in float32")
         raise ValueError(f"{what} contains {int(bad.sum())} NaN or infinite label(s) (first at row "
-                         f"{int(np.argmax(bad))}); labels must be finite")
+                         f"{first}); labels must be finite")
     return labels
 
 
 def check_sample_weight(sample_weight, n_rows: int, what: str = "sample_weight") -> np.ndarray:
-    """Weights as float32 (n,): finite, non-negative, not all zero (ones if None)."""
+    """Weights as float32 (n,): finite, non-negative, not all zero. None gives ones as a
+    read-only broadcast of one value, which takes no memory per row."""
     if sample_weight is None:
-        return np.ones(n_rows, dtype=np.float32)
+        return np.broadcast_to(np.float32(1.0), (n_rows,))
     weights = np.asarray(sample_weight, dtype=np.float64)
     if weights.ndim != 1 or weights.shape[0] != n_rows:
         raise ValueError(f"{what} must have shape ({n_rows},); got {weights.shape}")

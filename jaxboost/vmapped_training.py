@@ -22,7 +22,8 @@ from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .regularizer import Regularization, check_regularization
 from .training import (_as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
-                       interaction_groups, monotone_array, release_memory_now_and_then, vector_leaves)
+                       interaction_groups, monotone_array, positives_weighted, release_memory_now_and_then,
+                       vector_leaves)
 
 # Hyperparameters that may differ between the models, with jb.train's defaults.
 BATCHABLE = dict(learning_rate=0.1, reg_lambda=1.0, reg_alpha=0.0, gamma=0.0, min_child_weight=1.0, subsample=1.0,
@@ -94,7 +95,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     stacked_loss_params = {name: jnp.asarray([values[name] for values in model_loss_params], jnp.float32)
                            for name in resolved.loss_params}
 
-    weights = np.where(dataset.y == 1, dataset.sample_weight * np.float32(scale_pos_weight), dataset.sample_weight)
+    weights = positives_weighted(dataset, scale_pos_weight)
     if sample_weights is None:
         model_weights = np.broadcast_to(weights, (M, dataset.n_rows))
     else:
@@ -190,7 +191,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                           for r, raw in zip(eval_rows, eval_raw))
         raw_prediction, trees, health, eval_raw, metric_values = boosting_rounds(
             params, rows.X_binned_T_device, rows.row_offsets_device, rows.y_device, weights_device,
-            rows.row_index_device, raw_prediction, seed_keys, jnp.int32(round_index), eval_data)
+            rows.row_index_device if shape.sample_rows else None, raw_prediction, seed_keys,
+            jnp.int32(round_index), eval_data)
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)
         release_memory_now_and_then(round_index)

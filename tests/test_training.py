@@ -282,6 +282,61 @@ def test_non_finite_labels_are_rejected(bad, message):
         jb.train(X, y, **COMMON)
 
 
+def test_labels_beyond_float32_range_are_rejected_by_name():
+    X, y = _regression_data()
+    y = y.astype(np.float64)
+    y[5] = 1e39  # finite in float64, infinite in the float32 that training computes in
+    with pytest.raises(ValueError, match="beyond float32's range .first at row 5"):
+        jb.train(X, y, **COMMON)
+
+
+def test_dataset_holds_labels_once_and_default_weights_take_no_memory():
+    """A Dataset's labels are its own float32 copy (changing the caller's array afterwards does
+    not change them); weights left out are ones without a value per row."""
+    X, y = _regression_data()
+    for given in (y.astype(np.float32), y.astype(np.float64), np.round(y).astype(np.int64)):
+        dataset = jb.Dataset(X, given)
+        assert dataset.y.dtype == np.float32 and not np.shares_memory(dataset.y, given)
+        np.testing.assert_array_equal(dataset.y, given.astype(np.float32))
+    caller_labels = y.astype(np.float32)
+    dataset = jb.Dataset(X, caller_labels)
+    caller_labels[:] = np.nan
+    assert np.isfinite(dataset.y).all()
+    assert dataset.sample_weight.shape == (len(X),) and dataset.sample_weight.strides == (0,)
+    np.testing.assert_array_equal(dataset.sample_weight, 1.0)
+    assert not dataset.sample_weight.flags.writeable
+
+
+def test_rounds_donate_raw_predictions_and_read_row_indices_only_when_sampling(monkeypatch):
+    """Each round writes its raw predictions over the last ones (the argument is donated, so a
+    round holds one copy); the row indices are passed, and built, only for row sampling. The
+    model is the same as without donation."""
+    from jaxboost import boosting, training
+
+    X, y = _regression_data()
+    for subsample in (1.0, 0.5):
+        seen = []
+
+        def recording(shape, donate=True):
+            compiled = boosting.compiled_round.__wrapped__(shape) if donate else jax.jit(boosting.round_function(shape))
+
+            def call(*args):
+                seen.append(args)
+                return compiled(*args)
+            return call
+
+        monkeypatch.setattr(training, "compiled_round", recording)
+        model = jb.train(X, y, subsample=subsample, num_rounds=3, max_depth=DEPTH)
+        assert len(seen) == 3
+        raw_predictions = [args[boosting.RAW_PREDICTION_ARGUMENT] for args in seen]
+        assert all(raw.is_deleted() for raw in raw_predictions)
+        row_indices = [args[5] for args in seen]
+        assert all((index is None) == (subsample == 1.0) for index in row_indices)
+        monkeypatch.setattr(training, "compiled_round", lambda shape: recording(shape, donate=False))
+        kept = jb.train(X, y, subsample=subsample, num_rounds=3, max_depth=DEPTH)
+        np.testing.assert_array_equal(model.predict_raw(X), kept.predict_raw(X))
+
+
 @pytest.mark.parametrize("loss, label", [("logistic", 2.0), ("poisson", -1.0), ("softmax", 1.5), ("gamma", 0.0)])
 def test_labels_outside_a_loss_range_are_rejected(loss, label):
     X, y = _binary_data()
@@ -636,6 +691,20 @@ def test_row_sampling_draws_by_row_index():
     other = np.asarray(uniform_of_rows(jax.random.fold_in(key, 1), jnp.asarray(index)))
     assert abs(np.corrcoef(draws, other)[0, 1]) < 0.01
     assert np.mean((draws < 0.5) == (other < 0.5)) == pytest.approx(0.5, abs=0.01)
+
+
+def test_identity_link_is_returned_without_compiling(monkeypatch):
+    from jaxboost import link
+
+    X, y = _regression_data()
+    model = jb.train(X, y, num_rounds=2, max_depth=DEPTH)
+
+    def no_compiling(function):
+        raise AssertionError(f"the link {function.__name__} was compiled")
+    monkeypatch.setattr(link, "_compiled_link", no_compiling)
+    np.testing.assert_array_equal(model.predict(X), model.predict_raw(X))
+    with pytest.raises(AssertionError, match="sigmoid was compiled"):
+        link.apply_link(link.sigmoid, model.predict_raw(X))
 
 
 def test_predict_applies_the_link_in_fixed_chunks_compiled_once():
