@@ -66,7 +66,11 @@ def add_position_values(raw_prediction: jax.Array, values: jax.Array, positions:
         return gathered(raw_prediction, values, positions)
 
     def native(raw, table, at):
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(raw.shape, jnp.float32), vmap_method="sequential")
+        # The result aliases ``raw`` (each row is read, then written, by the same step), so with
+        # the round's raw predictions donated the update is written in place: no row vector
+        # for the result and no copy of it into the round's output.
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(raw.shape, jnp.float32), vmap_method="sequential",
+                                input_output_aliases={0: 0})
         return as_varying_as(call(raw, table, at), (raw, table, at))
 
     # Chosen when lowering: the FFI target exists only on CPU.

@@ -134,6 +134,11 @@ def test_position_values_added_by_the_kernel_equal_a_numpy_gather(outputs, monke
                                     out_specs=PartitionSpec("rows")))
     np.testing.assert_array_equal(np.asarray(sharded(raw, values, at)), expected)
     assert "jaxboost_add_position_values" in update.lower(raw, values, at).as_text()
+    # The kernel's result aliases its input: with the raw predictions donated, no buffer of
+    # their size is added for the result (the training rounds write the update in place).
+    in_place = jax.jit(predictor.add_position_values, donate_argnums=0).lower(raw, values, at).compile()
+    assert in_place.memory_analysis().temp_size_in_bytes < raw.nbytes
+    np.testing.assert_array_equal(np.asarray(in_place(jnp.asarray(raw), values, at)), expected)
     monkeypatch.setenv("JAXBOOST_NATIVE", "0")
     gather = jax.jit(lambda *args: predictor.add_position_values(*args))  # a new function: traced again
     assert "jaxboost_add_position_values" not in gather.lower(raw, values, at).as_text()

@@ -308,21 +308,26 @@ def test_dataset_holds_labels_once_and_default_weights_take_no_memory():
 
 
 def test_rounds_donate_raw_predictions_and_read_row_indices_only_when_sampling(monkeypatch):
-    """Each round writes its raw predictions over the last ones (the argument is donated, so a
-    round holds one copy); the row indices are passed, and built, only for row sampling. The
+    """Each round writes its raw predictions over the last ones, in the same buffer (the
+    argument is donated and the update kernel aliases it, so a round holds one copy); the row indices are passed, and built, only for row sampling. The
     model is the same as without donation."""
     from jaxboost import boosting, training
 
     X, y = _regression_data()
     for subsample in (1.0, 0.5):
-        seen = []
+        seen, written_over = [], []
 
         def recording(shape, donate=True):
             compiled = boosting.compiled_round.__wrapped__(shape) if donate else jax.jit(boosting.round_function(shape))
 
             def call(*args):
                 seen.append(args)
-                return compiled(*args)
+                raw = args[boosting.RAW_PREDICTION_ARGUMENT]
+                before = [shard.data.unsafe_buffer_pointer() for shard in raw.addressable_shards]
+                result = compiled(*args)
+                after = [shard.data.unsafe_buffer_pointer() for shard in result[0].addressable_shards]
+                written_over.append(before == after)
+                return result
             return call
 
         monkeypatch.setattr(training, "compiled_round", recording)
@@ -330,6 +335,8 @@ def test_rounds_donate_raw_predictions_and_read_row_indices_only_when_sampling(m
         assert len(seen) == 3
         raw_predictions = [args[boosting.RAW_PREDICTION_ARGUMENT] for args in seen]
         assert all(raw.is_deleted() for raw in raw_predictions)
+        # The first round's input may be the caller's host memory, which is not written over.
+        assert all(written_over[1:]), written_over
         row_indices = [args[5] for args in seen]
         assert all((index is None) == (subsample == 1.0) for index in row_indices)
         monkeypatch.setattr(training, "compiled_round", lambda shape: recording(shape, donate=False))
