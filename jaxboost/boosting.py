@@ -205,6 +205,36 @@ def _split_hessians(counted, diagonal, row_weight):
     return jnp.where(counted[:, None], curvature, 0.0)
 
 
+# Rows per step of ``in_row_chunks``: the loss's intermediate values are held for this many
+# rows at a time, not for all of a device's rows.
+DERIVATIVE_CHUNK_ROWS = 32768
+
+
+def in_row_chunks(function: Callable, arrays: tuple, chunk_rows: int | None = None) -> tuple:
+    """``function(*arrays)`` for a row-wise ``function`` (row ``i`` of each result depends on
+    row ``i`` of the arrays only), computed ``chunk_rows`` rows (default ``DERIVATIVE_CHUNK_ROWS``)
+    at a time.
+
+    XLA's CPU fusions have one output each, so the intermediate values that both the gradient
+    and the Hessian read (a logistic loss's exponentials) are stored for every row: three more
+    row vectors a device. In chunks they take a chunk's rows. The last chunk ends at the last
+    row, overlapping the one before; its rows are computed twice, to the same values."""
+    chunk_rows = chunk_rows or DERIVATIVE_CHUNK_ROWS
+    n_rows = arrays[0].shape[0]
+    if n_rows <= chunk_rows:
+        return function(*arrays)
+    pieces = jax.eval_shape(function, *(a[:chunk_rows] for a in arrays))
+    results = tuple(jnp.zeros((n_rows,) + piece.shape[1:], piece.dtype) for piece in pieces)
+
+    def one_chunk(chunk, results):
+        start = jnp.minimum(chunk * chunk_rows, n_rows - chunk_rows)
+        rows = (jax.lax.dynamic_slice_in_dim(a, start, chunk_rows) for a in arrays)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(result, piece, start, 0)
+                     for result, piece in zip(results, function(*rows)))
+
+    return jax.lax.fori_loop(0, -(-n_rows // chunk_rows), one_chunk, results)
+
+
 def _round_health(gradients, split_hessians) -> RoundHealth:
     """The health marks of ``_marked_gradients`` and ``_split_hessians``, summed over all rows.
     Gradients whose sum overflows float32 count as non-finite (so would the histograms' sums)."""
@@ -224,18 +254,23 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
     """Row-local body of a round with vector leaves: one tree for all K outputs."""
     objective, leaves = shape.objective, shape.vector_leaves
     K = objective.num_outputs
-    values, g, hessian = values_gradients_and_hessian_matrices(bind_loss(objective, params.loss_params),
-                                                               raw_prediction, y)
-    counted = row_weight > 0
-    hessian = _apply_hessian_mode(shape, params, hessian)
-    diagonal = jnp.diagonal(hessian, axis1=-2, axis2=-1)
-    split_diagonal = _split_hessians(counted, diagonal, row_weight)
-    gradients = _marked_gradients(counted, values, g, hessian, row_weight)
+
+    def tree_statistics(raw_prediction, y, row_weight):
+        values, g, hessian = values_gradients_and_hessian_matrices(bind_loss(objective, params.loss_params),
+                                                                   raw_prediction, y)
+        counted = row_weight > 0
+        hessian = _apply_hessian_mode(shape, params, hessian)
+        diagonal = jnp.diagonal(hessian, axis1=-2, axis2=-1)
+        split_diagonal = _split_hessians(counted, diagonal, row_weight)
+        identity = jnp.eye(K, dtype=bool)
+        weighted = jnp.where(identity, split_diagonal[..., :, None],
+                             jnp.where(counted[:, None, None], hessian * row_weight[:, None, None], 0.0))
+        return (_marked_gradients(counted, values, g, hessian, row_weight), split_diagonal,
+                leaves.pack_hessian(weighted))
+
+    gradients, split_diagonal, packed_hessians = in_row_chunks(tree_statistics, (raw_prediction, y, row_weight))
     health = _round_health(gradients, split_diagonal)
-    identity = jnp.eye(K, dtype=bool)
-    hessian = jnp.where(identity, split_diagonal[..., :, None],
-                        jnp.where(counted[:, None, None], hessian * row_weight[:, None, None], 0.0))
-    tree, row_leaves, _ = grow_tree(X_binned_T, gradients, leaves.pack_hessian(hessian), feature_allowed, tree_key,
+    tree, row_leaves, _ = grow_tree(X_binned_T, gradients, packed_hessians, feature_allowed, tree_key,
                                     params.growth, shape.max_depth, shape.max_bin, ROW_AXIS, shape.sample_columns,
                                     leaves, shape.missing_values, row_offset)
     row_leaf = row_leaves.heap_index()
@@ -268,11 +303,14 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_of
         return _grow_round_vector_tree(shape, params, X_binned_T, row_offset, y, row_weight, raw_prediction,
                                        feature_allowed, tree_key)
     objective = shape.objective
-    values, g, h = loss_derivatives(objective, raw_prediction, y, params.loss_params)
-    counted = row_weight > 0
-    h = _apply_hessian_mode(shape, params, h)
-    gradients = _marked_gradients(counted, values, g, h, row_weight)
-    split_hessians = _split_hessians(counted, h, row_weight)
+
+    def tree_statistics(raw_prediction, y, row_weight):
+        values, g, h = loss_derivatives(objective, raw_prediction, y, params.loss_params)
+        counted = row_weight > 0
+        h = _apply_hessian_mode(shape, params, h)
+        return _marked_gradients(counted, values, g, h, row_weight), _split_hessians(counted, h, row_weight)
+
+    gradients, split_hessians = in_row_chunks(tree_statistics, (raw_prediction, y, row_weight))
     health = _round_health(gradients, split_hessians)
     num_nodes = num_heap_nodes(shape.max_depth)
 

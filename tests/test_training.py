@@ -700,6 +700,54 @@ def test_row_sampling_draws_by_row_index():
     assert np.mean((draws < 0.5) == (other < 0.5)) == pytest.approx(0.5, abs=0.01)
 
 
+@pytest.mark.parametrize("n_rows, chunk_rows", [(1000, 128), (1024, 128), (100, 128), (129, 128)])
+def test_in_row_chunks_equals_the_whole_computation(n_rows, chunk_rows):
+    """Chunks cover every row once or, at the overlapping last chunk, twice to the same values;
+    several results of several shapes, those of one call on all rows (up to an ulp: XLA
+    vectorises a chunk's loop and the whole one differently)."""
+    from jaxboost.boosting import in_row_chunks
+
+    rng = np.random.default_rng(n_rows)
+    raw = jnp.asarray(rng.normal(size=(n_rows, 3)).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, 3, size=n_rows).astype(np.int32))
+
+    def statistics(raw, y):
+        probabilities = jax.nn.softmax(raw)
+        g = probabilities - jax.nn.one_hot(y, 3)
+        return g, probabilities * (1 - probabilities), jnp.einsum("nk,nl->nkl", g, g), jnp.sum(g, axis=1)
+
+    chunked = jax.jit(lambda raw, y: in_row_chunks(statistics, (raw, y), chunk_rows))(raw, y)
+    whole = jax.jit(statistics)(raw, y)
+    for part, expected in zip(chunked, whole):
+        assert part.shape == expected.shape
+        np.testing.assert_allclose(np.asarray(part), np.asarray(expected), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss, vector", [("logistic", False), ("softmax", False), ("softmax", True)])
+def test_rounds_computing_derivatives_in_chunks_grow_the_same_trees(loss, vector, monkeypatch):
+    """Training with the derivatives computed a few rows at a time (the chunks of large data)
+    grows the trees of one pass over all rows: the same splits, and leaf values equal up to
+    float32 rounding (a chunk's exponentials may differ from the whole pass's in the last bit)."""
+    from jaxboost import boosting
+
+    X, y = _binary_data()
+    if loss == "softmax":
+        y = np.digitize(X[:, 0] + X[:, 1], [-0.5, 0.5]).astype(np.float32)
+    settings = dict(loss=loss, num_rounds=4, max_depth=DEPTH,
+                    multi_strategy="multi_output_tree" if vector else "one_output_per_tree")
+    models = []
+    for chunk_rows in (10 ** 9, 96):
+        monkeypatch.setattr(boosting, "DERIVATIVE_CHUNK_ROWS", chunk_rows)
+        boosting.compiled_round.cache_clear()
+        models.append(jb.train(X, y, **settings))
+    boosting.compiled_round.cache_clear()
+    whole, chunked = models
+    for field in ("feature", "threshold_bin", "is_leaf", "default_left"):
+        np.testing.assert_array_equal(getattr(chunked.trees, field), getattr(whole.trees, field), err_msg=field)
+    np.testing.assert_allclose(chunked.trees.value, whole.trees.value, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(chunked.predict_raw(X), whole.predict_raw(X), rtol=1e-5, atol=1e-6)
+
+
 def test_identity_link_is_returned_without_compiling(monkeypatch):
     from jaxboost import link
 
