@@ -79,7 +79,7 @@ class _DeviceRows:
         self.n_rows = dataset.n_rows
         self.devices = mesh.size if shard else 1
         size = padded_size(dataset.n_rows, self.devices)
-        labels = dataset.y.astype(resolved.label_dtype)
+        labels = dataset.y.astype(resolved.label_dtype, copy=False)
         # Padding rows repeat a real label (so the loss stays finite there) with weight 0.
         self.y = self.pad(labels, labels[0], size)
         self.sample_weight = self.pad(dataset.sample_weight if sample_weight is None

@@ -71,9 +71,10 @@ def check_labels(y, n_rows: int, what: str = "y") -> np.ndarray:
     bad = ~np.isfinite(labels)
     if bad.any():
         first = int(np.argmax(bad))
-        if np.isfinite(np.asarray(y, dtype=np.float64).reshape(-1)[first]):
-            raise ValueError(f"{what} has label(s) beyond float32's range (first at row {first}: "
-                             f"{np.asarray(y, dtype=np.float64).reshape(-1)[first]:g}); labels must be finite in float32")
+        given = np.asarray(y, dtype=np.float64).reshape(-1)[first]
+        if np.isfinite(given):
+            raise ValueError(f"{what} has label(s) beyond float32's range (first at row {first}: {given:g}); "
+                             "labels must be finite in float32")
         raise ValueError(f"{what} contains {int(bad.sum())} NaN or infinite label(s) (first at row "
                          f"{first}); labels must be finite")
     return labels
