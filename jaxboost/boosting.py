@@ -235,6 +235,25 @@ def in_row_chunks(function: Callable, arrays: tuple, chunk_rows: int | None = No
     return jax.lax.fori_loop(0, -(-n_rows // chunk_rows), one_chunk, results)
 
 
+@lru_cache(maxsize=16)
+def compiled_zero_hessian_count(objective: Objective, mesh: Mesh) -> Callable:
+    """``count(raw_prediction, y, sample_weight, loss_params)``: how many rows of positive
+    weight have an exactly zero Hessian entry at ``raw_prediction`` (rows sharded over
+    ``mesh``), computed in chunks of rows, so only the count leaves the devices."""
+    def local_count(raw_prediction, y, sample_weight, loss_params):
+        def zero_rows(raw_prediction, y, sample_weight):
+            _, _, h = loss_derivatives(objective, raw_prediction, y, loss_params)
+            return ((jnp.any(h == 0, axis=1) & (sample_weight > 0)).astype(jnp.int32),)
+
+        (zero,) = in_row_chunks(zero_rows, (raw_prediction, y, sample_weight))
+        return all_sum(jnp.sum(zero), ROW_AXIS)
+
+    rows = PartitionSpec(ROW_AXIS)
+    count = jax.shard_map(local_count, mesh=mesh, in_specs=(PartitionSpec(ROW_AXIS, None), rows, rows, PartitionSpec()),
+                          out_specs=PartitionSpec(), check_vma=False)
+    return jax.jit(count, compiler_options=compiler_options(mesh_platform(mesh)))
+
+
 def _round_health(gradients, split_hessians) -> RoundHealth:
     """The health marks of ``_marked_gradients`` and ``_split_hessians``, summed over all rows.
     Gradients whose sum overflows float32 count as non-finite (so would the histograms' sums)."""

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_round, loss_derivatives, seed_key_data,
-                       starting_value)
+from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_round, compiled_zero_hessian_count,
+                       seed_key_data, starting_value)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .devices import (copied_codes_on_mesh, mesh_platform, pad_rows_by_device, padded_size, replicated, row_mesh,
@@ -140,12 +140,10 @@ def _as_dataset(data, y, sample_weight, max_bin, base_margin, reference=None) ->
     return Dataset(data, y, sample_weight, max_bin=max_bin, reference=reference, base_margin=base_margin)
 
 
-def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:
+def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows, mesh) -> bool:
     """Custom losses: refit leaves when some weighted row has an exactly zero Hessian at the start."""
-    _, _, h = jax.jit(loss_derivatives, static_argnums=0)(resolved.objective, rows.raw_prediction, rows.y_device,
-                                                         resolved.loss_params)
-    counted = np.asarray(rows.sample_weight) > 0
-    return bool((np.asarray(h)[counted] == 0).any())
+    count = compiled_zero_hessian_count(resolved.objective, mesh)
+    return int(count(rows.raw_prediction, rows.y_device, rows.sample_weight_device, resolved.loss_params)) > 0
 
 
 def _raise_if_unhealthy(health, loss_name: str, round_index: int):
@@ -390,7 +388,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     if previous_trees is not None:
         _add_tree_predictions(previous_trees, train_rows, dataset.bin_edges.missing_bin, mesh)
     if leaf_refit is None:
-        leaf_refit = resolved.leaf_refit if resolved.leaf_refit is not None else _leaf_refit_needed(resolved, train_rows)
+        leaf_refit = resolved.leaf_refit if resolved.leaf_refit is not None else _leaf_refit_needed(resolved, train_rows, mesh)
 
     eval_rows = []
     for entry in eval_set or []:

@@ -102,6 +102,33 @@ def test_optax_huber_trains_with_zero_hessian_tails():
     assert huber_error < squared_error, (huber_error, squared_error)
 
 
+def test_zero_hessian_rows_are_counted_on_the_devices_in_chunks(monkeypatch):
+    """The check that turns the leaf refit on for a custom loss counts the weighted rows whose
+    Hessian is exactly zero (Huber's tails), over rows sharded on the devices and computed a
+    chunk at a time; rows of weight 0 do not count."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxboost import boosting
+    from jaxboost.devices import ROW_AXIS, row_mesh
+    from jaxboost.objective import resolve_loss
+
+    rng = np.random.default_rng(4)
+    n_rows = 100_000
+    y = (3 * rng.normal(size=n_rows)).astype(np.float32)
+    weight = (rng.random(n_rows) < 0.7).astype(np.float32)
+    expected = int(np.sum((np.abs(y) > 1.0) & (weight > 0)))  # optax's huber: delta 1, raw 0
+    mesh = row_mesh(n_rows)
+    assert mesh.size == 2
+    place = lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec(ROW_AXIS, *([None] * (a.ndim - 1)))))
+    objective = resolve_loss(optax.losses.huber_loss, y, None, None).objective
+    monkeypatch.setattr(boosting, "DERIVATIVE_CHUNK_ROWS", 4096)
+    boosting.compiled_zero_hessian_count.cache_clear()
+    count = boosting.compiled_zero_hessian_count(objective, mesh)
+    boosting.compiled_zero_hessian_count.cache_clear()
+    assert int(count(place(np.zeros((n_rows, 1), np.float32)), place(y), place(weight), {})) == expected
+    assert int(count(place(np.zeros((n_rows, 1), np.float32)), place(np.zeros_like(y)), place(weight), {})) == 0
+
+
 @pytest.fixture(scope="module")
 def heteroscedastic_data():
     rng = np.random.default_rng(3)
