@@ -769,6 +769,26 @@ def test_rounds_computing_derivatives_in_chunks_grow_the_same_trees(loss, vector
         models.append(jb.train(X, y, **settings))
     boosting.compiled_round.cache_clear()
     whole, chunked = models
+    _assert_same_splits(chunked, whole, X)
+
+
+def test_train_many_computing_derivatives_in_chunks_grows_the_same_trees(monkeypatch):
+    """``train_many`` batches the chunked derivative pass over its models."""
+    from jaxboost import boosting
+
+    X, y = _binary_data()
+    models = []
+    for chunk_rows in (10 ** 9, 96):
+        monkeypatch.setattr(boosting, "DERIVATIVE_CHUNK_ROWS", chunk_rows)
+        boosting.compiled_many_rounds.cache_clear()
+        models.append(jb.train_many(X, y, loss="logistic", batch={"reg_lambda": [0.5, 2.0]}, num_rounds=3,
+                                    max_depth=DEPTH))
+    boosting.compiled_many_rounds.cache_clear()
+    for whole, chunked in zip(*models):
+        _assert_same_splits(chunked, whole, X)
+
+
+def _assert_same_splits(chunked, whole, X):
     for field in ("feature", "threshold_bin", "is_leaf", "default_left"):
         np.testing.assert_array_equal(getattr(chunked.trees, field), getattr(whole.trees, field), err_msg=field)
     np.testing.assert_allclose(chunked.trees.value, whole.trees.value, rtol=1e-5, atol=1e-6)
