@@ -25,7 +25,9 @@ class Dataset:
       reference: a Dataset whose bin edges to reuse (eval and test sets).
       base_margin: per-row offsets of the raw prediction, (n,) or (n, K).
 
-    Attributes (besides the arguments): ``bin_edges``, ``max_bin``, ``X_binned`` (n, d) uint8,
+    Attributes: ``y``, the labels as the Dataset's own float32 array (training computes in
+    float32); ``sample_weight``, float32, a read-only broadcast of 1 when none were given (no
+    memory per row); ``bin_edges``, ``max_bin``, ``X_binned`` (n, d) uint8,
     ``X_binned_T``: the same codes as the read-only feature-major table the training kernels
     read (``(d, width)``, columns past ``n_rows`` zero; ``X_binned`` is its transposed view, so
     the codes are held once), and ``has_missing_values``: whether any value is missing
