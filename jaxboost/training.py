@@ -85,7 +85,10 @@ class _DeviceRows:
         self.sample_weight = self.pad(dataset.sample_weight if sample_weight is None
                                       else sample_weight.astype(np.float32), 0.0, size)
         self.margin = None if margin is None else self.pad(margin, 0.0, size)
-        put_rows = (lambda a: jax.device_put(a, row_sharding(mesh, a.ndim))) if shard else jnp.asarray
+        # Eval sets are held whole by every device, committed to the mesh as the round's outputs
+        # are, so a round's eval predictions come back as the next round takes them (an
+        # uncommitted first input would compile the round a second time, for round two).
+        put_rows = (lambda a: jax.device_put(a, row_sharding(mesh, a.ndim) if shard else replicated(mesh)))
         self.put_rows = put_rows
         self.X_binned = dataset.X_binned  # unpadded: the padded copies below are built once and handed over
         # CPU devices with the native kernels all read the Dataset's code table in place, each
@@ -99,7 +102,7 @@ class _DeviceRows:
             self.X_binned_T_device = copied_codes_on_mesh(dataset.X_binned, size, mesh)
             self.row_offsets_device = put_rows(np.zeros(self.devices, np.int32))
         else:
-            self.X_binned_device = jnp.asarray(self.pad(dataset.X_binned, 0, size))
+            self.X_binned_device = put_rows(self.pad(dataset.X_binned, 0, size))
         self.y_device = put_rows(self.y)
         self.sample_weight_device = put_rows(self.sample_weight)
         if base_score is not None:

@@ -131,7 +131,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         X_eval, y_eval = (entry, None) if isinstance(entry, Dataset) else entry
         eval_rows.append(_DeviceRows(_as_dataset(X_eval, y_eval, None, max_bin, None, reference=dataset), resolved,
                                      mesh, shard=False, margin=None, base_score=None))
-    eval_raw = tuple(jnp.asarray(np.broadcast_to(base_scores[:, None, :], (M, r.y.shape[0], K)).copy())
+    eval_raw = tuple(jax.device_put(np.broadcast_to(base_scores[:, None, :], (M, r.y.shape[0], K)).copy(),
+                                    replicated(mesh))
                      for r in eval_rows)
     metrics = resolve_metrics(eval_metric, resolved)
 

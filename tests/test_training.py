@@ -185,6 +185,33 @@ def test_softmax_predicts_class_probabilities():
     assert model.predict_raw(X).shape == (N_ROWS, 3)
 
 
+@pytest.mark.parametrize("n_rows", [N_ROWS, 90_000])  # one device; rows sharded over two
+def test_fits_with_eval_sets_trace_their_round_once(n_rows, monkeypatch):
+    """Eval sets' arrays are committed to the mesh as the round's outputs are: the second
+    round takes the first's eval predictions without a new trace (and compile), in ``train``
+    and in ``train_many``, and a second fit reuses the program."""
+    X, y = _regression_data(seed=6, n=n_rows)
+    X_eval, y_eval = _regression_data(seed=7, n=500)
+    traces = []
+    original = boosting._grow_round_trees
+
+    def counting(*args, **kwargs):
+        traces.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(boosting, "_grow_round_trees", counting)
+    boosting.compiled_round.cache_clear()
+    boosting.compiled_many_rounds.cache_clear()
+    settings = dict(num_rounds=3, max_depth=3, eval_set=[(X_eval, y_eval)])
+    jb.train(X, y, **settings)
+    jb.train(X, y, **settings)
+    assert len(traces) == 1, f"a fit with an eval set traced its round {len(traces)} times"
+    jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0]}, **settings)
+    assert len(traces) == 2, f"train_many with an eval set traced its round {len(traces) - 1} times"
+    boosting.compiled_round.cache_clear()
+    boosting.compiled_many_rounds.cache_clear()
+
+
 def test_second_round_and_new_hyperparameters_do_not_recompile():
     X, y = _regression_data(seed=5)
     traces = []
