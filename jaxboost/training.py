@@ -71,13 +71,13 @@ def _check_params(num_rounds, max_depth, learning_rate, reg_lambda, reg_alpha, g
 class _DeviceRows:
     """One dataset's rows padded to a bucket size and placed on the mesh."""
 
-    def __init__(self, dataset: Dataset, resolved: ResolvedLoss, mesh, shard: bool, margin: np.ndarray | None,
-                 base_score: np.ndarray | None, sample_weight: np.ndarray | None = None):
+    def __init__(self, dataset: Dataset, resolved: ResolvedLoss, mesh, margin: np.ndarray | None,
+                 base_score: np.ndarray | None, sample_weight: np.ndarray | None = None, evaluation: bool = False):
         if dataset.y is None:
             raise ValueError("a Dataset used for training or evaluation needs labels y")
         resolved.check_labels(dataset.y)
         self.n_rows = dataset.n_rows
-        self.devices = mesh.size if shard else 1
+        self.devices = mesh.size
         size = padded_size(dataset.n_rows, self.devices)
         labels = dataset.y.astype(resolved.label_dtype, copy=False)
         # Padding rows repeat a real label (so the loss stays finite there) with weight 0.
@@ -85,24 +85,26 @@ class _DeviceRows:
         self.sample_weight = self.pad(dataset.sample_weight if sample_weight is None
                                       else sample_weight.astype(np.float32), 0.0, size)
         self.margin = None if margin is None else self.pad(margin, 0.0, size)
-        # Eval sets are held whole by every device, committed to the mesh as the round's outputs
-        # are, so a round's eval predictions come back as the next round takes them (an
-        # uncommitted first input would compile the round a second time, for round two).
-        put_rows = (lambda a: jax.device_put(a, row_sharding(mesh, a.ndim) if shard else replicated(mesh)))
+        # Eval sets too are sharded by rows, so each device predicts its share; committed to the
+        # mesh as the round's outputs are, a round's eval predictions come back as the next
+        # round takes them (an uncommitted first input compiled the round again for round two).
+        put_rows = lambda a: jax.device_put(a, row_sharding(mesh, a.ndim))  # noqa: E731
         self.put_rows = put_rows
         self.X_binned = dataset.X_binned  # unpadded: the padded copies below are built once and handed over
         # CPU devices with the native kernels all read the Dataset's code table in place, each
         # from its first row; elsewhere each device gets a copy of its rows.
-        self.shared_codes = shard and mesh_platform(mesh) == "cpu" and native_target(HISTOGRAM_TARGET) is not None
+        # Eval sets' rows are predicted by the XLA predictor, which reads codes row by row.
+        self.shared_codes = (not evaluation and mesh_platform(mesh) == "cpu"
+                             and native_target(HISTOGRAM_TARGET) is not None)
         self.X_binned_T_device = self.X_binned_device = self.row_offsets_device = None
-        if self.shared_codes:
+        if evaluation:
+            self.X_binned_device = put_rows(self.pad(dataset.X_binned, 0, size))
+        elif self.shared_codes:
             self.X_binned_T_device, self.row_offsets_device = shared_codes_on_mesh(dataset.X_binned_T, self.n_rows,
                                                                                    size, mesh)
-        elif shard:
+        else:
             self.X_binned_T_device = copied_codes_on_mesh(dataset.X_binned, size, mesh)
             self.row_offsets_device = put_rows(np.zeros(self.devices, np.int32))
-        else:
-            self.X_binned_device = put_rows(self.pad(dataset.X_binned, 0, size))
         self.y_device = put_rows(self.y)
         self.sample_weight_device = put_rows(self.sample_weight)
         if base_score is not None:
@@ -375,7 +377,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                          f"{init_model.params.get('multi_strategy', 'one_output_per_tree')!r}; continue it with the same")
     mesh = row_mesh(dataset.n_rows)
     margin = check_base_margin(dataset.base_margin, dataset.n_rows, K)
-    train_rows = _DeviceRows(dataset, resolved, mesh, shard=True, margin=margin, base_score=None,
+    train_rows = _DeviceRows(dataset, resolved, mesh, margin=margin, base_score=None,
                              sample_weight=positives_weighted(dataset, scale_pos_weight))
     if init_model is not None:
         base_score = np.asarray(init_model.base_score, np.float32)
@@ -400,7 +402,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         eval_margin = check_base_margin(eval_dataset.base_margin, eval_dataset.n_rows, K)
         if (eval_margin is None) != (margin is None):
             raise ValueError("eval sets need a base_margin exactly when the training data has one")
-        rows = _DeviceRows(eval_dataset, resolved, mesh, shard=False, margin=eval_margin, base_score=base_score)
+        rows = _DeviceRows(eval_dataset, resolved, mesh, margin=eval_margin, base_score=base_score, evaluation=True)
         if previous_trees is not None:
             _add_tree_predictions(previous_trees, rows, dataset.bin_edges.missing_bin, mesh)
         eval_rows.append(rows)

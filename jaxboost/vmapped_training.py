@@ -112,7 +112,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     monotone = monotone_array(monotone_constraints, dataset.feature_names, dataset.n_features)
     groups = interaction_groups(interaction_constraints, dataset.feature_names, dataset.n_features)
     mesh = row_mesh(dataset.n_rows)
-    rows = _DeviceRows(dataset, resolved, mesh, shard=True, margin=None, base_score=None)
+    rows = _DeviceRows(dataset, resolved, mesh, margin=None, base_score=None)
     padded = rows.y.shape[0]
     padded_weights = np.ascontiguousarray(rows.pad(model_weights.T.astype(np.float32), 0.0).T)
     weights_device = jax.device_put(padded_weights, row_sharding(mesh, 2, row_axis=1))
@@ -130,9 +130,9 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     for entry in eval_set or []:
         X_eval, y_eval = (entry, None) if isinstance(entry, Dataset) else entry
         eval_rows.append(_DeviceRows(_as_dataset(X_eval, y_eval, None, max_bin, None, reference=dataset), resolved,
-                                     mesh, shard=False, margin=None, base_score=None))
+                                     mesh, margin=None, base_score=None, evaluation=True))
     eval_raw = tuple(jax.device_put(np.broadcast_to(base_scores[:, None, :], (M, r.y.shape[0], K)).copy(),
-                                    replicated(mesh))
+                                    row_sharding(mesh, 3, row_axis=1))
                      for r in eval_rows)
     metrics = resolve_metrics(eval_metric, resolved)
 

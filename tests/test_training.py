@@ -663,7 +663,7 @@ def test_cpu_devices_share_the_datasets_code_table_and_grow_the_same_trees(monke
 
     resolved = jb.objective.resolve_loss("logistic", y, None, None)
     mesh = row_mesh(n_rows)
-    rows = training._DeviceRows(dataset, resolved, mesh, shard=True, margin=None, base_score=None)
+    rows = training._DeviceRows(dataset, resolved, mesh, margin=None, base_score=None)
     assert rows.shared_codes
     for shard in rows.X_binned_T_device.addressable_shards:
         assert shard.data.unsafe_buffer_pointer() == dataset.X_binned_T.ctypes.data, "a device copied the codes"
@@ -673,7 +673,7 @@ def test_cpu_devices_share_the_datasets_code_table_and_grow_the_same_trees(monke
     settings = dict(loss="logistic", num_rounds=4, max_depth=4, subsample=0.8, seed=3)
     shared = jb.train(dataset, **settings)
     monkeypatch.setattr(training, "native_target", lambda name: None)  # the layout choice only
-    copied_rows = training._DeviceRows(dataset, resolved, mesh, shard=True, margin=None, base_score=None)
+    copied_rows = training._DeviceRows(dataset, resolved, mesh, margin=None, base_score=None)
     assert not copied_rows.shared_codes and copied_rows.X_binned_T_device.shape[1] == rows.y.shape[0]
     copied = jb.train(dataset, **settings)
     for name, a, b in zip(shared.trees._fields, shared.trees, copied.trees):
