@@ -138,8 +138,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
 
     regularizers = []
     for values in per_model:
-        reg = Regularization(jnp.float32(values["reg_lambda"]), jnp.float32(values["reg_alpha"]),
-                             jnp.float32(values["max_delta_step"]), jnp.float32(0.0))
+        reg = Regularization(np.float32(values["reg_lambda"]), np.float32(values["reg_alpha"]),
+                             np.float32(values["max_delta_step"]), np.float32(0.0))
         check_regularization(reg, dataset.n_features)
         leaves = vector_leaves(multi_strategy, multi_output_hessian, K, reg, monotone)
         regularizers.append(reg)
@@ -193,7 +193,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         raw_prediction, trees, health, eval_raw, metric_values = boosting_rounds(
             params, rows.X_binned_T_device, rows.row_offsets_device, rows.y_device, weights_device,
             rows.row_index_device if shape.sample_rows else None, raw_prediction, seed_keys,
-            jnp.int32(round_index), eval_data)
+            np.int32(round_index), eval_data)
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)
         release_memory_now_and_then(round_index)
