@@ -77,6 +77,7 @@ class _DeviceRows:
             raise ValueError("a Dataset used for training or evaluation needs labels y")
         resolved.check_labels(dataset.y)
         self.n_rows = dataset.n_rows
+        self.mesh = mesh
         self.devices = mesh.size
         size = padded_size(dataset.n_rows, self.devices)
         labels = dataset.y.astype(resolved.label_dtype, copy=False)
@@ -85,11 +86,6 @@ class _DeviceRows:
         self.sample_weight = self.pad(dataset.sample_weight if sample_weight is None
                                       else sample_weight.astype(np.float32), 0.0, size)
         self.margin = None if margin is None else self.pad(margin, 0.0, size)
-        # Eval sets too are sharded by rows, so each device predicts its share; committed to the
-        # mesh as the round's outputs are, a round's eval predictions come back as the next
-        # round takes them (an uncommitted first input compiled the round again for round two).
-        put_rows = lambda a: jax.device_put(a, row_sharding(mesh, a.ndim))  # noqa: E731
-        self.put_rows = put_rows
         self.X_binned = dataset.X_binned  # unpadded: the padded copies below are built once and handed over
         # CPU devices with the native kernels all read the Dataset's code table in place, each
         # from its first row; elsewhere each device gets a copy of its rows.
@@ -98,17 +94,24 @@ class _DeviceRows:
                              and native_target(HISTOGRAM_TARGET) is not None)
         self.X_binned_T_device = self.X_binned_device = self.row_offsets_device = None
         if evaluation:
-            self.X_binned_device = put_rows(self.pad(dataset.X_binned, 0, size))
+            self.X_binned_device = self.put_rows(self.pad(dataset.X_binned, 0, size))
         elif self.shared_codes:
             self.X_binned_T_device, self.row_offsets_device = shared_codes_on_mesh(dataset.X_binned_T, self.n_rows,
                                                                                    size, mesh)
         else:
             self.X_binned_T_device = copied_codes_on_mesh(dataset.X_binned, size, mesh)
-            self.row_offsets_device = put_rows(np.zeros(self.devices, np.int32))
-        self.y_device = put_rows(self.y)
-        self.sample_weight_device = put_rows(self.sample_weight)
+            self.row_offsets_device = self.put_rows(np.zeros(self.devices, np.int32))
+        self.y_device = self.put_rows(self.y)
+        self.sample_weight_device = self.put_rows(self.sample_weight)
         if base_score is not None:
             self.initial_raw_prediction(base_score)
+
+    def put_rows(self, array) -> jax.Array:
+        """Per-row ``array`` in these rows' padded layout, sharded over the mesh by rows. Eval sets
+        too: each device predicts its share, and committed to the mesh as the round's outputs
+        are, a round's eval predictions come back as the next round takes them (an uncommitted
+        first input compiled the round again for round two)."""
+        return jax.device_put(array, row_sharding(self.mesh, array.ndim))
 
     @functools.cached_property
     def row_index_device(self) -> jax.Array:
@@ -145,9 +148,9 @@ def _as_dataset(data, y, sample_weight, max_bin, base_margin, reference=None) ->
     return Dataset(data, y, sample_weight, max_bin=max_bin, reference=reference, base_margin=base_margin)
 
 
-def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows, mesh) -> bool:
+def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:
     """Custom losses: refit leaves when some weighted row has an exactly zero Hessian at the start."""
-    count = compiled_zero_hessian_count(resolved.objective, mesh)
+    count = compiled_zero_hessian_count(resolved.objective, rows.mesh)
     return int(count(rows.raw_prediction, rows.y_device, rows.sample_weight_device, resolved.loss_params)) > 0
 
 
@@ -263,16 +266,13 @@ def _padded_trees(trees: Tree, num_nodes: int) -> Tree:
     return Tree(*(np.concatenate([a, np.zeros(a.shape[:-1] + (extra,), a.dtype)], axis=-1) for a in trees))
 
 
-def _add_tree_predictions(trees: Tree, rows: _DeviceRows, missing_bin: int, mesh) -> None:
-    """Add the raw predictions of ``trees`` to the rows' starting raw predictions."""
-    # Sharded over the mesh whatever the rows' own placement: the rows' padded layout is kept row
-    # for row, with more padding at the end where the mesh does not divide it.
-    size = padded_size(rows.y.shape[0], mesh.size)
-    X_binned = pad_rows_by_device(rows.pad(rows.X_binned, 0), size, 1, 0)
-    start = pad_rows_by_device(np.asarray(rows.raw_prediction), size, 1, 0.0)
-    raw = predict_raw_binned(jax.device_put(trees, replicated(mesh)), jax.device_put(X_binned, row_sharding(mesh, 2)),
-                             jax.device_put(start, row_sharding(mesh, 2)), missing_bin=missing_bin, mesh=mesh)
-    rows.raw_prediction = rows.put_rows(np.ascontiguousarray(np.asarray(raw)[: rows.y.shape[0]]))
+def _add_tree_predictions(trees: Tree, rows: _DeviceRows, missing_bin: int) -> None:
+    """Add the raw predictions of ``trees`` to the rows' starting raw predictions, on the
+    devices where the rows lie."""
+    X_binned = rows.X_binned_device if rows.X_binned_device is not None else rows.put_rows(rows.pad(rows.X_binned, 0))
+    raw = predict_raw_binned(jax.device_put(trees, replicated(rows.mesh)), X_binned, rows.raw_prediction,
+                             missing_bin=missing_bin, mesh=rows.mesh)
+    rows.raw_prediction = rows.put_rows(raw)
 
 
 def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None, num_rounds: int = 100,
@@ -391,9 +391,9 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     previous_trees = None if init_model is None else _padded_trees(init_model.trees, num_nodes)
     train_rows.initial_raw_prediction(base_score)
     if previous_trees is not None:
-        _add_tree_predictions(previous_trees, train_rows, dataset.bin_edges.missing_bin, mesh)
+        _add_tree_predictions(previous_trees, train_rows, dataset.bin_edges.missing_bin)
     if leaf_refit is None:
-        leaf_refit = resolved.leaf_refit if resolved.leaf_refit is not None else _leaf_refit_needed(resolved, train_rows, mesh)
+        leaf_refit = resolved.leaf_refit if resolved.leaf_refit is not None else _leaf_refit_needed(resolved, train_rows)
 
     eval_rows = []
     for entry in eval_set or []:
@@ -404,7 +404,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
             raise ValueError("eval sets need a base_margin exactly when the training data has one")
         rows = _DeviceRows(eval_dataset, resolved, mesh, margin=eval_margin, base_score=base_score, evaluation=True)
         if previous_trees is not None:
-            _add_tree_predictions(previous_trees, rows, dataset.bin_edges.missing_bin, mesh)
+            _add_tree_predictions(previous_trees, rows, dataset.bin_edges.missing_bin)
         eval_rows.append(rows)
     metrics = resolve_metrics(eval_metric, resolved)
     if early_stopping_rounds is not None and not eval_rows:

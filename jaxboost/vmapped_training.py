@@ -124,7 +124,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     if leaf_refit is None:
         rows.initial_raw_prediction(base_scores[0])
         resolved_first = resolved._replace(loss_params={name: v[0] for name, v in stacked_loss_params.items()})
-        leaf_refit = resolved.leaf_refit if resolved.leaf_refit is not None else _leaf_refit_needed(resolved_first, rows, mesh)
+        leaf_refit = resolved.leaf_refit if resolved.leaf_refit is not None else _leaf_refit_needed(resolved_first, rows)
 
     eval_rows = []
     for entry in eval_set or []:
