@@ -84,8 +84,7 @@ SCALING_ROWS = [100_000, 1_000_000, 4_000_000]
 SCALING_DEPTHS = [4, 6, 8, 10]
 SCALING_BINS = [64, 256]
 NUMERIC_FIELDS = ["binning_s", "compile_s", "boosting_s", "ms_per_tree", "predict_s", "predict_all_s", "metric",
-                  "peak_rss_mb",
-                  "first_round_s", "warm_round_s", "data_peak_rss_mb", "gpu_peak_mb", "rss_start_mb",
+                  "peak_rss_mb", "first_round_s", "warm_round_s", "data_peak_rss_mb", "gpu_peak_mb", "rss_start_mb",
                   "peak_anonymous_mb", "file_rss_mb"]
 # On a GPU only jaxboost and XGBoost run (LightGBM's wheels and scikit-learn are CPU-only).
 GPU_LIBRARIES = ["jaxboost", "xgboost"]
