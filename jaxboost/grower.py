@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from .devices import all_sum, all_sum_scattered
-from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram, route_rows,
+from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram,
                         statistic_pairs)
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
-from .split import SCAN_CHUNK_NODES, NodeBounds, find_best_splits_over_devices, hessian_mass
+from .split import NodeBounds, find_best_splits_over_devices, hessian_mass, scan_chunk_nodes
 from .tree import Tree, num_heap_nodes
 
 # XGBoost's kRtEps: a split must improve the objective by more than this.
@@ -119,18 +119,19 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
 
     ``parent_histograms``: ``(slots, ...)`` summed over devices (this device's feature block);
     ``local_smaller``: this device's smaller-child histograms, ``(slots, ...)`` before the sum
-    over devices. Parent ``p``'s children land in slots ``2 p`` and ``2 p + 1``. Only the chunks
-    of ``SCAN_CHUNK_NODES`` parents that hold the first ``live_parents`` slots (traced) are
-    summed over devices and subtracted, so a level's cost follows its live nodes rather than
-    its buffer's slots (a level holds 2^depth nodes in 32 slots); the other slots keep what they
-    held (zeros, when only empty parents lie past ``live_parents``). The last chunk goes first:
-    its children land past every parent not yet read, so the buffer is updated in place.
+    over devices; it may cover only the leading slots, as long as those hold every live parent.
+    Parent ``p``'s children land in slots ``2 p`` and ``2 p + 1``. Only the chunks of
+    ``scan_chunk_nodes`` parents that hold the first ``live_parents`` slots (traced) are summed
+    over devices and subtracted, so a level's cost follows its live nodes rather than its
+    buffer's slots (a level holds 2^depth nodes in 32 slots, or in the deep levels' wider
+    buffer); the other slots keep what they held (zeros, when only empty parents lie past
+    ``live_parents``). The last chunk goes first: its children land past every parent not yet
+    read, so the buffer is updated in place.
     """
     slots = parent_histograms.shape[0]
     if slots < 2:
         return parent_histograms  # a depth-1 tree's single slot: its children are leaves
-    chunk = min(SCAN_CHUNK_NODES, slots // 2)
-    num_chunks = jnp.minimum((live_parents + chunk - 1) // chunk, slots // (2 * chunk))
+    chunk, num_chunks = _parent_chunks(slots, live_parents)
 
     def one_chunk(step, histograms):
         start = (num_chunks - 1 - step) * chunk
@@ -141,6 +142,15 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
         return jax.lax.dynamic_update_slice_in_dim(histograms, pairs, 2 * start, axis=0)
 
     return jax.lax.fori_loop(0, num_chunks, one_chunk, parent_histograms)
+
+
+def _parent_chunks(slots: int, live_parents: jax.Array) -> tuple[int, jax.Array]:
+    """``(chunk, count)``: ``children_histograms_over_parents`` reads the smaller children of
+    the first ``chunk * count`` parent slots, the chunks that hold the live parents."""
+    if slots < 2:
+        return 1, jnp.zeros((), jnp.int32)
+    chunk = min(scan_chunk_nodes(slots), slots // 2)
+    return chunk, jnp.minimum((live_parents + chunk - 1) // chunk, slots // (2 * chunk))
 
 
 def _children(nodes: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
@@ -183,7 +193,7 @@ def prune_by_gamma(tree: Tree, max_depth: int, gamma: jax.Array) -> tuple[Tree, 
 
 
 # Levels with at most this many nodes share one compiled loop body sized for this many nodes;
-# deeper levels get a body sized exactly, so a deep tree does not scan empty node slots.
+# deeper levels share another, sized for the widest of them (see ``grow_tree``).
 LOOPED_LEVEL_NODES = 32
 
 
@@ -215,6 +225,20 @@ class _LevelState(NamedTuple):
     path_features: jax.Array | None  # (capacity, d) features split on above each node
 
 
+def _widened(state: _LevelState, capacity: int) -> _LevelState:
+    """A level's node arrays and histograms, with empty slots appended up to ``capacity``."""
+    def padded(per_node, fill):
+        if per_node is None:
+            return None
+        extra = jnp.full((capacity - per_node.shape[0],) + per_node.shape[1:], fill, per_node.dtype)
+        return jnp.concatenate([per_node, extra])
+
+    return state._replace(active=padded(state.active, False), level_gradients=padded(state.level_gradients, 0),
+                          level_hessians=padded(state.level_hessians, 0), histograms=padded(state.histograms, 0),
+                          lower=padded(state.lower, -jnp.inf), upper=padded(state.upper, jnp.inf),
+                          path_features=padded(state.path_features, False))
+
+
 def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, feature_allowed: jax.Array,
               key: jax.Array, params: GrowthParams, max_depth: int, max_bin: int,
               axis_name: str | None = None, sample_columns: bool = True,
@@ -244,9 +268,10 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
       refits under monotone constraints).
 
     The shallow levels (up to ``LOOPED_LEVEL_NODES`` nodes) run in one ``fori_loop`` over
-    buffers of that size; each deeper level gets its own body with buffers of its exact size.
-    When the last level that splits fits the loop (``max_depth <= 6``) it runs in the loop too,
-    masked: its children are written into the tree as leaves, and it builds no histograms.
+    buffers of that size; deeper trees run the levels below in a second loop over buffers sized
+    for the widest of them (``2^(max_depth - 1)`` slots). The last level that splits runs in its
+    loop too, masked: its children are written into the tree as leaves, and it builds no
+    histograms. So a tree of any depth compiles at most two level bodies.
     """
     n_features, n_rows = X_binned_T.shape[0], gradients.shape[0]
     num_nodes = num_heap_nodes(max_depth)
@@ -283,12 +308,15 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         tree, bounds, first_slot = record_values(tree, bounds, depth, level, when)
         return tree._replace(is_leaf=write_level(tree.is_leaf, level.active, first_slot, when)), bounds
 
-    def split_level(depth, carry, next_capacity: int, children_split: bool, children_are_leaves=None):
-        """Split the level's nodes; children arrays come out sized ``next_capacity``.
+    def split_level(depth, carry, children_are_leaves=None, parent_slots: int | None = None):
+        """Split the level's nodes (``depth`` traced: the level of a loop over levels); the
+        children's arrays come out in the same slots, their histograms over the parents'.
 
         ``children_are_leaves`` (a traced flag, for a loop that runs down to the leaves): when
         it holds, the children form the last level: they are written into the tree as leaves
-        at their full number (twice the level's slots) and get no histograms."""
+        at their full number (twice the level's slots) and get no histograms.
+        ``parent_slots``: the leading slots that can hold a parent whose children get
+        histograms (None: all); the smaller children's histograms are built for those only."""
         state, bounds = carry
         capacity = state.active.shape[0]
         active = state.active
@@ -305,8 +333,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             # After sampling, as XGBoost does: constraints filter the sampled features.
             node_features = node_features & interaction_allowed(state.path_features, params.interaction_groups)
         level_bounds = None if monotone is None else NodeBounds(monotone, state.lower, state.upper)
-        # Looped levels (traced depth) fill only the first 2^depth of their slots; unrolled ones all.
-        live_nodes = None if isinstance(depth, int) else 2 ** depth
+        # A level (traced depth) fills only the first 2^depth of its slots.
+        live_nodes = 2 ** depth
         split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
                                               axis_name, level_bounds, leaves, live_nodes, missing_values)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
@@ -324,31 +352,24 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             return jnp.stack([left, right], axis=1).reshape((2 * capacity,) + left.shape[1:])
 
         def children(left, right):
-            return all_children(left, right)[:next_capacity]
+            return all_children(left, right)[:capacity]
 
-        histograms = None
-        if not children_split:
-            child_of_row = route_rows(X_binned_T, node_of_row, split.feature, split.threshold_bin,
-                                      split.default_left, max_bin, row_offset=row_offset)
-        else:
-            # Histogram only the child with fewer rows; the sibling's is the parent's minus it.
-            # The smaller child by Hessian sum: known on every device without counting rows.
-            left_is_smaller = hessian_mass(split.left_hessians, leaves) <= hessian_mass(split.right_hessians, leaves)
-            histogram_splits, summed_nodes = splits, live_nodes
-            if children_are_leaves is not None:
-                # Leaves need no histograms: the kernel only routes, and nothing is summed.
-                histogram_splits = splits & ~children_are_leaves
-                summed_nodes = jnp.where(children_are_leaves, 0, live_nodes)
-            child_of_row, smaller = route_and_build_statistics_histogram(
-                X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin,
-                split.default_left, histogram_splits, left_is_smaller, max_bin, feature_major=sharded,
-                result_features=summed_features, row_offset=row_offset)
-            if summed_nodes is None:
-                smaller = all_sum_scattered(smaller, axis_name, 1)
-                histograms = children(*sibling_histograms(state.histograms, smaller, left_is_smaller))
-            else:
-                histograms = children_histograms_over_parents(state.histograms, smaller, left_is_smaller,
-                                                              summed_nodes, axis_name)
+        # Histogram only the child with fewer rows; the sibling's is the parent's minus it.
+        # The smaller child by Hessian sum: known on every device without counting rows.
+        left_is_smaller = hessian_mass(split.left_hessians, leaves) <= hessian_mass(split.right_hessians, leaves)
+        histogram_splits, summed_nodes = splits, live_nodes
+        if children_are_leaves is not None:
+            # Leaves need no histograms: the kernel only routes, and nothing is summed.
+            histogram_splits = splits & ~children_are_leaves
+            summed_nodes = jnp.where(children_are_leaves, 0, live_nodes)
+        # The kernel writes the parents whose smaller children are read, and no more.
+        chunk, read_chunks = _parent_chunks(capacity, summed_nodes)
+        child_of_row, smaller = route_and_build_statistics_histogram(
+            X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin, split.default_left,
+            histogram_splits, left_is_smaller, max_bin, feature_major=sharded, result_features=summed_features,
+            row_offset=row_offset, histogram_nodes=parent_slots, live_nodes=chunk * read_chunks)
+        histograms = children_histograms_over_parents(state.histograms, smaller, left_is_smaller, summed_nodes,
+                                                      axis_name)
         lower, upper = state.lower, state.upper
         left_lower, left_upper, right_lower, right_upper = lower, upper, lower, upper
         if monotone is not None:
@@ -370,9 +391,9 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         if children_are_leaves is not None:
             leaf_level = _LevelState(tree=None, node_of_row=None, histograms=None, path_features=None, **child_fields)
             tree, bounds = record_leaves(tree, bounds, depth + 1, leaf_level, children_are_leaves)
-        # The next level's nodes all sit in its first next_capacity positions.
+        # The next level's nodes all sit in its first capacity positions.
         return _LevelState(tree=tree, node_of_row=child_of_row, histograms=histograms, path_features=path_features,
-                           **{name: field[:next_capacity] for name, field in child_fields.items()}), bounds
+                           **{name: field[:capacity] for name, field in child_fields.items()}), bounds
 
     # With rows sharded over devices, histograms are summed over the devices scattered by
     # feature: each device keeps the block of features it scans (a reduce-scatter), so the sums
@@ -417,18 +438,22 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         # a second copy of the level's program (0.8 s of a 3.4 s first fit at depth 6).
         state, node_bounds = jax.lax.fori_loop(
             0, max_depth,
-            lambda depth, c: split_level(depth, c, looped_capacity, children_split=True,
-                                         children_are_leaves=depth == max_depth - 1),
+            lambda depth, c: split_level(depth, c, children_are_leaves=depth == max_depth - 1),
             (state, node_bounds))
         tree = state.tree
     else:
-        carry = jax.lax.fori_loop(0, looped_levels,
-                                  lambda depth, c: split_level(depth, c, looped_capacity, children_split=True),
-                                  (state, node_bounds))
-        for depth in range(looped_levels, max_depth):
-            carry = split_level(depth, carry, 2 ** (depth + 1), children_split=depth + 1 < max_depth)
-        state, node_bounds = carry
-        tree, node_bounds = record_leaves(state.tree, node_bounds, max_depth, state)
+        carry = jax.lax.fori_loop(0, looped_levels, split_level, (state, node_bounds))
+        # The deeper levels share a second loop, down to the leaves, with buffers sized for the
+        # widest of them: one compiled body instead of one per level. Its steps follow the live
+        # nodes, the children's histograms are written over their parents', and histograms are
+        # built for the leading half of the slots, which hold every level's parents but the last.
+        deep_capacity = 2 ** (max_depth - 1)
+        state, node_bounds = jax.lax.fori_loop(
+            looped_levels, max_depth,
+            lambda depth, c: split_level(depth, c, children_are_leaves=depth == max_depth - 1,
+                                         parent_slots=deep_capacity // 2),
+            (_widened(carry[0], deep_capacity), carry[1]))
+        tree = state.tree
     tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
     # No leaf update per level: a row's last-level position names its path, and the table gives
     # the leaf on that path.

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from .native import (CUMULATIVE_BINS_TARGET, FIRST_MAXIMUM_TARGET, HISTOGRAM_TARGET, ROUTE_HISTOGRAM_TARGET,
-                     ROUTE_TARGET, native_target)
+                     native_target)
 
 KERNELS = ("auto", "xla", "native")
 
@@ -119,7 +119,8 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
                               split_default_left: jax.Array, splits: jax.Array, left_is_smaller: jax.Array,
                               max_bin: int, kernel: str = "auto", threads: int = 1,
                               feature_major: bool = False, result_features: int | None = None,
-                              row_offset: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                              row_offset: jax.Array | None = None, histogram_nodes: int | None = None,
+                              live_nodes: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Route the local rows to the children of a level's splits, and histogram the smaller children.
 
     One pass over the rows does what would otherwise be a gather, several element-wise ops and
@@ -137,12 +138,21 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         every device builds the same children.
       max_bin: static number of bins; the missing code is ``max_bin - 1``.
       kernel, threads, feature_major, result_features, row_offset: as for ``build_histogram``.
+      histogram_nodes: static; only the smaller children of the first ``histogram_nodes``
+        nodes are summed (None: of all ``num_nodes``). A level held in more slots than can
+        hold a parent routes every slot but builds histograms for those only.
+      live_nodes: int32 scalar or None: no row lies in a node from ``live_nodes`` on, and the
+        native kernel leaves those nodes' histogram cells unwritten (unspecified) rather
+        than zeroing them (a level's nodes fill the leading slots of a wider buffer).
 
     Returns:
       ``(child_of_row, smaller)``: int32 ``(n_rows,)`` and float32
-      ``(num_nodes, result_features, max_bin, 2)`` indexed by the parent's position.
+      ``(histogram_nodes, result_features, max_bin, 2)`` indexed by the parent's position.
     """
     num_nodes = jnp.shape(splits)[0]
+    histogram_nodes = num_nodes if histogram_nodes is None else histogram_nodes
+    if not 0 < histogram_nodes <= num_nodes:
+        raise ValueError(f"histogram_nodes must lie in [1, {num_nodes}] (the nodes routed); got {histogram_nodes}")
     for name, value in [("split_feature", split_feature), ("split_threshold_bin", split_threshold_bin),
                         ("split_default_left", split_default_left), ("left_is_smaller", left_is_smaller)]:
         if jnp.shape(value) != (num_nodes,):
@@ -151,43 +161,15 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_of_row), node_of_row.astype(jnp.int32),
             gradients.astype(jnp.float32), hessians.astype(jnp.float32), split_feature.astype(jnp.int32),
             split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool), splits.astype(bool),
-            left_is_smaller.astype(bool))
+            left_is_smaller.astype(bool),
+            jnp.reshape(jnp.asarray(histogram_nodes if live_nodes is None else live_nodes, jnp.int32), (1,)))
     result_features = X_binned_T.shape[0] if result_features is None else result_features
-    xla = _with_features(partial(_xla_route_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features)
+    xla = _with_features(partial(_xla_route_histogram, num_nodes=histogram_nodes, max_bin=max_bin), result_features)
     if target is None:
         return xla(*args)
-    native = partial(_native_route_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
-                     feature_major=feature_major, result_features=result_features)
+    native = partial(_native_route_histogram, target=target, num_nodes=histogram_nodes, max_bin=max_bin,
+                     threads=threads, feature_major=feature_major, result_features=result_features)
     # Chosen when lowering: the FFI target exists only on CPU.
-    return lax.platform_dependent(*args, cpu=native, default=xla)
-
-
-def route_rows(X_binned_T: jax.Array, node_of_row: jax.Array, split_feature: jax.Array,
-               split_threshold_bin: jax.Array, split_default_left: jax.Array, max_bin: int,
-               kernel: str = "auto", row_offset: jax.Array | None = None) -> jax.Array:
-    """The routing of ``route_and_build_histogram`` without histograms (the last level):
-    ``child_of_row = 2 * node_of_row + goes_right``. ``kernel`` and ``row_offset`` as for
-    ``build_histogram``.
-
-    On CPU a native kernel does it: XLA fuses the level's split search into the per-row gather
-    and recomputes it for every row (about 7 ms a tree at 400k rows per core)."""
-    args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_of_row), node_of_row.astype(jnp.int32),
-            split_feature.astype(jnp.int32), split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool))
-
-    def xla(*inputs):
-        return _xla_route(*inputs, max_bin=max_bin)[0]
-
-    target = _choose_native_target(ROUTE_TARGET, "route", kernel, 1, X_binned_T, max_bin)
-    if target is None:
-        return xla(*args)
-
-    def native(*inputs):
-        result = jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32)
-        # Routing reads each row's node before writing its child: in place.
-        child_of_row = jax.ffi.ffi_call(target, result, vmap_method="sequential", input_output_aliases={2: 0})(
-            *inputs, missing_bin=np.int64(max_bin - 1))
-        return as_varying_as(child_of_row, inputs)
-
     return lax.platform_dependent(*args, cpu=native, default=xla)
 
 
@@ -275,12 +257,20 @@ def _xla_route(X_binned_T, row_offset, node_of_row, feature, threshold_bin, defa
 
 
 def _xla_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin,
-                         default_left, splits, left_is_smaller, *, num_nodes, max_bin):
+                         default_left, splits, left_is_smaller, live_nodes, *, num_nodes, max_bin):
+    del live_nodes  # every node's cells are summed (zeros where no row lies)
     child_of_row, goes_right = _xla_route(X_binned_T, row_offset, node_of_row, feature, threshold_bin, default_left,
                                           max_bin=max_bin)
-    in_smaller_child = splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
+    in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, num_nodes)
     return child_of_row, _xla_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, in_smaller_child,
                                         num_nodes=num_nodes, max_bin=max_bin)
+
+
+def _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram_nodes: int) -> jax.Array:
+    """The rows that a level's histogram sums: in the smaller child of one of the first
+    ``histogram_nodes`` nodes, if that node splits."""
+    return (splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
+            & (node_of_row < histogram_nodes))
 
 
 def _with_features(kernel, result_features: int):
@@ -301,12 +291,12 @@ _HISTOGRAM_LAYOUTS = {False: (0, 1, 2, 3), True: (1, 0, 2, 3)}
 
 
 def _native_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin,
-                            default_left, splits, left_is_smaller, *, target, num_nodes, max_bin, threads,
+                            default_left, splits, left_is_smaller, live_nodes, *, target, num_nodes, max_bin, threads,
                             feature_major, result_features):
     results = (jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32),
                jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, 2), jnp.float32))
     inputs = (X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin, default_left,
-              splits, left_is_smaller)
+              splits, left_is_smaller, live_nodes)
     # One thread reads each row's node before writing its child, so the children may overwrite
     # the nodes: XLA then updates the level loop's row positions in place instead of copying
     # them into the loop state every level. Several threads all read every row's node.
@@ -409,19 +399,21 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
                                          split_default_left: jax.Array, splits: jax.Array,
                                          left_is_smaller: jax.Array, max_bin: int,
                                          feature_major: bool = False, result_features: int | None = None,
-                                         row_offset: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                                         row_offset: jax.Array | None = None, histogram_nodes: int | None = None,
+                                         live_nodes: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
     while routing, the others afterwards over the rows of the smaller children only."""
     statistics = statistic_pairs(statistics)
     pairs = statistics.pairs
     child_of_row, first = route_and_build_histogram(
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
-        left_is_smaller, max_bin, feature_major=feature_major, result_features=result_features, row_offset=row_offset)
+        left_is_smaller, max_bin, feature_major=feature_major, result_features=result_features, row_offset=row_offset,
+        histogram_nodes=histogram_nodes, live_nodes=live_nodes)
     if len(pairs) == 1:
         return child_of_row, _join_channels([first], statistics.channels)
     goes_right = (child_of_row - 2 * node_of_row) == 1
-    in_smaller_child = splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
-    rest = [build_histogram(X_binned_T, node_of_row, g, h, splits.shape[0], max_bin, in_smaller_child,
+    in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, first.shape[0])
+    rest = [build_histogram(X_binned_T, node_of_row, g, h, first.shape[0], max_bin, in_smaller_child,
                             feature_major=feature_major, result_features=result_features, row_offset=row_offset)
             for g, h in pairs[1:]]
     return child_of_row, _join_channels([first] + rest, statistics.channels)

@@ -37,13 +37,11 @@ logger = logging.getLogger(__name__)
 
 HISTOGRAM_TARGET = "jaxboost_histogram"
 ROUTE_HISTOGRAM_TARGET = "jaxboost_route_histogram"
-ROUTE_TARGET = "jaxboost_route"
 CUMULATIVE_BINS_TARGET = "jaxboost_cumulative_bins"
 FIRST_MAXIMUM_TARGET = "jaxboost_first_maximum"
 ADD_POSITION_VALUES_TARGET = "jaxboost_add_position_values"
 _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
 _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
-            ROUTE_TARGET: "JaxboostRoute",
             CUMULATIVE_BINS_TARGET: "JaxboostCumulativeBins", FIRST_MAXIMUM_TARGET: "JaxboostFirstMaximum",
             ADD_POSITION_VALUES_TARGET: "JaxboostAddPositionValues"}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w"]

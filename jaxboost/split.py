@@ -179,6 +179,15 @@ def _empty_choice(num_nodes: int, channels: int, leaves: VectorLeaves | None) ->
 
 # Nodes scanned per step when only a leading part of a level's node slots is live.
 SCAN_CHUNK_NODES = 8
+WIDE_SCAN_CHUNK_NODES = 32
+
+
+def scan_chunk_nodes(num_slots: int) -> int:
+    """Slots per step of a level held in ``num_slots`` slots: ``SCAN_CHUNK_NODES`` in the
+    shallow levels' 32 slots (the root's level holds one live node), ``WIDE_SCAN_CHUNK_NODES``
+    in wider buffers, whose levels hold at least that many live nodes (a step costs a loop
+    iteration and, with rows sharded, a collective)."""
+    return SCAN_CHUNK_NODES if num_slots <= WIDE_SCAN_CHUNK_NODES else WIDE_SCAN_CHUNK_NODES
 
 
 def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
@@ -188,12 +197,12 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
     """``find_best_splits`` for the first ``live_nodes`` node slots only (traced; None: all).
 
     A level's node arrays are sized for the widest level that shares its compiled loop, so the
-    root's level holds 1 live node in 32 slots. The scan runs over ``SCAN_CHUNK_NODES`` slots at
+    root's level holds 1 live node in 32 slots. The scan runs over ``scan_chunk_nodes`` slots at
     a time, as many times as the live nodes need; the other slots get zeros (no split). Each
     chunk cuts its own nodes out in one slice, so the slots that are not live are never copied.
     """
     num_nodes = histograms.shape[0]
-    chunk = SCAN_CHUNK_NODES
+    chunk = scan_chunk_nodes(num_nodes)
 
     def scan_nodes(start, count):
         def cut(per_node):

@@ -17,7 +17,7 @@ import pytest
 from jaxboost import native
 from jaxboost.grower import MIN_LOSS_CHANGE, GrowthParams, grow_tree
 from jaxboost.histogram import (HISTOGRAM_TARGET, build_histogram, cumulative_over_bins, first_maximum,
-                                route_and_build_histogram, route_rows)
+                                route_and_build_histogram)
 from jaxboost.regularizer import Regularization
 from jaxboost.tree import num_heap_nodes
 
@@ -491,21 +491,28 @@ def test_native_build_failures_are_reported_not_raised(monkeypatch, tmp_path):
 
 
 @needs_native
-def test_training_with_native_kernel_matches_xla_kernel(monkeypatch):
+@pytest.mark.parametrize("settings", [
+    {"loss": "logistic", "num_rounds": 8, "max_depth": 4, "learning_rate": 0.3, "max_bin": 64},
+    # The deep levels' loop, with the extra statistic pairs of vector leaves (3 classes).
+    {"loss": "softmax", "num_rounds": 2, "max_depth": 8, "learning_rate": 0.3, "max_bin": 64,
+     "multi_strategy": "multi_output_tree"},
+], ids=["logistic-depth4", "softmax-vector-depth8"])
+def test_training_with_native_kernel_matches_xla_kernel(monkeypatch, settings):
     import jaxboost as jb
-    from jaxboost import boosting, grower, histogram
+    from jaxboost import boosting, histogram
 
     rng = np.random.default_rng(11)
     X = rng.normal(size=(3000, 6)).astype(np.float32)
     X[rng.uniform(size=X.shape) < 0.05] = np.nan
-    y = (np.nan_to_num(X[:, 0]) + np.sin(np.nan_to_num(X[:, 1])) + 0.5 * rng.normal(size=3000) > 0).astype(np.float32)
-    settings = {"loss": "logistic", "num_rounds": 8, "max_depth": 4, "learning_rate": 0.3, "max_bin": 64}
+    signal = np.nan_to_num(X[:, 0]) + np.sin(np.nan_to_num(X[:, 1])) + 0.5 * rng.normal(size=3000)
+    y = np.digitize(signal, [0.0] if settings["loss"] == "logistic" else [-0.5, 0.5]).astype(np.float32)
+    kernels = {name: getattr(histogram, name) for name in ("build_histogram", "route_and_build_histogram")}
 
     def train_with(kernel):
-        # Every histogram the grower builds goes to the chosen kernel.
-        for name in ("build_histogram", "route_and_build_histogram", "route_rows"):
-            if hasattr(grower, name):
-                monkeypatch.setattr(grower, name, partial(getattr(histogram, name), kernel=kernel))
+        # Every histogram the grower builds goes through these two, called by the statistics
+        # wrappers it uses: all go to the chosen kernel.
+        for name, function in kernels.items():
+            monkeypatch.setattr(histogram, name, partial(function, kernel=kernel))
         boosting.compiled_round.cache_clear()  # the kernel is chosen when a round is traced
         return jb.train(X, y, **settings)
 
@@ -516,6 +523,7 @@ def test_training_with_native_kernel_matches_xla_kernel(monkeypatch):
                              & (with_native.trees.threshold_bin == with_xla.trees.threshold_bin))
     assert same_structure > 0.98, f"only {same_structure:.3f} of the nodes agree"
     np.testing.assert_allclose(with_native.predict(X), with_xla.predict(X), rtol=1e-4, atol=1e-5)
+    assert int(np.sum(~with_native.trees.is_leaf)) > 64 or settings["max_depth"] < 8  # deep levels split
 
 
 # --------------------------------------------------------------------------------------------
@@ -606,23 +614,44 @@ def test_route_and_build_histogram_without_splits_only_routes(kernel):
     np.testing.assert_array_equal(np.asarray(smaller), np.zeros((8, 5, 32, 2), np.float32))
 
 
-@pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
-def test_route_rows_matches_numpy(kernel):
-    """The last level's routing alone (missing codes follow the default direction), and under vmap."""
-    X_binned, node_index, _, _, level = route_case(12, 3000, 5, 8, 32)
-    X_binned[::5, 1] = 31
-    expected_child, _ = naive_route(X_binned, node_index, level, 32)
-    route = jax.jit(partial(route_rows, max_bin=32, kernel=kernel))
-    child = route(jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(level["split_feature"]),
-                  jnp.asarray(level["split_threshold_bin"]), jnp.asarray(level["split_default_left"]))
+@pytest.mark.parametrize("kernel,threads", [("xla", 1), pytest.param("native", 1, marks=needs_native),
+                                            pytest.param("native", 2, marks=needs_native)])
+@pytest.mark.parametrize("max_bin", [256, 32])
+def test_route_and_build_histogram_of_leading_nodes(kernel, threads, max_bin):
+    """A level held in a wide buffer: every slot is routed, the histogram covers the first
+    ``histogram_nodes`` slots, and with ``live_nodes`` the cells of the nodes holding rows are
+    exact whatever the buffer held before. 200 nodes splitting on 24 features: a deep level's
+    row reads spread over many code columns."""
+    n_rows, n_features, num_nodes, histogram_nodes, live = 50_000, 24, 200, 100, 64
+    X_binned, _, gradients, hessians, level = route_case(12, n_rows, n_features, num_nodes, max_bin)
+    X_binned[::5, 1] = max_bin - 1
+    rng = np.random.default_rng(13)
+    node_index = rng.integers(0, live, n_rows).astype(np.int32)
+    # A few rows in routed slots past the histogram's: routed, never summed.
+    node_index[::97] = rng.integers(histogram_nodes, num_nodes, len(node_index[::97]))
+    expected_child, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    in_smaller &= node_index < histogram_nodes
+    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, in_smaller, histogram_nodes, max_bin)
+    route = jax.jit(partial(route_and_build_histogram, max_bin=max_bin, kernel=kernel, threads=threads,
+                            histogram_nodes=histogram_nodes))
+    args = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
+    level = {k: jnp.asarray(v) for k, v in level.items()}
+    child, smaller = route(*args, **level)
     np.testing.assert_array_equal(np.asarray(child), expected_child)
-    # Under vmap (train_many) each batch member routes its own rows.
-    batched = jax.vmap(route, in_axes=(None, 0, None, None, None))(
-        jnp.asarray(X_binned.T), jnp.stack([jnp.asarray(node_index), jnp.asarray(node_index[::-1])]),
-        jnp.asarray(level["split_feature"]), jnp.asarray(level["split_threshold_bin"]),
-        jnp.asarray(level["split_default_left"]))
-    np.testing.assert_array_equal(np.asarray(batched[0]), expected_child)
-    np.testing.assert_array_equal(np.asarray(batched[1]), naive_route(X_binned, node_index[::-1], level, 32)[0])
+    np.testing.assert_allclose(np.asarray(smaller), expected, rtol=1e-5, atol=1e-3)
+    # live_nodes: the first `live` nodes exact (the XLA kernel also zeroes the rest).
+    rows_live = node_index < live
+    expected_child, in_smaller = naive_route(X_binned[rows_live], node_index[rows_live],
+                                             {k: np.asarray(v) for k, v in level.items()}, max_bin)
+    live_args = tuple(a[rows_live] if a.ndim == 1 else a[:, rows_live] for a in args)
+    child, smaller = route(*live_args, **level, live_nodes=jnp.int32(live))
+    np.testing.assert_array_equal(np.asarray(child), expected_child)
+    np.testing.assert_allclose(np.asarray(smaller)[:live],
+                               masked_naive_histogram(X_binned[rows_live], node_index[rows_live],
+                                                      gradients[rows_live], hessians[rows_live], in_smaller, live,
+                                                      max_bin), rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match="histogram_nodes must lie in"):
+        route_and_build_histogram(*args, **level, max_bin=max_bin, histogram_nodes=num_nodes + 1)
 
 
 @pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
@@ -742,8 +771,9 @@ def test_kernels_read_the_local_rows_of_a_shared_code_table(kernel, threads):
         level_args = {k: jnp.asarray(v) for k, v in level.items()}
         routed = route_and_build_histogram(table, node_index, **args, **level_args, row_offset=row_offset,
                                            **options)
-        last = route_rows(table, node_index, level_args["split_feature"], level_args["split_threshold_bin"],
-                          level_args["split_default_left"], max_bin, kernel=kernel, row_offset=row_offset)
+        # Routed without splits (a last level): the codes read are the window's too.
+        no_splits = {**level_args, "splits": jnp.zeros_like(level_args["splits"])}
+        last, _ = route_and_build_histogram(table, node_index, **args, **no_splits, row_offset=row_offset, **options)
         return root, masked, routed, last
 
     root, masked, (child, smaller), last = window_results(jnp.asarray(table), jnp.int32(offset),

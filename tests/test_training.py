@@ -560,16 +560,18 @@ def test_sum_scattered_over_devices():
         np.testing.assert_array_equal(out[device], local[:, :, 2 * device:2 * device + 2].sum(axis=0))
 
 
-@pytest.mark.parametrize("n_devices, slots", [(1, 32), (2, 32), (2, 2), (2, 1)])
+@pytest.mark.parametrize("n_devices, slots", [(1, 32), (2, 32), (2, 2), (2, 1), (2, 128)])
 def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices, slots):
-    """A looped level's children histograms: for the chunks of 8 parents holding the first
-    ``live`` slots, children ``2 p, 2 p + 1`` are the smaller child summed over devices and the
-    parent minus it (left or right as ``left_is_smaller`` says); slots past them keep their
-    contents; a count of 0 (children that are leaves) changes nothing, nor does a single slot
-    (depth-1 trees, whose children are leaves)."""
+    """A looped level's children histograms: for the chunks of parents (8, or 32 in the deep
+    levels' wide buffers) holding the first ``live`` slots, children ``2 p, 2 p + 1`` are the
+    smaller child summed over devices and the parent minus it (left or right as
+    ``left_is_smaller`` says); slots past them keep their contents; a count of 0 (children that
+    are leaves) changes nothing, nor does a single slot (depth-1 trees, whose children are
+    leaves). A wide buffer's smaller children cover only its first half, where parents lie."""
     from jax.sharding import Mesh, PartitionSpec
 
     from jaxboost.grower import children_histograms_over_parents
+    from jaxboost.split import scan_chunk_nodes
 
     devices = jax.devices()[:n_devices]
     if len(devices) < n_devices:
@@ -578,20 +580,22 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices,
     rng = np.random.default_rng(0)
     features, bins = 4, 3
     block = features // n_devices
-    local_smaller = rng.normal(size=(n_devices, slots, features, bins, 2)).astype(np.float32)
+    smaller_slots = slots // 2 if slots > 32 else slots
+    local_smaller = rng.normal(size=(n_devices, smaller_slots, features, bins, 2)).astype(np.float32)
     parents = rng.normal(size=(n_devices, slots, block, bins, 2)).astype(np.float32)  # each device's block
     left_is_smaller = rng.uniform(size=slots) < 0.5
-    for live in [live for live in [0, 1, 2, 8, 9, 16] if live <= max(slots // 2, 1)]:
+    for live in [live for live in [0, 1, 2, 8, 9, 16, 32, 64] if live <= max(slots // 2, 1)]:
         axis = "rows" if n_devices > 1 else None
         level = jax.shard_map(
             lambda p, s, left: children_histograms_over_parents(p[0], s[0], left, jnp.int32(live), axis)[None],
             mesh=mesh, in_specs=(PartitionSpec("rows"), PartitionSpec("rows"), PartitionSpec()),
             out_specs=PartitionSpec("rows"))
         out = np.asarray(jax.jit(level)(parents, local_smaller, left_is_smaller))
-        chunk = min(8, slots // 2)
+        chunk = min(scan_chunk_nodes(slots), slots // 2)
         written = 0 if slots < 2 else 2 * chunk * -(-live // chunk)
         for device in range(n_devices):
             smaller = local_smaller[:, :, device * block:(device + 1) * block].sum(axis=0)
+            smaller = np.concatenate([smaller, np.zeros((slots - smaller_slots,) + smaller.shape[1:], np.float32)])
             larger = parents[device] - smaller
             choose = left_is_smaller[:, None, None, None]
             children = np.stack([np.where(choose, smaller, larger), np.where(choose, larger, smaller)], axis=1)

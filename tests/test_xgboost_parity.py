@@ -86,21 +86,25 @@ def test_one_round_on_pre_binned_data_matches_xgboost(loss, objective, reg_lambd
     assert sorted(trees.feature[0, 0][split_nodes].tolist()) == xgboost_features
 
 
-def test_one_round_deep_tree_matches_xgboost():
-    # Depth 8: the looped levels, three levels grown one by one and gamma pruning all write
-    # into the heap; a level written at the wrong slots would move predictions and leaves.
-    X, signal, rng = _pre_binned(seed=2, n=6000)
+@pytest.mark.parametrize("max_depth, levels, min_leaves", [(8, 12, 64), (10, 200, 128)])
+def test_one_round_deep_tree_matches_xgboost(max_depth, levels, min_leaves):
+    # Deep trees: the shallow levels' loop, the deep levels' loop over wider buffers (down to
+    # the leaves) and gamma pruning all write into the heap; a level written at the wrong slots
+    # would move predictions and leaves. At depth 10 features of many distinct values: with
+    # 12, nodes of a few rows tie between splits, which float32 and XGBoost's double sums
+    # then break differently.
+    X, signal, rng = _pre_binned(seed=2, n=6000, levels=levels)
     y = signal + rng.normal(scale=0.5, size=len(signal))
     margin = np.zeros(len(y), np.float32)
-    model = jb.train(X, y, num_rounds=1, max_depth=8, learning_rate=0.3, gamma=0.5, base_margin=margin)
-    booster = xgb.train(_xgboost_params(max_depth=8, gamma=0.5), xgb.DMatrix(X, y, base_margin=margin),
+    model = jb.train(X, y, num_rounds=1, max_depth=max_depth, learning_rate=0.3, gamma=0.5, base_margin=margin)
+    booster = xgb.train(_xgboost_params(max_depth=max_depth, gamma=0.5), xgb.DMatrix(X, y, base_margin=margin),
                         num_boost_round=1)
     np.testing.assert_allclose(model.predict_raw(X, base_margin=margin),
                                booster.predict(xgb.DMatrix(X, base_margin=margin), output_margin=True),
                                rtol=1e-5, atol=1e-6)
     trees = model.trees
     xgboost_features, xgboost_leaves = _xgboost_nodes(booster)
-    assert len(xgboost_leaves) > 64  # deeper than the looped levels reach
+    assert len(xgboost_leaves) > min_leaves  # deeper than the shallow levels' loop reaches
     np.testing.assert_allclose(np.sort(trees.value[0, 0][trees.is_leaf[0, 0]]), xgboost_leaves, rtol=1e-5, atol=1e-6)
     split_nodes = ~trees.is_leaf[0, 0] & (trees.loss_change[0, 0] > 0)
     assert sorted(trees.feature[0, 0][split_nodes].tolist()) == xgboost_features
