@@ -46,8 +46,9 @@ sklearn are CPU-only and left out), and adds each library's peak GPU memory (NVM
 above what was in use before the library started; JAX allocates on demand in these runs).
 Write GPU results to their own file, e.g. ``--output experiments/results/bench_gpu.md``.
 
-``--scaling`` adds jaxboost ms/tree vs rows (XGBoost alongside), vs depth and vs bins on the
-classification task; its row counts are 100k, 1M and 4M scaled by ``--rows`` / 1M.
+``--scaling`` adds jaxboost ms/tree vs rows and vs depth (XGBoost alongside; with jaxboost's
+compile time for each depth, a distinct shape) and vs bins on the classification task; its row
+counts are 100k, 1M and 4M scaled by ``--rows`` / 1M.
 The tables are printed and written, with the command line, date and machine info, to ``--output``.
 """
 
@@ -352,33 +353,39 @@ def scaled(rows: int, args) -> int:
 
 
 def run_scaling(args, runner: Runner) -> str:
-    """jaxboost ms/tree vs rows (with XGBoost), vs depth and vs bins, on the classification task."""
+    """jaxboost ms/tree vs rows and vs depth (with XGBoost), and vs bins, on the classification task."""
     task, base_rows = "classification", scaled(FULL_ROWS, args)
     with_reference = REFERENCE_LIBRARY in args.libraries
 
     def ms(library, rows=base_rows, depth=args.depth, max_bin=args.max_bin):
         return runner.run(library, task, rows, depth, max_bin, predict=False)
 
-    rows_table = []
-    row_counts = [scaled(r, args) for r in SCALING_ROWS]
-    for rows in row_counts:
-        # In turns, as for the task tables.
+    libraries = ["jaxboost"] + ([REFERENCE_LIBRARY] if with_reference else [])
+    reference_header = ([f"{REFERENCE_LIBRARY} ms/tree", f"jaxboost vs {REFERENCE_LIBRARY}", "run by run: median (range)"]
+                        if with_reference else [])
+
+    def compared(rows=base_rows, depth=args.depth) -> list[str]:
+        """jaxboost's ms/tree and, with the reference library, its ms/tree and the ratios, from
+        runs taken in turns as for the task tables."""
         for repeat in range(1, args.repeats + 1):
-            for library in rotated(["jaxboost"] + ([REFERENCE_LIBRARY] if with_reference else []), repeat - 1):
-                runner.run(library, task, rows, args.depth, args.max_bin, predict=False, repeats=repeat)
-        ours = ms("jaxboost", rows=rows)
-        row = [f"{rows:,}", ms_cell(ours)]
+            for library in rotated(libraries, repeat - 1):
+                runner.run(library, task, rows, depth, args.max_bin, predict=False, repeats=repeat)
+        ours = ms("jaxboost", rows=rows, depth=depth)
+        cells = [ms_cell(ours)]
         if with_reference:
-            reference = ms(REFERENCE_LIBRARY, rows=rows)
-            row += [ms_cell(reference), fmt_ratio(ours.get("ms_per_tree"), reference.get("ms_per_tree")),
-                    fmt_turn_ratios(turn_ratios(runner, "jaxboost", (task, rows, args.depth, args.max_bin)))]
-        rows_table.append(row)
-    rows_header = ["rows", "jaxboost ms/tree"] + (
-        [f"{REFERENCE_LIBRARY} ms/tree", f"jaxboost vs {REFERENCE_LIBRARY}", "run by run: median (range)"]
-        if with_reference else [])
-    memory_header, memory_table_rows = growth_of_memory(["jaxboost"] + ([REFERENCE_LIBRARY] if with_reference else []),
-                                                        row_counts, ms)
-    depth_table = [[str(depth), ms_cell(ms("jaxboost", depth=depth))] for depth in SCALING_DEPTHS]
+            reference = ms(REFERENCE_LIBRARY, rows=rows, depth=depth)
+            cells += [ms_cell(reference), fmt_ratio(ours.get("ms_per_tree"), reference.get("ms_per_tree")),
+                      fmt_turn_ratios(turn_ratios(runner, "jaxboost", (task, rows, depth, args.max_bin)))]
+        return cells
+
+    row_counts = [scaled(r, args) for r in SCALING_ROWS]
+    rows_table = [[f"{rows:,}"] + compared(rows=rows) for rows in row_counts]
+    rows_header = ["rows", "jaxboost ms/tree"] + reference_header
+    memory_header, memory_table_rows = growth_of_memory(libraries, row_counts, ms)
+    # Each depth is a distinct shape: its compile time is the first fit's.
+    depth_table = [[str(depth), f"{ms('jaxboost', depth=depth).get('compile_s') or float('nan'):.2f}"]
+                   + compared(depth=depth) for depth in SCALING_DEPTHS]
+    depth_header = ["depth", "jaxboost compile s", "jaxboost ms/tree"] + reference_header
     bins_table = [[str(max_bin), ms_cell(ms("jaxboost", max_bin=max_bin))] for max_bin in SCALING_BINS]
     section = "\n\n".join([
         f"## Scaling (classification task, {args.rounds} rounds, median ms/tree of {args.repeats} repeat(s))",
@@ -387,7 +394,7 @@ def run_scaling(args, runner: Runner) -> str:
         "the last column: its growth per training row between the two largest sizes)\n\n"
         + markdown_table(memory_header, memory_table_rows),
         f"### vs depth ({base_rows:,} rows, {args.max_bin} bins)\n\n"
-        + markdown_table(["depth", "jaxboost ms/tree"], depth_table),
+        + markdown_table(depth_header, depth_table),
         f"### vs bins ({base_rows:,} rows, depth {args.depth})\n\n"
         + markdown_table(["max_bin", "jaxboost ms/tree"], bins_table),
     ])
