@@ -225,25 +225,43 @@ class _LevelState(NamedTuple):
     path_features: jax.Array | None  # (capacity, d) features split on above each node
 
 
-def _widened(state: _LevelState, capacity: int) -> _LevelState:
-    """A level's node arrays and histograms, with empty slots appended up to ``capacity``."""
+def _widened(state: _LevelState, capacity: int, histogram_buffer: jax.Array | None) -> _LevelState:
+    """A level's node arrays, with empty slots appended up to ``capacity``, and its histograms
+    written over the leading slots of ``histogram_buffer`` (None: padded with zeros). The
+    buffer's other slots may hold anything: the deeper levels read only slots they wrote."""
     def padded(per_node, fill):
         if per_node is None:
             return None
         extra = jnp.full((capacity - per_node.shape[0],) + per_node.shape[1:], fill, per_node.dtype)
         return jnp.concatenate([per_node, extra])
 
+    if histogram_buffer is None:
+        histograms = padded(state.histograms, 0)
+    else:
+        histograms = jax.lax.dynamic_update_slice_in_dim(histogram_buffer, state.histograms, 0, axis=0)
     return state._replace(active=padded(state.active, False), level_gradients=padded(state.level_gradients, 0),
-                          level_hessians=padded(state.level_hessians, 0), histograms=padded(state.histograms, 0),
+                          level_hessians=padded(state.level_hessians, 0), histograms=histograms,
                           lower=padded(state.lower, -jnp.inf), upper=padded(state.upper, jnp.inf),
                           path_features=padded(state.path_features, False))
+
+
+def deep_histogram_shape(max_depth: int, n_features: int, max_bin: int, channels: int,
+                         devices: int = 1) -> tuple[int, ...] | None:
+    """Per device, the shape of the deep levels' histogram buffer that ``grow_tree`` can take
+    from its caller (``histogram_buffer``), or None when ``max_depth`` needs none (up to 6).
+    ``channels``: 2, or the vector leaves' gradient and packed Hessian channels; with rows
+    sharded over ``devices`` each keeps a block of the features (padded to equal blocks)."""
+    if min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1)).bit_length() == max_depth:
+        return None  # the shallow loop runs down to the leaves
+    return (2 ** (max_depth - 1), -(-n_features // devices), max_bin, channels)
 
 
 def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, feature_allowed: jax.Array,
               key: jax.Array, params: GrowthParams, max_depth: int, max_bin: int,
               axis_name: str | None = None, sample_columns: bool = True,
               leaves: VectorLeaves | None = None, missing_values: bool = True,
-              row_offset: jax.Array | None = None) -> tuple[Tree, RowLeaves, tuple]:
+              row_offset: jax.Array | None = None,
+              histogram_buffer: jax.Array | None = None) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
     """Grow one tree.
 
     Args:
@@ -261,11 +279,17 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
       missing_values: False when no row has a missing code: the split scan then skips the
         direction for missing values (``find_best_splits``); the tree is the same.
       row_offset: int32 scalar or None, as above.
+      histogram_buffer: float32 of ``deep_histogram_shape`` (this device's), or None. The deep
+        levels' loop keeps its histograms in it, whatever it holds, instead of in a fresh
+        buffer: a caller that keeps it from tree to tree (donated to a jitted round) keeps
+        those tens of MB out of the scratch memory XLA allocates for every call. Ignored by
+        trees that need none.
 
     Returns:
-      ``(tree, row_leaves, (lower, upper))``: the tree's node arrays (values times the learning
-      rate), the leaf holding each row (``RowLeaves``), and every node's value bounds (for leaf
-      refits under monotone constraints).
+      ``(tree, row_leaves, (lower, upper), histogram_buffer)``: the tree's node arrays (values
+      times the learning rate), the leaf holding each row (``RowLeaves``), every node's value
+      bounds (for leaf refits under monotone constraints), and the histogram buffer to pass to
+      the next tree (the one passed in, when the tree needs none).
 
     The shallow levels (up to ``LOOPED_LEVEL_NODES`` nodes) run in one ``fori_loop`` over
     buffers of that size; deeper trees run the levels below in a second loop over buffers sized
@@ -441,7 +465,12 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             lambda depth, c: split_level(depth, c, children_are_leaves=depth == max_depth - 1),
             (state, node_bounds))
         tree = state.tree
+        returned_buffer = histogram_buffer
     else:
+        expected = (2 ** (max_depth - 1), summed_features // devices) + root_histogram.shape[1:]
+        if histogram_buffer is not None and histogram_buffer.shape != expected:
+            raise ValueError(f"histogram_buffer must have this device's shape {expected} (deep_histogram_shape); "
+                             f"got {histogram_buffer.shape}")
         carry = jax.lax.fori_loop(0, looped_levels, split_level, (state, node_bounds))
         # The deeper levels share a second loop, down to the leaves, with buffers sized for the
         # widest of them: one compiled body instead of one per level. Its steps follow the live
@@ -452,12 +481,14 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             looped_levels, max_depth,
             lambda depth, c: split_level(depth, c, children_are_leaves=depth == max_depth - 1,
                                          parent_slots=deep_capacity // 2),
-            (_widened(carry[0], deep_capacity), carry[1]))
+            (_widened(carry[0], deep_capacity, histogram_buffer), carry[1]))
         tree = state.tree
+        returned_buffer = None if histogram_buffer is None else state.histograms
     tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
     # No leaf update per level: a row's last-level position names its path, and the table gives
     # the leaf on that path.
-    return tree, RowLeaves(surviving_leaf[leaf_of_position(tree.is_leaf, max_depth)], state.node_of_row), node_bounds
+    return (tree, RowLeaves(surviving_leaf[leaf_of_position(tree.is_leaf, max_depth)], state.node_of_row),
+            node_bounds, returned_buffer)
 
 
 def leaf_of_position(is_leaf: jax.Array, max_depth: int) -> jax.Array:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_round, compiled_zero_hessian_count,
-                       seed_key_data, starting_value)
+                       histogram_buffer, seed_key_data, starting_value)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .devices import (copied_codes_on_mesh, mesh_platform, pad_rows_by_device, padded_size, replicated, row_mesh,
@@ -417,6 +417,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        hessian_mode=hessian, vector_leaves=leaves, missing_values=dataset.has_missing_values,
                        shared_codes=train_rows.shared_codes)
     boosting_round = compiled_round(shape)
+    histograms = histogram_buffer(shape, dataset.n_features)
     schedule = _Schedule(learning_rate)
     first_round = 0 if init_model is None else init_model.num_rounds
     f32 = np.float32  # host scalars: jnp.float32 would compile a conversion in a first fit
@@ -491,11 +492,10 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                 learning_rate=jax.device_put(f32(schedule(round_index)), replicated(mesh))))
         eval_data = tuple((rows.X_binned_device, rows.y_device, rows.sample_weight_device, raw)
                           for rows, raw in zip(eval_rows, eval_raw))
-        raw_prediction, trees, health, eval_raw, metric_values = boosting_round(
+        raw_prediction, trees, health, eval_raw, metric_values, histograms = boosting_round(
             params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
             train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
-            raw_prediction, seed_key,
-            np.int32(round_index), eval_data)
+            raw_prediction, seed_key, np.int32(round_index), eval_data, histograms)
         # Ask for the flags now: a copy requested only when they are read would queue behind the
         # next round, and the host would wait for that round before dispatching another.
         for flag in health:

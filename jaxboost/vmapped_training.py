@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .boosting import HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, seed_key_data, starting_value
+from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, histogram_buffer,
+                       seed_key_data, starting_value)
 from .dataset import Dataset
 from .devices import replicated, row_mesh, row_sharding
 from .grower import GrowthParams
@@ -184,16 +185,17 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        mesh=mesh, hessian_mode=hessian, vector_leaves=leaves,
                        missing_values=dataset.has_missing_values, shared_codes=rows.shared_codes)
     boosting_rounds = compiled_many_rounds(shape, params_axes)
+    histograms = histogram_buffer(shape, dataset.n_features, models=M)
 
     history = [[] for _ in eval_rows]
     round_trees = []
     for round_index in range(num_rounds):
         eval_data = tuple((r.X_binned_device, r.y_device, r.sample_weight_device, raw)
                           for r, raw in zip(eval_rows, eval_raw))
-        raw_prediction, trees, health, eval_raw, metric_values = boosting_rounds(
+        raw_prediction, trees, health, eval_raw, metric_values, histograms = boosting_rounds(
             params, rows.X_binned_T_device, rows.row_offsets_device, rows.y_device, weights_device,
             rows.row_index_device if shape.sample_rows else None, raw_prediction, seed_keys,
-            np.int32(round_index), eval_data)
+            np.int32(round_index), eval_data, histograms)
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)
         release_memory_now_and_then(round_index)

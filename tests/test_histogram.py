@@ -197,7 +197,7 @@ def naive_grow(X_binned, g, h, max_depth, max_bin, reg_lambda, reg_alpha, min_ch
 @partial(jax.jit, static_argnames=("max_depth", "max_bin"))
 def _jit_grow(X_binned_T, gradients, hessians, params, max_depth, max_bin):
     feature_allowed = jnp.ones(X_binned_T.shape[0], bool)
-    tree, row_leaves, _ = grow_tree(X_binned_T, gradients, hessians, feature_allowed, jax.random.PRNGKey(0), params,
+    tree, row_leaves, _, _ = grow_tree(X_binned_T, gradients, hessians, feature_allowed, jax.random.PRNGKey(0), params,
                                     max_depth, max_bin, axis_name=None)
     return tree, row_leaves.heap_index()
 

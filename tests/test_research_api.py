@@ -352,6 +352,17 @@ def test_train_many_equals_models_trained_alone_in_one_trace(regression_data):
                                    alone.evals_result["validation_0"]["loss"], rtol=1e-5)
 
 
+def test_train_many_deep_trees_equal_models_trained_alone(regression_data):
+    """Depth 8: each model grows its deep levels in its own part of the batched histogram buffer."""
+    X, y = regression_data
+    lambdas = [1.0, 3.0]
+    models = jb.train_many(X, y, batch={"reg_lambda": lambdas}, num_rounds=3, max_depth=8, learning_rate=0.3)
+    for model, reg_lambda in zip(models, lambdas):
+        alone = jb.train(X, y, reg_lambda=reg_lambda, num_rounds=3, max_depth=8, learning_rate=0.3)
+        np.testing.assert_array_equal(model.trees.feature, alone.trees.feature)
+        np.testing.assert_allclose(model.predict_raw(X), alone.predict_raw(X), rtol=1e-6, atol=1e-6)
+
+
 def test_train_many_folds_and_loss_parameters(regression_data):
     X, y = regression_data
     folds = np.arange(len(y)) % 3

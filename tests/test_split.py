@@ -331,7 +331,7 @@ def growth_params(gamma, reg_lambda=1.0, min_child_weight=0.0, learning_rate=1.0
 
 @partial(jax.jit, static_argnames=("max_depth", "max_bin"))
 def _jit_grow(X_binned_T, gradients, hessians, params, max_depth, max_bin):
-    tree, row_leaves, _ = grow_tree(X_binned_T, gradients, hessians, jnp.ones(X_binned_T.shape[0], bool),
+    tree, row_leaves, _, _ = grow_tree(X_binned_T, gradients, hessians, jnp.ones(X_binned_T.shape[0], bool),
                                     jax.random.PRNGKey(0), params, max_depth, max_bin, axis_name=None)
     return tree, row_leaves.heap_index()
 

@@ -398,6 +398,52 @@ def test_rounds_donate_raw_predictions_and_read_row_indices_only_when_sampling(m
         np.testing.assert_array_equal(model.predict_raw(X), kept.predict_raw(X))
 
 
+@pytest.mark.parametrize("n_rows, settings", [
+    (N_ROWS, dict(loss="softmax", max_depth=7)),  # three trees a round share the buffer
+    (N_ROWS, dict(loss="softmax", max_depth=7, multi_strategy="multi_output_tree")),
+    (90_000, dict(loss="squared_error", max_depth=8)),  # rows (and the buffer) sharded over two devices
+])
+def test_deep_trees_never_read_what_their_histogram_buffer_held(n_rows, settings, monkeypatch):
+    """Trees deeper than 6 grow their deep levels in a histogram buffer that the rounds pass on,
+    donated and written in place (so it is not in a round's scratch memory). Whatever it holds
+    when a tree starts (the last tree's histograms; here first random sums, which would score
+    real splits if read) is never read: the model is the one grown from a zeroed buffer, bit
+    for bit."""
+    from jaxboost import boosting, training
+
+    X, y = _regression_data(seed=8, n=n_rows)
+    if settings["loss"] == "softmax":
+        y = np.digitize(y, [-1.0, 1.0]).astype(np.float32)
+    common = dict(num_rounds=3, learning_rate=0.3, **settings)
+    zeroed = jb.train(X, y, **common)
+
+    def garbage_filled(shape, n_features, models=None):
+        buffer = boosting.histogram_buffer(shape, n_features, models)
+        garbage = np.abs(np.random.default_rng(9).normal(scale=50.0, size=buffer.shape)).astype(np.float32)
+        return jax.device_put(garbage, buffer.sharding)
+
+    in_place = []
+
+    def recording(shape):
+        compiled = boosting.compiled_round(shape)
+
+        def call(*args):
+            buffer = args[boosting.HISTOGRAM_BUFFER_ARGUMENT]
+            before = [shard.data.unsafe_buffer_pointer() for shard in buffer.addressable_shards]
+            result = compiled(*args)
+            in_place.append(buffer.is_deleted() and before == [
+                shard.data.unsafe_buffer_pointer() for shard in result[-1].addressable_shards])
+            return result
+        return call
+
+    monkeypatch.setattr(training, "histogram_buffer", garbage_filled)
+    monkeypatch.setattr(training, "compiled_round", recording)
+    poisoned = jb.train(X, y, **common)
+    np.testing.assert_array_equal(poisoned.predict_raw(X), zeroed.predict_raw(X))
+    # The first round's buffer may be the host array it was made from, which is not written over.
+    assert len(in_place) == 3 and all(in_place[1:]), in_place
+
+
 @pytest.mark.parametrize("loss, label", [("logistic", 2.0), ("poisson", -1.0), ("softmax", 1.5), ("gamma", 0.0)])
 def test_labels_outside_a_loss_range_are_rejected(loss, label):
     X, y = _binary_data()

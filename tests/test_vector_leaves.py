@@ -127,7 +127,7 @@ def test_grown_vector_tree_leaves_are_the_per_leaf_solves():
     params = GrowthParams(jb.regularizers.l2(1.0), F32(0.3), F32(0), F32(1.0), F32(1), F32(1))
     grow = jax.jit(lambda X, g, h: grow_tree(X, g, h, jnp.ones(d, bool), jax.random.PRNGKey(0), params, 3, max_bin,
                                              None, False, leaves))
-    tree, row_leaves, _ = grow(jnp.asarray(X_binned_T), jnp.asarray(g, F32), leaves.pack_hessian(jnp.asarray(H, F32)))
+    tree, row_leaves, _, _ = grow(jnp.asarray(X_binned_T), jnp.asarray(g, F32), leaves.pack_hessian(jnp.asarray(H, F32)))
     row_leaf = np.asarray(row_leaves.heap_index())
     assert len(np.unique(row_leaf)) >= 4
     for leaf in np.unique(row_leaf):
