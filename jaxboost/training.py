@@ -520,6 +520,6 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     model = build_model(state.best_iteration)
     # The rounds' device buffers go now, and their pages back to the system with the arenas'
     # other free pages, rather than sitting in XLA's threads' arenas while the caller predicts.
-    train_rows = eval_rows = eval_data = raw_prediction = eval_raw = None
+    train_rows = eval_rows = eval_data = raw_prediction = eval_raw = histograms = None
     release_free_memory()
     return model
