@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
 from .devices import ROW_AXIS, all_sum, compiler_options, mesh_platform, row_sharding
-from .grower import GrowthParams, deep_histogram_shape, grow_tree, sample_features
+from .grower import GrowthParams, deep_histogram_shape, grow_tree, grows_deep_levels, sample_features
 from .line_search import minimise_segment_offsets, segment_sums
 from .predictor import add_position_values, predict_round
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
@@ -321,7 +321,7 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_of
     row_offset = row_offsets[0] if shape.shared_codes else None
     # Trees up to depth 6 keep their histograms themselves: the buffer is a placeholder, handed
     # back as it came.
-    buffer = histogram_buffer if deep_histograms(shape) else None
+    buffer = histogram_buffer if grows_deep_levels(shape.max_depth) else None
     grow = _grow_round_scalar_trees if shape.vector_leaves is None else _grow_round_vector_tree
     *results, buffer = grow(shape, params, X_binned_T, row_offset, y, row_weight, raw_prediction, feature_allowed,
                             tree_key, buffer)
@@ -362,11 +362,6 @@ def _grow_round_scalar_trees(shape: RoundShape, params: RoundParams, X_binned_T,
     position_values = jnp.take_along_axis(trees.value, row_leaves.position_leaf, axis=1)  # (K, 2^max_depth)
     return (add_position_values(raw_prediction, position_values, row_leaves.last_position), trees, health,
             histogram_buffer)
-
-
-def deep_histograms(shape: RoundShape) -> bool:
-    """Whether the round's trees grow deep levels in a histogram buffer (``grower.grow_tree``)."""
-    return deep_histogram_shape(shape.max_depth, 1, shape.max_bin, 2) is not None
 
 
 def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = None) -> jax.Array:

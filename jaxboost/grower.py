@@ -245,14 +245,20 @@ def _widened(state: _LevelState, capacity: int, histogram_buffer: jax.Array | No
                           path_features=padded(state.path_features, False))
 
 
+def grows_deep_levels(max_depth: int) -> bool:
+    """Whether trees of ``max_depth`` have levels past the shallow loop's (``max_depth > 6``):
+    those grow in a second loop, over the deep histogram buffer (``deep_histogram_shape``)."""
+    return 2 ** (max_depth - 1) > LOOPED_LEVEL_NODES
+
+
 def deep_histogram_shape(max_depth: int, n_features: int, max_bin: int, channels: int,
                          devices: int = 1) -> tuple[int, ...] | None:
     """Per device, the shape of the deep levels' histogram buffer that ``grow_tree`` can take
     from its caller (``histogram_buffer``), or None when ``max_depth`` needs none (up to 6).
     ``channels``: 2, or the vector leaves' gradient and packed Hessian channels; with rows
     sharded over ``devices`` each keeps a block of the features (padded to equal blocks)."""
-    if min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1)).bit_length() == max_depth:
-        return None  # the shallow loop runs down to the leaves
+    if not grows_deep_levels(max_depth):
+        return None
     return (2 ** (max_depth - 1), -(-n_features // devices), max_bin, channels)
 
 
@@ -457,7 +463,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         upper=jnp.full(looped_capacity, jnp.inf),
         path_features=None if params.interaction_groups is None else jnp.zeros((looped_capacity, n_features), bool),
     )
-    if looped_levels + 1 == max_depth:
+    if not grows_deep_levels(max_depth):
         # The last level fits the loop's slots too: it runs in the loop, masked, rather than in
         # a second copy of the level's program (0.8 s of a 3.4 s first fit at depth 6).
         state, node_bounds = jax.lax.fori_loop(
@@ -467,7 +473,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         tree = state.tree
         returned_buffer = histogram_buffer
     else:
-        expected = (2 ** (max_depth - 1), summed_features // devices) + root_histogram.shape[1:]
+        expected = deep_histogram_shape(max_depth, n_features, *root_histogram.shape[1:], devices)
         if histogram_buffer is not None and histogram_buffer.shape != expected:
             raise ValueError(f"histogram_buffer must have this device's shape {expected} (deep_histogram_shape); "
                              f"got {histogram_buffer.shape}")

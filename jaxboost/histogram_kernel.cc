@@ -1058,7 +1058,6 @@ extern "C" XLA_FFI_Error* JaxboostRouteHistogram(XLA_FFI_CallFrame* call_frame) 
   return kRouteHistogramHandler(call_frame);
 }
 
-
 extern "C" XLA_FFI_Error* JaxboostFirstMaximum(XLA_FFI_CallFrame* call_frame) {
   return kFirstMaximumHandler(call_frame);
 }
