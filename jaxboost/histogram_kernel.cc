@@ -158,11 +158,13 @@ inline int32_t RouteRow(const uint8_t* codes, int64_t stride, const int32_t* nod
 constexpr int64_t kPrefetchFromColumns = 16;
 constexpr int64_t kRoutePrefetchRows = 64;
 
-bool ReadsManyColumns(const int32_t* safe_feature, const bool* splits, int64_t num_nodes, int64_t n_features) {
+// Every node's rows read its column, whether it splits or not (the last level, which only
+// routes, has no splits and the most columns).
+bool ReadsManyColumns(const int32_t* safe_feature, int64_t num_nodes, int64_t n_features) {
   std::vector<bool> read(static_cast<size_t>(n_features), false);
   int64_t columns = 0;
   for (int64_t node = 0; node < num_nodes; ++node) {
-    if (splits[node] && !read[safe_feature[node]]) {
+    if (!read[safe_feature[node]]) {
       read[safe_feature[node]] = true;
       ++columns;
     }
@@ -407,7 +409,7 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   const std::vector<int32_t> safe_feature = ClampedFeatures(feature.typed_data(), num_nodes, n_features);
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
                             splits.typed_data(), left_is_smaller.typed_data(), num_nodes, missing_bin,
-                            ReadsManyColumns(safe_feature.data(), splits.typed_data(), num_nodes, n_features)};
+                            ReadsManyColumns(safe_feature.data(), num_nodes, n_features)};
   if (live_nodes.element_count() != 1) return ffi::Error::InvalidArgument("route kernel: one live node count expected");
   HistogramProblem problem{local.codes, node_of_row.typed_data(), gradients.typed_data(),
                            hessians.typed_data(), nullptr, n_rows, n_features, histogram_nodes, local.stride, nullptr};
