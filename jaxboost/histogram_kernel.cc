@@ -122,7 +122,7 @@ struct SplitsOfLevel {
   const bool* left_is_smaller;
   int64_t num_nodes;
   int64_t missing_bin;
-  bool prefetch_codes;  // see kPrefetchFromColumns
+  bool prefetch_codes;  // see PrefetchesCodes
 };
 
 // Nodes that do not split may carry any feature: clamped, reading a code stays in bounds.
@@ -152,15 +152,19 @@ inline int32_t RouteRow(const uint8_t* codes, int64_t stride, const int32_t* nod
 
 // A deep level's rows read their codes from as many columns as the level splits on features:
 // more streams than the hardware prefetcher follows, so each read missed the cache (a third of
-// a deep level's kernel). From this many columns on, the code of the row kRoutePrefetchRows
-// ahead is asked for in advance; with fewer, asking costs more than it saves (measured: 10%
-// slower levels of up to 32 nodes; at 64 nodes routing 1.9 -> 1.3 ms for 400k rows).
+// a deep level's kernel). On levels of more than kPrefetchFromNodes node slots that read at
+// least kPrefetchFromColumns columns, the code of the row kRoutePrefetchRows ahead is asked
+// for in advance. On narrower levels asking costs more than it saves (400k rows, routing only:
+// 32 nodes 0.9 -> 1.3-1.4 ms with it, 512 nodes 3.5-3.9 -> 2.4-2.7 ms; levels of up to 32
+// nodes that also build histograms were 10% slower with it).
+constexpr int64_t kPrefetchFromNodes = 32;
 constexpr int64_t kPrefetchFromColumns = 16;
 constexpr int64_t kRoutePrefetchRows = 64;
 
 // Every node's rows read its column, whether it splits or not (the last level, which only
 // routes, has no splits and the most columns).
-bool ReadsManyColumns(const int32_t* safe_feature, int64_t num_nodes, int64_t n_features) {
+bool PrefetchesCodes(const int32_t* safe_feature, int64_t num_nodes, int64_t n_features) {
+  if (num_nodes <= kPrefetchFromNodes) return false;
   std::vector<bool> read(static_cast<size_t>(n_features), false);
   int64_t columns = 0;
   for (int64_t node = 0; node < num_nodes; ++node) {
@@ -409,7 +413,7 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   const std::vector<int32_t> safe_feature = ClampedFeatures(feature.typed_data(), num_nodes, n_features);
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
                             splits.typed_data(), left_is_smaller.typed_data(), num_nodes, missing_bin,
-                            ReadsManyColumns(safe_feature.data(), num_nodes, n_features)};
+                            PrefetchesCodes(safe_feature.data(), num_nodes, n_features)};
   if (live_nodes.element_count() != 1) return ffi::Error::InvalidArgument("route kernel: one live node count expected");
   HistogramProblem problem{local.codes, node_of_row.typed_data(), gradients.typed_data(),
                            hessians.typed_data(), nullptr, n_rows, n_features, histogram_nodes, local.stride, nullptr};
