@@ -18,6 +18,7 @@ import os
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -140,19 +141,40 @@ def all_sum_scattered(x: jax.Array, axis_name: str | None, scatter_axis: int) ->
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_axis, tiled=True)
 
 
-def update_leading_chunks(whole, chunk_result, count: jax.Array, chunk: int):
+def chunks_in_use(count: jax.Array, chunk: int, num_slots: int,
+                  in_use: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(starts, n)``: the first slots of the ``chunk``-slot chunks that hold one of the first
+    ``count`` slots (traced) and, when ``in_use`` (bool, one flag per slot) is given, one of
+    its slots in use, in increasing order; ``n`` (traced) of them, the rest of ``starts`` padded.
+
+    Deep levels hold their nodes in slots by heap position, and on small data most of a level's
+    chunks hold no node that splits: those are skipped rather than computed and masked."""
+    num_chunks = num_slots // chunk
+    index = jnp.arange(num_chunks, dtype=jnp.int32)
+    used = index < (count + chunk - 1) // chunk
+    if in_use is not None:
+        used = used & jnp.any(in_use[:num_chunks * chunk].reshape(num_chunks, chunk), axis=1)
+    (chosen,) = jnp.nonzero(used, size=num_chunks, fill_value=0)
+    return chosen.astype(jnp.int32) * chunk, jnp.sum(used, dtype=jnp.int32)
+
+
+def update_leading_chunks(whole, chunk_result, count: jax.Array, chunk: int, in_use: jax.Array | None = None):
     """``whole`` (a pytree of arrays over slots) with each ``chunk``-slot chunk that holds one
-    of the first ``count`` slots (traced) replaced by ``chunk_result(start)``; later chunks are
-    kept. One loop step per such chunk, so the slots past ``count`` cost nothing."""
+    of the first ``count`` slots (traced), and one slot of ``in_use`` when given, replaced by
+    ``chunk_result(start)``; other chunks are kept. One loop step per such chunk, so the other
+    slots cost nothing."""
+    num_slots = jax.tree_util.tree_leaves(whole)[0].shape[0]
+    starts, used = chunks_in_use(count, chunk, num_slots, in_use)
+
     def update(index, result):
-        start = index * chunk
+        start = starts[index]
 
         def write(slots, part):
             return jax.lax.dynamic_update_slice_in_dim(slots, part, start, axis=0)
 
         return jax.tree_util.tree_map(write, result, chunk_result(start))
 
-    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, update, whole)
+    return jax.lax.fori_loop(0, used, update, whole)
 
 
 def padded_size(n_rows: int, multiple: int = 1) -> int:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .devices import all_sum, all_sum_scattered
+from .devices import all_sum, all_sum_scattered, chunks_in_use
 from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram,
                         statistic_pairs)
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
@@ -113,35 +113,40 @@ def sibling_histograms(parent: jax.Array, smaller: jax.Array, left_is_smaller: j
 
 
 def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller: jax.Array,
-                                     left_is_smaller: jax.Array, live_parents: jax.Array,
+                                     left_is_smaller: jax.Array, parent_splits: jax.Array, live_parents: jax.Array,
                                      axis_name: str | None) -> jax.Array:
     """A looped level's children histograms, written over its parents' buffer.
 
     ``parent_histograms``: ``(slots, ...)`` summed over devices (this device's feature block);
     ``local_smaller``: this device's smaller-child histograms, ``(slots, ...)`` before the sum
-    over devices; it may cover only the leading slots, as long as those hold every live parent.
-    Parent ``p``'s children land in slots ``2 p`` and ``2 p + 1``. Only the chunks of
-    ``scan_chunk_nodes`` parents that hold the first ``live_parents`` slots (traced) are summed
-    over devices and subtracted, so a level's cost follows its live nodes rather than its
-    buffer's slots (a level holds 2^depth nodes in 32 slots, or in the deep levels' wider
-    buffer); the other slots keep what they held (zeros, when only empty parents lie past
-    ``live_parents``). The last chunk goes first: its children land past every parent not yet
-    read, so the buffer is updated in place.
+    over devices, specified for the parents that split (``parent_splits``); it may cover only
+    the leading slots, as long as those hold every live parent. Parent ``p``'s children land in
+    slots ``2 p`` and ``2 p + 1``; the children of a parent that does not split get zeros. Only
+    the chunks of ``scan_chunk_nodes`` parents that hold one of the first ``live_parents`` slots
+    (traced) and a parent that splits are summed over devices and subtracted, so a level's cost
+    follows its splitting nodes rather than its buffer's slots (a level holds 2^depth nodes in
+    32 slots, or in the deep levels' wider buffer, and on few rows most deep nodes do not
+    split); the other slots keep what they held, and no node there is active. The chunks go
+    last first: a chunk's children land past every parent not yet read, so the buffer is
+    updated in place.
     """
     slots = parent_histograms.shape[0]
     if slots < 2:
         return parent_histograms  # a depth-1 tree's single slot: its children are leaves
     chunk, num_chunks = _parent_chunks(slots, live_parents)
+    starts, used = chunks_in_use(num_chunks * chunk, chunk, slots // 2, parent_splits)
 
     def one_chunk(step, histograms):
-        start = (num_chunks - 1 - step) * chunk
+        start = starts[used - 1 - step]
         parents = jax.lax.dynamic_slice_in_dim(histograms, start, chunk)
         smaller = all_sum_scattered(jax.lax.dynamic_slice_in_dim(local_smaller, start, chunk), axis_name, 1)
         left, right = sibling_histograms(parents, smaller, jax.lax.dynamic_slice_in_dim(left_is_smaller, start, chunk))
-        pairs = jnp.stack([left, right], axis=1).reshape((2 * chunk,) + left.shape[1:])
-        return jax.lax.dynamic_update_slice_in_dim(histograms, pairs, 2 * start, axis=0)
+        splits = jax.lax.dynamic_slice_in_dim(parent_splits, start, chunk)
+        pairs = jnp.stack([_where_nodes(splits, left, 0.0), _where_nodes(splits, right, 0.0)], axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(histograms, pairs.reshape((2 * chunk,) + left.shape[1:]),
+                                                   2 * start, axis=0)
 
-    return jax.lax.fori_loop(0, num_chunks, one_chunk, parent_histograms)
+    return jax.lax.fori_loop(0, used, one_chunk, parent_histograms)
 
 
 def _parent_chunks(slots: int, live_parents: jax.Array) -> tuple[int, jax.Array]:
@@ -366,7 +371,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         # A level (traced depth) fills only the first 2^depth of its slots.
         live_nodes = 2 ** depth
         split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
-                                              axis_name, level_bounds, leaves, live_nodes, missing_values)
+                                              axis_name, level_bounds, leaves, live_nodes, missing_values, active)
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
             feature=write_level(tree.feature, jnp.where(splits, split.feature, 0), first_slot),
@@ -398,8 +403,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin, split.default_left,
             histogram_splits, left_is_smaller, max_bin, feature_major=sharded, result_features=summed_features,
             row_offset=row_offset, histogram_nodes=parent_slots, live_nodes=chunk * read_chunks)
-        histograms = children_histograms_over_parents(state.histograms, smaller, left_is_smaller, summed_nodes,
-                                                      axis_name)
+        histograms = children_histograms_over_parents(state.histograms, smaller, left_is_smaller, histogram_splits,
+                                                      summed_nodes, axis_name)
         lower, upper = state.lower, state.upper
         left_lower, left_upper, right_lower, right_upper = lower, upper, lower, upper
         if monotone is not None:

@@ -148,6 +148,9 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
     Returns:
       ``(child_of_row, smaller)``: int32 ``(n_rows,)`` and float32
       ``(histogram_nodes, result_features, max_bin, 2)`` indexed by the parent's position.
+      Only the cells of nodes that split are specified: the native kernel leaves the others
+      unwritten too (most slots of a deep level hold no split), so callers read the smaller
+      children of splitting nodes only.
     """
     num_nodes = jnp.shape(splits)[0]
     histogram_nodes = num_nodes if histogram_nodes is None else histogram_nodes

@@ -193,13 +193,18 @@ def scan_chunk_nodes(num_slots: int) -> int:
 def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                                    min_child_weight: jax.Array, bounds: NodeBounds | None = None,
                                    leaves: VectorLeaves | None = None, live_nodes: jax.Array | None = None,
-                                   missing_values: bool = True) -> SplitChoice:
-    """``find_best_splits`` for the first ``live_nodes`` node slots only (traced; None: all).
+                                   missing_values: bool = True, active: jax.Array | None = None) -> SplitChoice:
+    """``find_best_splits`` for the first ``live_nodes`` node slots only (traced; None: all),
+    and of those, when ``active`` (bool, one flag per slot) is given, for the chunks that hold
+    an active node.
 
     A level's node arrays are sized for the widest level that shares its compiled loop, so the
     root's level holds 1 live node in 32 slots. The scan runs over ``scan_chunk_nodes`` slots at
-    a time, as many times as the live nodes need; the other slots get zeros (no split). Each
-    chunk cuts its own nodes out in one slice, so the slots that are not live are never copied.
+    a time, as many times as the live (and active) nodes need; the other slots get zeros (no
+    split). Each chunk cuts its own nodes out in one slice, so the slots that are not live are
+    never copied. A deep level of a tree grown on few rows has most of its slots empty: their
+    chunks are skipped (with the kernel's and the subtraction's skips, a depth-10 tree of 10k
+    rows took 11.5 ms instead of 19.1).
     """
     num_nodes = histograms.shape[0]
     chunk = scan_chunk_nodes(num_nodes)
@@ -215,13 +220,14 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
     if live_nodes is None or num_nodes <= chunk or num_nodes % chunk:
         return scan_nodes(0, num_nodes)
     empty = _empty_choice(num_nodes, histograms.shape[-1], leaves)
-    return update_leading_chunks(empty, lambda start: scan_nodes(start, chunk), live_nodes, chunk)
+    return update_leading_chunks(empty, lambda start: scan_nodes(start, chunk), live_nodes, chunk, active)
 
 
 def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                                   min_child_weight: jax.Array, axis_name: str | None,
                                   bounds: NodeBounds | None = None, leaves: VectorLeaves | None = None,
-                                  live_nodes: jax.Array | None = None, missing_values: bool = True) -> SplitChoice:
+                                  live_nodes: jax.Array | None = None, missing_values: bool = True,
+                                  active: jax.Array | None = None) -> SplitChoice:
     """``find_best_splits_of_live_nodes`` with the features divided among the devices of ``axis_name``.
 
     With rows sharded over ``m`` devices, ``histograms`` hold this device's block of ``b``
@@ -234,7 +240,7 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     if devices == 1:
         return find_best_splits_of_live_nodes(histograms, feature_allowed, reg, min_child_weight, bounds, leaves,
-                                              live_nodes, missing_values=missing_values)
+                                              live_nodes, missing_values=missing_values, active=active)
     block = histograms.shape[1]
     start = jax.lax.axis_index(axis_name) * block
 
@@ -248,7 +254,7 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     local_bounds = None if bounds is None else bounds._replace(monotone=features_of_block(bounds.monotone))
     local = find_best_splits_of_live_nodes(histograms, features_of_block(feature_allowed, axis=1), local_reg,
                                            min_child_weight, local_bounds, leaves, live_nodes,
-                                           missing_values=missing_values)
+                                           missing_values=missing_values, active=active)
     local = local._replace(feature=local.feature + start)
     # One collective for all fields: integers and flags travel exactly as float32 (< 2^24).
     num_nodes = local.feature.shape[0]

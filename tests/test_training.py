@@ -609,11 +609,14 @@ def test_sum_scattered_over_devices():
 @pytest.mark.parametrize("n_devices, slots", [(1, 32), (2, 32), (2, 2), (2, 1), (2, 128)])
 def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices, slots):
     """A looped level's children histograms: for the chunks of parents (8, or 32 in the deep
-    levels' wide buffers) holding the first ``live`` slots, children ``2 p, 2 p + 1`` are the
-    smaller child summed over devices and the parent minus it (left or right as
-    ``left_is_smaller`` says); slots past them keep their contents; a count of 0 (children that
-    are leaves) changes nothing, nor does a single slot (depth-1 trees, whose children are
-    leaves). A wide buffer's smaller children cover only its first half, where parents lie."""
+    levels' wide buffers) holding the first ``live`` slots and a parent that splits, children
+    ``2 p, 2 p + 1`` of a splitting parent are the smaller child summed over devices and the
+    parent minus it (left or right as ``left_is_smaller`` says), those of a parent that does not
+    split are zeros; slots past those chunks, and those of chunks without a split, keep their
+    contents; a count of 0 (children that are leaves) changes nothing, nor does a single slot
+    (depth-1 trees, whose children are leaves). A wide buffer's smaller children cover only its
+    first half, where parents lie; the smaller children of parents that do not split may hold
+    anything (the native kernel leaves them unwritten)."""
     from jax.sharding import Mesh, PartitionSpec
 
     from jaxboost.grower import children_histograms_over_parents
@@ -627,27 +630,64 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices,
     features, bins = 4, 3
     block = features // n_devices
     smaller_slots = slots // 2 if slots > 32 else slots
+    chunk = min(scan_chunk_nodes(slots), slots // 2) if slots > 1 else 1
+    parent_splits = rng.uniform(size=slots) < 0.6
+    parent_splits[chunk:2 * chunk] = False  # a whole chunk of parents without a split: skipped
     local_smaller = rng.normal(size=(n_devices, smaller_slots, features, bins, 2)).astype(np.float32)
+    unwritten = ~parent_splits[:smaller_slots]
+    local_smaller[:, unwritten] = np.nan  # whatever a kernel left in the cells of non-splitting parents
     parents = rng.normal(size=(n_devices, slots, block, bins, 2)).astype(np.float32)  # each device's block
     left_is_smaller = rng.uniform(size=slots) < 0.5
     for live in [live for live in [0, 1, 2, 8, 9, 16, 32, 64] if live <= max(slots // 2, 1)]:
         axis = "rows" if n_devices > 1 else None
         level = jax.shard_map(
-            lambda p, s, left: children_histograms_over_parents(p[0], s[0], left, jnp.int32(live), axis)[None],
-            mesh=mesh, in_specs=(PartitionSpec("rows"), PartitionSpec("rows"), PartitionSpec()),
+            lambda p, s, left, splits: children_histograms_over_parents(p[0], s[0], left, splits, jnp.int32(live),
+                                                                        axis)[None],
+            mesh=mesh, in_specs=(PartitionSpec("rows"), PartitionSpec("rows"), PartitionSpec(), PartitionSpec()),
             out_specs=PartitionSpec("rows"))
-        out = np.asarray(jax.jit(level)(parents, local_smaller, left_is_smaller))
-        chunk = min(scan_chunk_nodes(slots), slots // 2)
-        written = 0 if slots < 2 else 2 * chunk * -(-live // chunk)
+        out = np.asarray(jax.jit(level)(parents, local_smaller, left_is_smaller, parent_splits))
+        read_chunks = 0 if slots < 2 else -(-live // chunk)
         for device in range(n_devices):
             smaller = local_smaller[:, :, device * block:(device + 1) * block].sum(axis=0)
             smaller = np.concatenate([smaller, np.zeros((slots - smaller_slots,) + smaller.shape[1:], np.float32)])
             larger = parents[device] - smaller
             choose = left_is_smaller[:, None, None, None]
-            children = np.stack([np.where(choose, smaller, larger), np.where(choose, larger, smaller)], axis=1)
+            splits = parent_splits[:, None, None, None]
+            children = np.stack([np.where(splits, np.where(choose, smaller, larger), 0.0),
+                                 np.where(splits, np.where(choose, larger, smaller), 0.0)], axis=1)
+            children = children.reshape((2 * slots,) + children.shape[2:])
             expected = parents[device].copy()
-            expected[:written] = children.reshape((2 * slots,) + children.shape[2:])[:written]
+            for start in range(0, read_chunks * chunk, chunk):
+                if parent_splits[start:start + chunk].any():
+                    expected[2 * start:2 * (start + chunk)] = children[2 * start:2 * (start + chunk)]
             np.testing.assert_allclose(out[device], expected, rtol=1e-6, atol=1e-6, err_msg=f"live={live}")
+
+
+def test_chunks_in_use_lists_the_chunks_with_live_slots_in_use():
+    """``chunks_in_use``: the starts of the chunks holding one of the first ``count`` slots
+    (and one slot in use), in order, and how many; ``update_leading_chunks`` replaces those
+    chunks only."""
+    from jaxboost.devices import chunks_in_use, update_leading_chunks
+
+    rng = np.random.default_rng(1)
+    in_use = rng.uniform(size=64) < 0.15
+    in_use[8:16] = False
+    for count in [0, 1, 8, 9, 40, 64]:
+        for flags in [None, in_use]:
+            starts, used = jax.jit(lambda c, f: chunks_in_use(c, 8, 64, f))(
+                jnp.int32(count), None if flags is None else jnp.asarray(flags))
+            expected = [start for start in range(0, -(-count // 8) * 8, 8)
+                        if flags is None or flags[start:start + 8].any()]
+            assert int(used) == len(expected)
+            np.testing.assert_array_equal(np.asarray(starts)[:len(expected)], expected)
+            whole = np.zeros((64, 2), np.float32)
+            updated = jax.jit(lambda c, f: update_leading_chunks(
+                jnp.asarray(whole), lambda start: jnp.ones((8, 2)) * (start + 1.0), c, 8, f))(
+                jnp.int32(count), None if flags is None else jnp.asarray(flags))
+            reference = whole.copy()
+            for start in expected:
+                reference[start:start + 8] = start + 1.0
+            np.testing.assert_array_equal(np.asarray(updated), reference)
 
 
 @pytest.mark.parametrize("n_devices", [1, 2])
