@@ -105,8 +105,9 @@ _warned_single_device = False
 
 # Below this many rows per device, the collectives of a sharded round cost more than the
 # histogram work they split. Measured on a 2-core machine, 28 features, ms/tree on one / two
-# devices: 20k rows 5.7-9.0 / 9.0-9.8, 50k about equal (11-15), 100k 18.4-20.4 / 15.2-20.0.
-MIN_ROWS_PER_DEVICE = 40_000
+# devices at depth 6: 10k rows 2.17 / 2.36, 20k 2.50 / 2.64, 24k 2.93 / 2.78, 32k 3.18 / 2.98,
+# 40k 3.44 / 3.09, 70k 4.82 / 4.01; at depth 8, 40k rows 7.66 / 6.25 (medians of 5).
+MIN_ROWS_PER_DEVICE = 12_000
 
 
 def row_mesh(n_rows: int) -> Mesh:
