@@ -34,7 +34,7 @@ from .devices import all_sum, all_sum_scattered, chunks_in_use
 from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram,
                         statistic_pairs)
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
-from .split import NodeBounds, find_best_splits_over_devices, hessian_mass, scan_chunk_nodes
+from .split import NodeBounds, find_best_splits_over_devices, hessian_mass
 from .tree import Tree, num_heap_nodes
 
 # XGBoost's kRtEps: a split must improve the objective by more than this.
@@ -122,7 +122,7 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
     over devices, specified for the parents that split (``parent_splits``); it may cover only
     the leading slots, as long as those hold every live parent. Parent ``p``'s children land in
     slots ``2 p`` and ``2 p + 1``; the children of a parent that does not split get zeros. Only
-    the chunks of ``scan_chunk_nodes`` parents that hold one of the first ``live_parents`` slots
+    the chunks of ``parent_chunk_nodes`` parents that hold one of the first ``live_parents`` slots
     (traced) and a parent that splits are summed over devices and subtracted, so a level's cost
     follows its splitting nodes rather than its buffer's slots (a level holds 2^depth nodes in
     32 slots, or in the deep levels' wider buffer, and on few rows most deep nodes do not
@@ -149,12 +149,24 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
     return jax.lax.fori_loop(0, used, one_chunk, parent_histograms)
 
 
+# Parents per step of the children's subtraction: in the shallow levels' 32 slots, and in the
+# deep levels' wider buffers. Each step sums its smaller children over the devices, a
+# collective, so the steps are wider than the split scan's.
+SHALLOW_PARENT_CHUNK = 8
+WIDE_PARENT_CHUNK = 32
+
+
+def parent_chunk_nodes(slots: int) -> int:
+    """Parents per step of ``children_histograms_over_parents`` in a level of ``slots`` slots."""
+    return min(SHALLOW_PARENT_CHUNK if slots <= LOOPED_LEVEL_NODES else WIDE_PARENT_CHUNK, max(slots // 2, 1))
+
+
 def _parent_chunks(slots: int, live_parents: jax.Array) -> tuple[int, jax.Array]:
     """``(chunk, count)``: ``children_histograms_over_parents`` reads the smaller children of
     the first ``chunk * count`` parent slots, the chunks that hold the live parents."""
     if slots < 2:
         return 1, jnp.zeros((), jnp.int32)
-    chunk = min(scan_chunk_nodes(slots), slots // 2)
+    chunk = parent_chunk_nodes(slots)
     return chunk, jnp.minimum((live_parents + chunk - 1) // chunk, slots // (2 * chunk))
 
 

@@ -20,6 +20,7 @@ The gradient and Hessian fields of the choice then carry those channels on a tra
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -177,17 +178,20 @@ def _empty_choice(num_nodes: int, channels: int, leaves: VectorLeaves | None) ->
         right_hessians=floats(hessian_width), left_value=floats(K), right_value=floats(K))
 
 
-# Nodes scanned per step when only a leading part of a level's node slots is live.
-SCAN_CHUNK_NODES = 8
-WIDE_SCAN_CHUNK_NODES = 32
+# Bytes of histogram cells scanned per step. A step's histograms, their running sums and its
+# gains stay in a core's L2 cache this way; steps of 8 or 32 nodes of 28 features (0.5-1.8 MB of
+# cells) spilled to L3, and a depth-6 tree of 10k rows took 2.8 against 1.9 ms a tree with steps
+# of 2 nodes (medians of 6 runs; depth 10: 10.8 against 7.0 ms; 800k rows on 2 devices, 14
+# features each: 24.2 against 24.0).
+SCAN_CHUNK_BYTES = 128 * 1024
 
 
-def scan_chunk_nodes(num_slots: int) -> int:
-    """Slots per step of a level held in ``num_slots`` slots: ``SCAN_CHUNK_NODES`` in the
-    shallow levels' 32 slots (the root's level holds one live node), ``WIDE_SCAN_CHUNK_NODES``
-    in wider buffers, whose levels hold at least that many live nodes (a step costs a loop
-    iteration and, with rows sharded, a collective)."""
-    return SCAN_CHUNK_NODES if num_slots <= WIDE_SCAN_CHUNK_NODES else WIDE_SCAN_CHUNK_NODES
+def scan_chunk_nodes(num_slots: int, cells_per_node: int) -> int:
+    """Slots per step of the split scan of a level held in ``num_slots`` slots whose histograms
+    hold ``cells_per_node`` float32 cells a node: the largest power of two whose cells fit in
+    ``SCAN_CHUNK_BYTES`` (at least 1, at most ``num_slots``, a power of two too)."""
+    fitting = max(1, SCAN_CHUNK_BYTES // (4 * max(cells_per_node, 1)))
+    return min(1 << (fitting.bit_length() - 1), num_slots)
 
 
 def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
@@ -207,7 +211,7 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
     rows took 11.5 ms instead of 19.1).
     """
     num_nodes = histograms.shape[0]
-    chunk = scan_chunk_nodes(num_nodes)
+    chunk = scan_chunk_nodes(num_nodes, math.prod(histograms.shape[1:]))
 
     def scan_nodes(start, count):
         def cut(per_node):

@@ -529,3 +529,42 @@ def test_scan_without_missing_values_skips_a_direction_and_chooses_alike(seed):
     assert np.isfinite(full.loss_change).any()
     for name, expected, got in zip(full._fields, full, one_direction):
         np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+@pytest.mark.parametrize("n_features,max_bin,expected_chunk", [(28, 256, 2), (14, 256, 4), (3, 16, 64)])
+def test_scan_of_live_nodes_scans_the_chunks_holding_active_nodes(n_features, max_bin, expected_chunk):
+    """``find_best_splits_of_live_nodes``: steps of ``scan_chunk_nodes`` slots (as many as fit
+    ``SCAN_CHUNK_BYTES``: 2 nodes of 28 features of 256 bins); each chunk that holds one of the
+    first ``live`` slots and an active node gets exactly the whole scan's choice, every other
+    slot the empty choice (zeros), whatever its histogram holds. A level that fits one step is
+    scanned whole."""
+    from jaxboost.split import find_best_splits_of_live_nodes, scan_chunk_nodes
+
+    slots, live = 64, 40
+    rng = np.random.default_rng(n_features)
+    gradients = rng.normal(size=(slots, n_features, max_bin))
+    hessians = rng.uniform(0.0, 2.0, size=(slots, n_features, max_bin))
+    histograms = np.stack([gradients, hessians], axis=-1).astype(np.float32)
+    active = rng.uniform(size=slots) < 0.3
+    active[8:24] = False  # whole chunks without an active node are skipped
+    active[live:] = True  # past the live slots nothing is scanned
+    chunk = scan_chunk_nodes(slots, n_features * max_bin * 2)
+    assert chunk == expected_chunk
+    histograms[~active] = np.nan  # cells of inactive nodes may hold anything
+    allowed = jnp.ones((slots, n_features), bool)
+    reg = make_reg(1.0, form_known=True)
+    scan = jax.jit(lambda hist, act: find_best_splits_of_live_nodes(hist, allowed, reg, F32(1.0),
+                                                                    live_nodes=jnp.int32(live),
+                                                                    active=act))
+    got = jax.tree.map(np.asarray, scan(jnp.asarray(histograms), jnp.asarray(active)))
+    whole = jax.tree.map(np.asarray, find_best_splits(jnp.asarray(histograms), allowed, reg, F32(1.0)))
+    scanned = np.zeros(slots, bool)
+    for start in range(0, -(-live // chunk) * chunk, chunk):
+        scanned[start:start + chunk] = active[start:start + chunk].any()
+    if chunk == slots:  # one step: the whole level is scanned
+        scanned[:] = True
+    else:
+        assert scanned.any() and (~scanned).any()
+    for name, expected, value in zip(whole._fields, whole, got):
+        np.testing.assert_array_equal(value[scanned & active], expected[scanned & active], err_msg=name)
+        np.testing.assert_array_equal(value[~scanned], 0, err_msg=name)

@@ -619,8 +619,7 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices,
     anything (the native kernel leaves them unwritten)."""
     from jax.sharding import Mesh, PartitionSpec
 
-    from jaxboost.grower import children_histograms_over_parents
-    from jaxboost.split import scan_chunk_nodes
+    from jaxboost.grower import children_histograms_over_parents, parent_chunk_nodes
 
     devices = jax.devices()[:n_devices]
     if len(devices) < n_devices:
@@ -630,7 +629,7 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices,
     features, bins = 4, 3
     block = features // n_devices
     smaller_slots = slots // 2 if slots > 32 else slots
-    chunk = min(scan_chunk_nodes(slots), slots // 2) if slots > 1 else 1
+    chunk = parent_chunk_nodes(slots)
     parent_splits = rng.uniform(size=slots) < 0.6
     parent_splits[chunk:2 * chunk] = False  # a whole chunk of parents without a split: skipped
     local_smaller = rng.normal(size=(n_devices, smaller_slots, features, bins, 2)).astype(np.float32)
