@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
 from .devices import ROW_AXIS, all_sum, compiler_options, mesh_platform, row_sharding
-from .grower import GrowthParams, deep_histogram_shape, grow_tree, grows_deep_levels, sample_features
+from .grower import GrowthParams, grow_tree, histogram_buffer_shape, sample_features
 from .line_search import minimise_segment_offsets, segment_sums
 from .predictor import add_position_values, predict_round
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
@@ -319,13 +319,9 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_of
     ``X_binned_T`` holds the device's rows only). ``histogram_buffer``: this device's part of
     ``histogram_buffer``'s array, passed from tree to tree and returned."""
     row_offset = row_offsets[0] if shape.shared_codes else None
-    # Trees up to depth 6 keep their histograms themselves: the buffer is a placeholder, handed
-    # back as it came.
-    buffer = histogram_buffer if grows_deep_levels(shape.max_depth) else None
     grow = _grow_round_scalar_trees if shape.vector_leaves is None else _grow_round_vector_tree
-    *results, buffer = grow(shape, params, X_binned_T, row_offset, y, row_weight, raw_prediction, feature_allowed,
-                            tree_key, buffer)
-    return (*results, histogram_buffer if buffer is None else buffer)
+    return grow(shape, params, X_binned_T, row_offset, y, row_weight, raw_prediction, feature_allowed, tree_key,
+                histogram_buffer)
 
 
 def _grow_round_scalar_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_offset, y, row_weight,
@@ -366,18 +362,18 @@ def _grow_round_scalar_trees(shape: RoundShape, params: RoundParams, X_binned_T,
 
 def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = None) -> jax.Array:
     """The histogram buffer that the compiled rounds take and give back (donated), placed on
-    the mesh: each device's deep levels keep their histograms in its part, from round to round.
-    Held by the caller, its tens of MB (14.7 a device at depth 10 with 28 features on 2 devices)
-    are not in the scratch memory that XLA allocates for every round, which then stays under the
-    32 MB above which glibc maps a block afresh for every round and the round faults its pages
-    in again: a depth-10 tree took 118 -> 95 ms at 800k rows, 54 -> 31 ms at 20k. Trees up to
-    depth 6 need none: a one-cell placeholder per device. ``models``: a leading axis for
-    ``train_many``'s M models."""
+    the mesh: each device's widest level loop keeps its histograms in its part, from round to
+    round. Held by the caller, its tens of MB (14.7 a device at depth 10 with 28 features on 2
+    devices) are not in the scratch memory that XLA allocates for every round, which then stays
+    under the 32 MB above which glibc maps a block afresh for every round and the round faults
+    its pages in again: a depth-10 tree took 118 -> 95 ms at 800k rows, 54 -> 31 ms at 20k.
+    Trees up to depth 6 keep their 32 slots there (about 2 MB a device), which then need no
+    zeroing for every tree. ``models``: a leading axis for ``train_many``'s M models."""
     devices = shape.mesh.devices.size
     channels = 2
     if shape.vector_leaves is not None:
         channels = shape.vector_leaves.num_outputs + shape.vector_leaves.hessian_channels
-    local = deep_histogram_shape(shape.max_depth, n_features, shape.max_bin, channels, devices) or (1, 1, 1, 1)
+    local = histogram_buffer_shape(shape.max_depth, n_features, shape.max_bin, channels, devices)
     global_shape = (devices * local[0],) + local[1:]
     if models is not None:
         global_shape = (models,) + global_shape

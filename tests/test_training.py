@@ -402,13 +402,16 @@ def test_rounds_donate_raw_predictions_and_read_row_indices_only_when_sampling(m
     (N_ROWS, dict(loss="softmax", max_depth=7)),  # three trees a round share the buffer
     (N_ROWS, dict(loss="softmax", max_depth=7, multi_strategy="multi_output_tree")),
     (90_000, dict(loss="squared_error", max_depth=8)),  # rows (and the buffer) sharded over two devices
+    (N_ROWS, dict(loss="softmax", max_depth=4)),  # the shallow loop's buffer
+    (90_000, dict(loss="squared_error", max_depth=6, multi_strategy="multi_output_tree")),
 ])
-def test_deep_trees_never_read_what_their_histogram_buffer_held(n_rows, settings, monkeypatch):
-    """Trees deeper than 6 grow their deep levels in a histogram buffer that the rounds pass on,
-    donated and written in place (so it is not in a round's scratch memory). Whatever it holds
-    when a tree starts (the last tree's histograms; here first random sums, which would score
-    real splits if read) is never read: the model is the one grown from a zeroed buffer, bit
-    for bit."""
+def test_trees_never_read_what_their_histogram_buffer_held(n_rows, settings, monkeypatch):
+    """Trees grow their widest level loop (the deep levels', or a tree of depth 6 or less its
+    shallow one) in a histogram buffer that the rounds pass on, donated and written in place (so
+    it is not in a round's scratch memory, and a shallow tree's slots need no zeroing).
+    Whatever it holds when a tree starts (the last tree's histograms; here first random sums,
+    which would score real splits if read) is never read: the model is the one grown from a
+    zeroed buffer, bit for bit."""
     from jaxboost import boosting, training
 
     X, y = _regression_data(seed=8, n=n_rows)
