@@ -47,8 +47,9 @@ above what was in use before the library started; JAX allocates on demand in the
 Write GPU results to their own file, e.g. ``--output experiments/results/bench_gpu.md``.
 
 ``--scaling`` adds jaxboost ms/tree vs rows and vs depth (XGBoost alongside; with jaxboost's
-compile time for each depth, a distinct shape) and vs bins on the classification task; its row
-counts are 100k, 1M and 4M scaled by ``--rows`` / 1M.
+compile time for each depth, a distinct shape), vs depth on small data (12.5k rows, 10k of them
+training rows: XGBoost alongside) and vs bins on the classification task; its row counts are
+12.5k, 100k, 1M and 4M scaled by ``--rows`` / 1M.
 The tables are printed and written, with the command line, date and machine info, to ``--output``.
 """
 
@@ -81,8 +82,10 @@ REFERENCE_LIBRARY = "xgboost"
 QUIET_LOAD = 0.5
 RUN_TIMEOUT_S = 3 * 3600
 FULL_ROWS = 1_000_000
-SCALING_ROWS = [100_000, 1_000_000, 4_000_000]
+SCALING_ROWS = [12_500, 100_000, 1_000_000, 4_000_000]
 SCALING_DEPTHS = [4, 6, 8, 10]
+# Small data, where the work per node (histogram sums, the split scan) outweighs the work per row.
+SMALL_DATA_ROWS = 12_500
 SCALING_BINS = [64, 256]
 NUMERIC_FIELDS = ["binning_s", "compile_s", "boosting_s", "ms_per_tree", "predict_s", "predict_all_s", "metric",
                   "peak_rss_mb", "first_round_s", "warm_round_s", "data_peak_rss_mb", "gpu_peak_mb", "rss_start_mb",
@@ -386,6 +389,8 @@ def run_scaling(args, runner: Runner) -> str:
     depth_table = [[str(depth), f"{ms('jaxboost', depth=depth).get('compile_s') or float('nan'):.2f}"]
                    + compared(depth=depth) for depth in SCALING_DEPTHS]
     depth_header = ["depth", "jaxboost compile s", "jaxboost ms/tree"] + reference_header
+    small_rows = scaled(SMALL_DATA_ROWS, args)
+    small_depth_table = [[str(depth)] + compared(rows=small_rows, depth=depth) for depth in SCALING_DEPTHS]
     bins_table = [[str(max_bin), ms_cell(ms("jaxboost", max_bin=max_bin))] for max_bin in SCALING_BINS]
     section = "\n\n".join([
         f"## Scaling (classification task, {args.rounds} rounds, median ms/tree of {args.repeats} repeat(s))",
@@ -395,6 +400,8 @@ def run_scaling(args, runner: Runner) -> str:
         + markdown_table(memory_header, memory_table_rows),
         f"### vs depth ({base_rows:,} rows, {args.max_bin} bins)\n\n"
         + markdown_table(depth_header, depth_table),
+        f"### vs depth on small data ({small_rows:,} rows, {args.max_bin} bins)\n\n"
+        + markdown_table(["depth", "jaxboost ms/tree"] + reference_header, small_depth_table),
         f"### vs bins ({base_rows:,} rows, depth {args.depth})\n\n"
         + markdown_table(["max_bin", "jaxboost ms/tree"], bins_table),
     ])
