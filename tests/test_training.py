@@ -632,7 +632,7 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices,
     features, bins = 4, 3
     block = features // n_devices
     smaller_slots = slots // 2 if slots > 32 else slots
-    chunk = parent_chunk_nodes(slots)
+    chunk = parent_chunk_nodes((slots, block, bins, 2), n_devices)
     parent_splits = rng.uniform(size=slots) < 0.6
     parent_splits[chunk:2 * chunk] = False  # a whole chunk of parents without a split: skipped
     local_smaller = rng.normal(size=(n_devices, smaller_slots, features, bins, 2)).astype(np.float32)
