@@ -496,7 +496,11 @@ def test_native_build_failures_are_reported_not_raised(monkeypatch, tmp_path):
     # The deep levels' loop, with the extra statistic pairs of vector leaves (3 classes).
     {"loss": "softmax", "num_rounds": 2, "max_depth": 8, "learning_rate": 0.3, "max_bin": 64,
      "multi_strategy": "multi_output_tree"},
-], ids=["logistic-depth4", "softmax-vector-depth8"])
+    # 3000 rows at depth 9: most deep slots hold no split (skipped), 256 bins (no scratch buffer),
+    # monotone bounds carried through the skipped chunks.
+    {"loss": "logistic", "num_rounds": 3, "max_depth": 9, "learning_rate": 0.3, "max_bin": 256,
+     "monotone_constraints": [1, 0, 0, 0, 0, 0]},
+], ids=["logistic-depth4", "softmax-vector-depth8", "logistic-monotone-depth9"])
 def test_training_with_native_kernel_matches_xla_kernel(monkeypatch, settings):
     import jaxboost as jb
     from jaxboost import boosting, histogram
