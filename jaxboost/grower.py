@@ -3,7 +3,9 @@
 Every level is handled for all its nodes at once with static shapes: build histograms, scan
 them for each node's best split, route rows to children. Only the smaller child of each split
 gets a fresh histogram; its sibling's is the parent's minus it. Nodes that cannot split are
-masked, never branched on. Afterwards, splits whose two children are leaves and whose
+masked, never branched on; the scan and the subtraction run in fixed-size steps over a level's
+slots, and a step whose slots hold no node that may split (most of a deep level's, on small
+data) is left out of the loop rather than computed and masked. Afterwards, splits whose two children are leaves and whose
 ``loss_chg`` is below ``gamma`` are pruned bottom-up (XGBoost's ``min_split_loss``).
 
 Constraints travel with the nodes of a level: monotone constraints as value bounds per node
@@ -473,8 +475,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         return jnp.zeros((looped_capacity,) + root.shape).at[0].set(root)
 
     def root_histograms(root):
-        # Slots past the root's are read only once a level has written them: a shallow tree's
-        # buffer needs no zeroing.
+        # Slots past the root's hold no active node until a level writes them (a scan step that
+        # reads one with the root masks its choice), so a shallow tree's buffer needs no zeroing.
         if histogram_buffer is None or grows_deep_levels(max_depth):
             return root_level(root)
         return jax.lax.dynamic_update_slice_in_dim(histogram_buffer, root[None], 0, axis=0)
