@@ -125,10 +125,15 @@ def row_mesh(n_rows: int) -> Mesh:
     return Mesh(np.array(devices[:used]), (ROW_AXIS,))
 
 
+def axis_devices(axis_name: str | None) -> int:
+    """How many devices hold shards of the rows along ``axis_name`` (1 outside a mapped axis)."""
+    return 1 if axis_name is None else jax.lax.axis_size(axis_name)
+
+
 def all_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
     """Sum over the devices holding shards of the rows (no-op on a single shard: a psum over one
     device still copies its operand, a level's histograms every level)."""
-    if axis_name is None or jax.lax.axis_size(axis_name) == 1:
+    if axis_devices(axis_name) == 1:
         return x
     return jax.lax.psum(x, axis_name)
 
@@ -137,7 +142,7 @@ def all_sum_scattered(x: jax.Array, axis_name: str | None, scatter_axis: int) ->
     """The sum of ``x`` over the devices of ``axis_name``, each device keeping only its block of
     axis ``scatter_axis`` (device ``i`` of ``m``: the ``i``-th of ``m`` equal blocks; ``m`` must
     divide the axis): a reduce-scatter. One device (or none): ``x`` itself."""
-    if axis_name is None or jax.lax.axis_size(axis_name) == 1:
+    if axis_devices(axis_name) == 1:
         return x
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_axis, tiled=True)
 

@@ -5,8 +5,9 @@ them for each node's best split, route rows to children. Only the smaller child 
 gets a fresh histogram; its sibling's is the parent's minus it. Nodes that cannot split are
 masked, never branched on; the scan and the subtraction run in fixed-size steps over a level's
 slots, and a step whose slots hold no node that may split (most of a deep level's, on small
-data) is left out of the loop rather than computed and masked. Afterwards, splits whose two children are leaves and whose
-``loss_chg`` is below ``gamma`` are pruned bottom-up (XGBoost's ``min_split_loss``).
+data) is left out of the loop rather than computed and masked. Afterwards, splits whose two
+children are leaves and whose ``loss_chg`` is below ``gamma`` are pruned bottom-up (XGBoost's
+``min_split_loss``).
 
 Constraints travel with the nodes of a level: monotone constraints as value bounds per node
 (children split the parent's range at the midpoint of their values, XGBoost's rule), and
@@ -33,7 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .devices import all_sum, all_sum_scattered, chunks_in_use
+from .devices import all_sum, all_sum_scattered, axis_devices, chunks_in_use
 from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram,
                         statistic_pairs)
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
@@ -136,8 +137,8 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
     slots = parent_histograms.shape[0]
     if slots < 2:
         return parent_histograms  # a depth-1 tree's single slot: its children are leaves
-    chunk, num_chunks = _parent_chunks(parent_histograms.shape, live_parents, axis_name)
-    starts, used = chunks_in_use(num_chunks * chunk, chunk, slots // 2, parent_splits)
+    chunk = parent_chunk_nodes(parent_histograms.shape, axis_devices(axis_name))
+    starts, used = chunks_in_use(live_parents, chunk, slots // 2, parent_splits)
 
     def one_chunk(step, histograms):
         start = starts[used - 1 - step]
@@ -180,7 +181,7 @@ def _parent_chunks(histogram_shape: tuple[int, ...], live_parents: jax.Array,
     slots = histogram_shape[0]
     if slots < 2:
         return 1, jnp.zeros((), jnp.int32)
-    chunk = parent_chunk_nodes(histogram_shape, 1 if axis_name is None else jax.lax.axis_size(axis_name))
+    chunk = parent_chunk_nodes(histogram_shape, axis_devices(axis_name))
     return chunk, jnp.minimum((live_parents + chunk - 1) // chunk, slots // (2 * chunk))
 
 
@@ -463,7 +464,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     # move, and the sibling subtraction and level copies touch, 1/devices of the cells. The
     # kernels lay them out feature by feature (no transpose before the sum), padded with zero
     # features to equal blocks.
-    devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+    devices = axis_devices(axis_name)
     sharded = devices > 1
     summed_features = -(-n_features // devices) * devices
     looped_capacity = min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .devices import update_leading_chunks
+from .devices import axis_devices, update_leading_chunks
 from .histogram import cumulative_over_bins, first_maximum
 from .regularizer import (Regularization, VectorLeaves, leaf_value, node_score, split_loss_change, value_and_score,
                           vector_value_and_score)
@@ -241,7 +241,7 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     are in feature order, so taking the first best block keeps the tie rule (lower feature
     first); padded features are never allowed.
     """
-    devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+    devices = axis_devices(axis_name)
     if devices == 1:
         return find_best_splits_of_live_nodes(histograms, feature_allowed, reg, min_child_weight, bounds, leaves,
                                               live_nodes, missing_values=missing_values, active=active)
