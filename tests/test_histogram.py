@@ -373,6 +373,51 @@ def test_feature_major_padded_histograms_hold_the_same_sums(kernel, max_bin, thr
 
 
 @needs_native
+@pytest.mark.parametrize("max_bin,threads,feature_major", [(256, 1, False), (256, 2, True), (64, 2, False)])
+def test_native_kernels_zero_the_cells_they_write_in_a_reused_buffer(max_bin, threads, feature_major):
+    """In a loop XLA hands the kernels the same output buffer every step, holding the last
+    step's sums: the cells written must be zeroed first, including by a call whose rows all
+    have zero gradient and Hessian (no pass over rows runs) and in the zero features that pad
+    the result (each thread zeroes its features just before its first pass with 256 bins)."""
+    n_rows, n_features, result_features, num_nodes = 40_000, 9, 12, 5  # two row blocks
+    X_binned, node_index, gradients, hessians, level = route_case(21, n_rows, n_features, num_nodes, max_bin)
+    row_mask = np.random.default_rng(22).uniform(size=n_rows) < 0.6
+    scales = np.array([1.0, 0.0, 2.0], np.float32)  # step 1: every row adds nothing
+    options = dict(max_bin=max_bin, kernel="native", threads=threads, feature_major=feature_major,
+                   result_features=result_features)
+    X_T, nodes, mask = jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(row_mask)
+    split_level = {k: jnp.asarray(v) for k, v in level.items()}
+
+    @jax.jit
+    def every_step(g, h):
+        def step(i, results):
+            scale = jnp.asarray(scales)[i]
+            scaled_g, scaled_h = g * scale, h * scale
+            root = build_histogram(X_T, jnp.zeros_like(nodes), scaled_g, scaled_h, 1, **options)
+            masked = build_histogram(X_T, nodes, scaled_g, scaled_h, num_nodes, row_mask=mask, **options)
+            _, smaller = route_and_build_histogram(X_T, nodes, scaled_g, scaled_h, **split_level, **options)
+            return tuple(jax.lax.dynamic_update_index_in_dim(whole, part, i, 0)
+                         for whole, part in zip(results, (root, masked, smaller)))
+
+        shapes = [(1, result_features), (num_nodes, result_features), (num_nodes, result_features)]
+        results = tuple(jnp.full((len(scales), n, d, max_bin, 2), jnp.nan, jnp.float32) for n, d in shapes)
+        return jax.lax.fori_loop(0, len(scales), step, results)
+
+    roots, masked, smaller = every_step(jnp.asarray(gradients), jnp.asarray(hessians))
+    _, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    pad = ((0, 0), (0, result_features - n_features), (0, 0), (0, 0))
+    for i, scale in enumerate(scales):
+        g, h = gradients * scale, hessians * scale
+        np.testing.assert_allclose(np.asarray(roots[i]), np.pad(masked_naive_histogram(
+            X_binned, np.zeros_like(node_index), g, h, None, 1, max_bin), pad), rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(np.asarray(masked[i]), np.pad(masked_naive_histogram(
+            X_binned, node_index, g, h, row_mask, num_nodes, max_bin), pad), rtol=1e-5, atol=1e-3)
+        assert_split_nodes_close(smaller[i], np.pad(masked_naive_histogram(
+            X_binned, node_index, g, h, in_smaller, num_nodes, max_bin), pad), level["splits"], "native",
+            rtol=1e-5, atol=1e-3)
+
+
+@needs_native
 def test_native_and_xla_kernels_agree_with_threads_and_masks():
     X_binned, node_index, gradients, hessians, row_mask = histogram_case(4, 3000, 7, 6, 32, mask_fraction=0.3)
     args = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
