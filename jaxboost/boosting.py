@@ -84,6 +84,7 @@ class RoundShape(NamedTuple):
     missing_values: bool = True  # some training row has a missing value (else the scan skips that direction)
     # The devices share one code table, each reading it from its row offset (else each holds its rows).
     shared_codes: bool = False
+    kernel_threads: int = 1  # threads of the CPU histogram kernel (devices.kernel_threads)
 
 
 class RoundHealth(NamedTuple):
@@ -291,7 +292,8 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
     health = _round_health(gradients, split_diagonal)
     tree, row_leaves, _, histogram_buffer = grow_tree(
         X_binned_T, gradients, packed_hessians, feature_allowed, tree_key, params.growth, shape.max_depth,
-        shape.max_bin, ROW_AXIS, shape.sample_columns, leaves, shape.missing_values, row_offset, histogram_buffer)
+        shape.max_bin, ROW_AXIS, shape.sample_columns, leaves, shape.missing_values, row_offset, histogram_buffer,
+        shape.kernel_threads)
     row_leaf = row_leaves.heap_index()
     if shape.leaf_refit:
         num_nodes = num_heap_nodes(shape.max_depth)
@@ -344,7 +346,7 @@ def _grow_round_scalar_trees(shape: RoundShape, params: RoundParams, X_binned_T,
             X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
             jax.random.fold_in(tree_key, output), params.growth, shape.max_depth, shape.max_bin, ROW_AXIS,
             shape.sample_columns, missing_values=shape.missing_values, row_offset=row_offset,
-            histogram_buffer=histogram_buffer)
+            histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads)
         if shape.leaf_refit:
             offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaves.heap_index(), num_nodes,
                                        output, params.growth.reg, ROW_AXIS, params.loss_params)

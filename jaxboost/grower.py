@@ -299,7 +299,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
               axis_name: str | None = None, sample_columns: bool = True,
               leaves: VectorLeaves | None = None, missing_values: bool = True,
               row_offset: jax.Array | None = None,
-              histogram_buffer: jax.Array | None = None) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
+              histogram_buffer: jax.Array | None = None,
+              kernel_threads: int = 1) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
     """Grow one tree.
 
     Args:
@@ -324,6 +325,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         MB out of the scratch memory XLA allocates for every call, and a shallow tree's root
         is written into it without zeroing the other slots first (0.14 of a 2.2 ms tree at
         10k rows).
+      kernel_threads: threads of the CPU histogram kernel, each taking a range of features
+        (``devices.kernel_threads``: wide data on one device); 1 when rows are sharded.
 
     Returns:
       ``(tree, row_leaves, (lower, upper), histogram_buffer)``: the tree's node arrays (values
@@ -431,7 +434,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         child_of_row, smaller = route_and_build_statistics_histogram(
             X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin, split.default_left,
             histogram_splits, left_is_smaller, max_bin, feature_major=sharded, result_features=summed_features,
-            row_offset=row_offset, histogram_nodes=parent_slots, live_nodes=chunk * read_chunks)
+            row_offset=row_offset, histogram_nodes=parent_slots, live_nodes=chunk * read_chunks,
+            threads=kernel_threads)
         histograms = children_histograms_over_parents(state.histograms, smaller, left_is_smaller, histogram_splits,
                                                       summed_nodes, axis_name)
         lower, upper = state.lower, state.upper
@@ -488,7 +492,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             raise ValueError(f"histogram_buffer must have this device's shape {expected} (histogram_buffer_shape); "
                              f"got {histogram_buffer.shape}")
     local_root = build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin, feature_major=sharded,
-                                            result_features=summed_features, row_offset=row_offset)
+                                            result_features=summed_features, row_offset=row_offset,
+                                            threads=kernel_threads)
     root_histogram = all_sum_scattered(local_root, axis_name, 1)[0]
     # Every row lies in one bin of each feature, so the first feature's bins sum to the root's
     # totals: no separate sums over rows. Every device sums the same feature's, so all hold

@@ -378,7 +378,8 @@ def statistic_pairs(statistics) -> StatisticPairs:
 def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
                                statistics: jax.Array | StatisticPairs, num_nodes: int, max_bin: int,
                                row_mask: jax.Array | None = None, feature_major: bool = False,
-                               result_features: int | None = None, row_offset: jax.Array | None = None) -> jax.Array:
+                               result_features: int | None = None, row_offset: jax.Array | None = None,
+                               threads: int = 1) -> jax.Array:
     """``build_histogram`` for any number of per-row channels (vector leaves: K gradients and
     the packed Hessian), two channels per kernel pass.
 
@@ -386,7 +387,7 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
     (or their ``StatisticPairs``).
     """
     statistics = statistic_pairs(statistics)
-    parts = [build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask,
+    parts = [build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask, threads=threads,
                              feature_major=feature_major, result_features=result_features, row_offset=row_offset)
              for first, second in statistics.pairs]
     return _join_channels(parts, statistics.channels)
@@ -403,20 +404,21 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
                                          left_is_smaller: jax.Array, max_bin: int,
                                          feature_major: bool = False, result_features: int | None = None,
                                          row_offset: jax.Array | None = None, histogram_nodes: int | None = None,
-                                         live_nodes: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                                         live_nodes: jax.Array | None = None,
+                                         threads: int = 1) -> tuple[jax.Array, jax.Array]:
     """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
     while routing, the others afterwards over the rows of the smaller children only."""
     statistics = statistic_pairs(statistics)
     pairs = statistics.pairs
     child_of_row, first = route_and_build_histogram(
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
-        left_is_smaller, max_bin, feature_major=feature_major, result_features=result_features, row_offset=row_offset,
-        histogram_nodes=histogram_nodes, live_nodes=live_nodes)
+        left_is_smaller, max_bin, threads=threads, feature_major=feature_major, result_features=result_features,
+        row_offset=row_offset, histogram_nodes=histogram_nodes, live_nodes=live_nodes)
     if len(pairs) == 1:
         return child_of_row, _join_channels([first], statistics.channels)
     goes_right = (child_of_row - 2 * node_of_row) == 1
     in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, first.shape[0])
-    rest = [build_histogram(X_binned_T, node_of_row, g, h, first.shape[0], max_bin, in_smaller_child,
+    rest = [build_histogram(X_binned_T, node_of_row, g, h, first.shape[0], max_bin, in_smaller_child, threads=threads,
                             feature_major=feature_major, result_features=result_features, row_offset=row_offset)
             for g, h in pairs[1:]]
     return child_of_row, _join_channels([first] + rest, statistics.channels)

@@ -25,8 +25,8 @@ from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_round, c
                        histogram_buffer, seed_key_data, starting_value)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
-from .devices import (copied_codes_on_mesh, mesh_platform, pad_rows_by_device, padded_size, replicated, row_mesh,
-                      row_sharding, shared_codes_on_mesh)
+from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
+                      replicated, row_mesh, row_sharding, shared_codes_on_mesh)
 from .grower import GrowthParams, empty_tree
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import release_free_memory
@@ -375,7 +375,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     if init_model is not None and init_model.params.get("multi_strategy", "one_output_per_tree") != multi_strategy:
         raise ValueError(f"init_model was trained with multi_strategy="
                          f"{init_model.params.get('multi_strategy', 'one_output_per_tree')!r}; continue it with the same")
-    mesh = row_mesh(dataset.n_rows)
+    mesh = row_mesh(dataset.n_rows, dataset.n_features, dataset.max_bin)
     margin = check_base_margin(dataset.base_margin, dataset.n_rows, K)
     train_rows = _DeviceRows(dataset, resolved, mesh, margin=margin, base_score=None,
                              sample_weight=positives_weighted(dataset, scale_pos_weight))
@@ -415,7 +415,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        sample_columns=min(colsample_bytree, colsample_bylevel, colsample_bynode) < 1,
                        sample_rows=subsample < 1, metrics=(metrics,) * len(eval_rows), mesh=mesh,
                        hessian_mode=hessian, vector_leaves=leaves, missing_values=dataset.has_missing_values,
-                       shared_codes=train_rows.shared_codes)
+                       shared_codes=train_rows.shared_codes,
+                       kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin))
     boosting_round = compiled_round(shape)
     histograms = histogram_buffer(shape, dataset.n_features)
     schedule = _Schedule(learning_rate)

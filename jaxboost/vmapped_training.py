@@ -17,7 +17,7 @@ import numpy as np
 from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, histogram_buffer,
                        seed_key_data, starting_value)
 from .dataset import Dataset
-from .devices import replicated, row_mesh, row_sharding
+from .devices import kernel_threads, replicated, row_mesh, row_sharding
 from .grower import GrowthParams
 from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
@@ -112,7 +112,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
 
     monotone = monotone_array(monotone_constraints, dataset.feature_names, dataset.n_features)
     groups = interaction_groups(interaction_constraints, dataset.feature_names, dataset.n_features)
-    mesh = row_mesh(dataset.n_rows)
+    mesh = row_mesh(dataset.n_rows, dataset.n_features, dataset.max_bin)
     rows = _DeviceRows(dataset, resolved, mesh, margin=None, base_score=None)
     padded = rows.y.shape[0]
     padded_weights = np.ascontiguousarray(rows.pad(model_weights.T.astype(np.float32), 0.0).T)
@@ -183,7 +183,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        leaf_refit=bool(leaf_refit), sample_columns=min(sampled) < 1,
                        sample_rows=min(v["subsample"] for v in per_model) < 1, metrics=(metrics,) * len(eval_rows),
                        mesh=mesh, hessian_mode=hessian, vector_leaves=leaves,
-                       missing_values=dataset.has_missing_values, shared_codes=rows.shared_codes)
+                       missing_values=dataset.has_missing_values, shared_codes=rows.shared_codes,
+                       kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin))
     boosting_rounds = compiled_many_rounds(shape, params_axes)
     histograms = histogram_buffer(shape, dataset.n_features, models=M)
 

@@ -593,6 +593,30 @@ def test_rows_sharded_over_devices_match_one_device(monkeypatch):
         np.testing.assert_allclose(sharded_prediction, single.predict(features), rtol=1e-3, atol=1e-3)
 
 
+def test_wide_data_trains_on_one_device_with_kernel_threads(monkeypatch):
+    """Data whose node histograms are over ``WIDE_NODE_BYTES`` trains on one CPU device whose
+    histogram kernel takes the features in threads (one per core), not sharded by rows; the
+    model matches the sharded one."""
+    from jaxboost.devices import is_wide, kernel_threads, row_mesh
+
+    X, y = _regression_data()
+    n_rows, n_features = X.shape
+    settings = dict(COMMON, max_bin=64)
+    monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+    sharded = jb.train(X, y, **settings)
+    sharded_mesh = row_mesh(n_rows, n_features, 64)
+    assert kernel_threads(sharded_mesh, n_features, 64) == 1
+    monkeypatch.setattr(jb.devices, "WIDE_NODE_BYTES", n_features * 64 * 8 - 1)
+    assert is_wide(n_features, 64) and not is_wide(n_features - 1, 64)
+    mesh = row_mesh(n_rows, n_features, 64)
+    assert mesh.devices.size == 1 and row_mesh(n_rows).devices.size == sharded_mesh.devices.size
+    assert kernel_threads(mesh, n_features, 64) == len(jax.local_devices())
+    wide = jb.train(X, y, **settings)
+    same_features = np.mean(wide.trees.feature == sharded.trees.feature)
+    assert same_features > 0.98, same_features
+    np.testing.assert_allclose(wide.predict(X), sharded.predict(X), rtol=1e-3, atol=1e-3)
+
+
 def test_sum_scattered_over_devices():
     """``all_sum_scattered`` sums over devices and leaves each device its block of the scattered axis."""
     from jax.sharding import Mesh, PartitionSpec
