@@ -56,24 +56,38 @@ class BinEdges(NamedTuple):
         return self.edges.shape[0]
 
 
-def _weighted_quantile_edges(values: np.ndarray, weights: np.ndarray, n_value_bins: int) -> np.ndarray:
-    """Edges splitting ``values`` into at most ``n_value_bins`` bins of about equal weight.
+def _weighted_quantile_edges(values: np.ndarray, weights: np.ndarray | None, n_value_bins: int) -> np.ndarray:
+    """Edges splitting ``values`` into at most ``n_value_bins`` bins of about equal weight
+    (``weights`` None: every value weighs 1).
 
     With no more distinct values than bins, every distinct value gets its own bin (edges at the
     midpoints); otherwise edges sit at weighted quantiles, snapped to midpoints between
     neighbouring distinct values so that equal values never straddle an edge.
     """
-    order = np.argsort(values, kind="stable")
-    sorted_values = values[order]
-    distinct, first_index = np.unique(sorted_values, return_index=True)
+    if weights is None:
+        # Unweighted, the weight below a value is its rank: a plain sort serves (a stable
+        # argsort of 200k values took 15 ms, the sort 0.8).
+        sorted_values = np.sort(values)
+    else:
+        order = np.argsort(values, kind="stable")
+        sorted_values = values[order]
+    # The values are sorted: each distinct one starts where it differs from the last.
+    starts = np.empty(len(sorted_values), dtype=bool)
+    starts[:1] = True
+    np.not_equal(sorted_values[1:], sorted_values[:-1], out=starts[1:])
+    first_index = np.flatnonzero(starts)
+    distinct = sorted_values[first_index]
     if len(distinct) <= 1:
         return np.empty(0, dtype=np.float32)
     if len(distinct) <= n_value_bins:
         chosen = np.arange(1, len(distinct))
     else:
-        cumulative = np.cumsum(weights[order], dtype=np.float64)
-        weight_below_distinct = np.concatenate([[0.0], cumulative])[first_index]
-        total = cumulative[-1]
+        if weights is None:
+            weight_below_distinct, total = first_index.astype(np.float64), float(len(sorted_values))
+        else:
+            cumulative = np.cumsum(weights[order], dtype=np.float64)
+            weight_below_distinct = np.concatenate([[0.0], cumulative])[first_index]
+            total = cumulative[-1]
         targets = total * np.arange(1, n_value_bins) / n_value_bins
         # The distinct value whose cumulative weight first reaches each target starts a new bin.
         chosen = np.unique(np.searchsorted(weight_below_distinct, targets, side="left"))
@@ -91,18 +105,21 @@ def fit_bin_edges(X: np.ndarray, max_bin: int = 256, sample_weight: np.ndarray |
     if not 2 <= max_bin <= MAX_BIN_LIMIT:
         raise ValueError(f"max_bin must be in [2, {MAX_BIN_LIMIT}] (it counts the missing-value code); got {max_bin}")
     n_rows, n_features = X.shape
-    weights = np.ones(n_rows) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
+    weights = None if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
     if n_rows > EDGE_SAMPLE_SIZE:
         rows = np.sort(np.random.default_rng(seed).choice(n_rows, EDGE_SAMPLE_SIZE, replace=False))
-        X, weights = X[rows], weights[rows]
+        X, weights = X[rows], None if weights is None else weights[rows]
     n_value_bins = max_bin - 1
     edges = np.full((n_features, max_bin - 1), np.inf, dtype=np.float32)
     n_edges = np.zeros(n_features, dtype=np.int32)
 
     def fit_feature(feature):
         column = X[:, feature]
-        present = ~np.isnan(column) & (weights > 0)
-        feature_edges = _weighted_quantile_edges(column[present], weights[present], n_value_bins)
+        present = ~np.isnan(column)
+        if weights is not None:
+            present &= weights > 0
+        feature_edges = _weighted_quantile_edges(column[present], None if weights is None else weights[present],
+                                                 n_value_bins)
         edges[feature, : len(feature_edges)] = feature_edges
         n_edges[feature] = len(feature_edges)
 

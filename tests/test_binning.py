@@ -279,3 +279,21 @@ def test_few_distinct_values_get_narrow_codes_with_missing_last():
         # One bin per distinct value, in order.
         np.testing.assert_array_equal(codes[present[:, feature], feature], X[present[:, feature], feature])
     assert fit_bin_edges(X, max_bin=24).max_bin == 24, "never wider than max_bin"
+
+
+@pytest.mark.parametrize("max_bin", [256, 32, 2])
+def test_unweighted_edges_equal_those_of_equal_weights(max_bin):
+    """Without weights the edges come from a plain sort (a value's weight below is its rank);
+    with weights, from an argsort and running sums: equal weights give the same edges, on
+    continuous values, heavy ties, few distinct values, a constant column and NaN."""
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=(20_000, 4)).astype(np.float32)
+    X[:, 1] = np.round(X[:, 1] * 30)  # ties: more distinct values than bins
+    X[:, 2] = np.round(X[:, 2])  # a handful of distinct values
+    X[:, 3] = 2.5
+    X[rng.uniform(size=X.shape) < 0.1] = np.nan
+    unweighted = fit_bin_edges(X, max_bin=max_bin)
+    weighted = fit_bin_edges(X, max_bin=max_bin, sample_weight=np.full(len(X), 0.5))
+    np.testing.assert_array_equal(unweighted.n_edges, weighted.n_edges)
+    np.testing.assert_array_equal(unweighted.edges, weighted.edges)
+    assert unweighted.n_edges[3] == 0 and unweighted.n_edges[0] == max_bin - 2
