@@ -297,3 +297,28 @@ def test_unweighted_edges_equal_those_of_equal_weights(max_bin):
     np.testing.assert_array_equal(unweighted.n_edges, weighted.n_edges)
     np.testing.assert_array_equal(unweighted.edges, weighted.edges)
     assert unweighted.n_edges[3] == 0 and unweighted.n_edges[0] == max_bin - 2
+
+
+@pytest.mark.parametrize("max_bin", [2, 3, 100, 256])
+def test_codes_count_the_edges_at_or_below_each_value(max_bin):
+    """The fixed-step search gives searchsorted's codes (``#{real edges <= x}``) for values on
+    every edge and one float32 step below it, for -inf and +inf (which passes the +inf
+    padding: its code is still the real edge count), with NaN in the missing code; code
+    widths that are not a power of two (100 bins) included."""
+    rng = np.random.default_rng(11)
+    X = rng.normal(size=(2000, 3)).astype(np.float32)
+    X[:, 1] = np.round(X[:, 1] * 3)
+    bin_edges = fit_bin_edges(X, max_bin=max_bin)
+    probes = []
+    for feature in range(3):
+        real = _real_edges(bin_edges, feature)
+        column = np.concatenate([real, np.nextafter(real, np.float32(-np.inf)), [np.inf, -np.inf, np.nan],
+                                 rng.normal(size=50).astype(np.float32)])
+        probes.append(np.resize(column, 3 * 260 + 50))
+    X_probe = np.stack(probes, axis=1).astype(np.float32)
+    codes = apply_bins(X_probe, bin_edges)
+    for feature in range(3):
+        column = X_probe[:, feature]
+        expected = np.searchsorted(_real_edges(bin_edges, feature), column, side="right")
+        expected[np.isnan(column)] = bin_edges.missing_bin
+        np.testing.assert_array_equal(codes[:, feature], expected)
