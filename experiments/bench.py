@@ -8,7 +8,9 @@ Tasks (data generated with a fixed seed, float32, 80/20 train/test split):
 * classification: ``make_classification(rows, 28 features, 14 informative, 4 redundant)``,
   binary logistic loss, scored by test AUC;
 * regression: ``make_regression(rows // 2, 50 features, 20 informative, noise=10)``, squared
-  error, scored by test RMSE.
+  error, scored by test RMSE;
+* wide (only with ``--tasks wide``): ``make_classification(rows, 500 features, 50 informative,
+  10 redundant)``, as classification: data whose histograms outgrow the caches.
 
 Every library gets the same settings: ``--rounds`` trees of depth ``--depth`` (LightGBM and
 sklearn: at most 2^depth leaves), learning rate 0.1, L2 lambda 1, minimum leaf Hessian 1
@@ -77,7 +79,10 @@ LIBRARIES = ["jaxboost", "xgboost", "lightgbm", "sklearn"]
 # "a custom loss costs the same per round as a built-in" comparison.
 OPTIONAL_LIBRARIES = ["jaxboost-custom"]
 TASKS = ["classification", "regression"]
-METRIC_NAME = {"classification": "test AUC", "regression": "test RMSE"}
+# Not run by default: "wide", classification with 500 features (``--tasks wide``).
+OPTIONAL_TASKS = ["wide"]
+TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500}
+METRIC_NAME = {"classification": "test AUC", "regression": "test RMSE", "wide": "test AUC"}
 REFERENCE_LIBRARY = "xgboost"
 QUIET_LOAD = 0.5
 RUN_TIMEOUT_S = 3 * 3600
@@ -290,7 +295,7 @@ def task_table(task: str, summaries: dict[str, dict], device: str = "cpu", ratio
                      fmt_seconds(summary["compile_s"]) if library.startswith("jaxboost") else "n/a",
                      fmt_seconds(summary["boosting_s"]), fmt_ms(summary["ms_per_tree"]),
                      fmt_seconds(summary["predict_s"]), fmt_seconds(summary.get("predict_all_s")),
-                     "n/a" if metric is None else (f"{metric:.4f}" if task == "classification" else f"{metric:.3f}"),
+                     "n/a" if metric is None else (f"{metric:.3f}" if task == "regression" else f"{metric:.4f}"),
                      f"{summary['peak_rss_mb']:.0f}"]
                     + ([fmt_megabytes(summary.get("gpu_peak_mb"))] if gpu else [])
                     + [fmt_ratio(summary["ms_per_tree"], reference),
@@ -339,9 +344,9 @@ def run_tasks(args, runner: Runner) -> list[str]:
                 runner.run(library, task, args.rows, args.depth, args.max_bin, repeats=repeat)
         summaries = {library: runner.run(library, task, args.rows, args.depth, args.max_bin)
                      for library in args.libraries}
-        n_samples = args.rows if task == "classification" else args.rows // 2
-        title = (f"## {task}: {n_samples:,} samples ({int(n_samples * 0.8):,} train), {args.rounds} rounds, "
-                 f"depth {args.depth}, {args.max_bin} bins")
+        n_samples = args.rows // 2 if task == "regression" else args.rows
+        title = (f"## {task}: {n_samples:,} samples ({int(n_samples * 0.8):,} train) x {TASK_FEATURES[task]} features, "
+                 f"{args.rounds} rounds, depth {args.depth}, {args.max_bin} bins")
         config = (task, args.rows, args.depth, args.max_bin)
         ratios = {library: turn_ratios(runner, library, config) for library in args.libraries}
         section = (f"{title}\n\n{task_table(task, summaries, args.device, ratios)}\n\nMemory (MB, medians):\n\n"
@@ -511,7 +516,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.libraries is None:
         args.libraries = GPU_LIBRARIES if args.device == "gpu" else LIBRARIES
-    for name, chosen, allowed in [("--tasks", args.tasks, TASKS), ("--libraries", args.libraries, LIBRARIES + OPTIONAL_LIBRARIES)]:
+    for name, chosen, allowed in [("--tasks", args.tasks, TASKS + OPTIONAL_TASKS),
+                                  ("--libraries", args.libraries, LIBRARIES + OPTIONAL_LIBRARIES)]:
         unknown = sorted(set(chosen) - set(allowed))
         if unknown:
             parser.error(f"{name}: unknown {unknown}; choose from {allowed}")

@@ -43,6 +43,9 @@ LEARNING_RATE = 0.1
 REG_LAMBDA = 1.0
 MIN_HESSIAN = 1.0  # XGBoost min_child_weight, LightGBM min_sum_hessian_in_leaf, jaxboost min_child_weight
 SEED = 0
+# Tasks scored as binary classification; "wide" is the classification task with 500 features.
+CLASSIFICATION_TASKS = ("classification", "wide")
+WIDE_FEATURES = 500
 
 
 # ----------------------------------------------------------------------------- data
@@ -55,6 +58,9 @@ def make_task(task: str, rows: int):
 
     if task == "classification":
         X, y = make_classification(n_samples=rows, n_features=28, n_informative=14, n_redundant=4,
+                                   random_state=SEED)
+    elif task == "wide":
+        X, y = make_classification(n_samples=rows, n_features=WIDE_FEATURES, n_informative=50, n_redundant=10,
                                    random_state=SEED)
     elif task == "regression":
         X, y = make_regression(n_samples=rows // 2, n_features=50, n_informative=20, noise=10,
@@ -69,7 +75,7 @@ def score(task: str, y_true, prediction) -> float:
     import numpy as np
     from sklearn.metrics import roc_auc_score
 
-    if task == "classification":
+    if task in CLASSIFICATION_TASKS:
         return float(roc_auc_score(y_true, prediction))
     return float(np.sqrt(np.mean((np.asarray(prediction, np.float64) - y_true) ** 2)))
 
@@ -169,7 +175,7 @@ class JaxboostRunner:
         if (backend == "gpu") != (device == "gpu"):
             raise RuntimeError(f"asked for a {device} run, but JAX's default backend is {backend}")
         self.jb, self.max_bin = jb, max_bin
-        self.params = dict(loss="logistic" if task == "classification" else "squared_error", max_depth=depth,
+        self.params = dict(loss="logistic" if task in CLASSIFICATION_TASKS else "squared_error", max_depth=depth,
                            learning_rate=LEARNING_RATE, reg_lambda=REG_LAMBDA, min_child_weight=MIN_HESSIAN)
 
     def build(self, X, y):
@@ -194,7 +200,7 @@ class JaxboostCustomLossRunner(JaxboostRunner):
     def __init__(self, task, depth, max_bin, threads, device="cpu"):
         super().__init__(task, depth, max_bin, threads, device)
         import optax
-        if task == "classification":
+        if task in CLASSIFICATION_TASKS:
             self.params.update(loss=optax.losses.sigmoid_binary_cross_entropy, link="sigmoid")
         else:
             self.params.update(loss=user_squared_error)
@@ -204,7 +210,7 @@ class XGBoostRunner:
     def __init__(self, task, depth, max_bin, threads, device="cpu"):
         import xgboost as xgb
         self.xgb, self.max_bin = xgb, max_bin
-        self.params = dict(objective="binary:logistic" if task == "classification" else "reg:squarederror",
+        self.params = dict(objective="binary:logistic" if task in CLASSIFICATION_TASKS else "reg:squarederror",
                            tree_method="hist", max_depth=depth, eta=LEARNING_RATE, reg_lambda=REG_LAMBDA,
                            min_child_weight=MIN_HESSIAN, max_bin=max_bin, nthread=threads, verbosity=0,
                            device="cuda" if device == "gpu" else "cpu")
@@ -232,7 +238,7 @@ class LightGBMRunner:
         import lightgbm as lgb
         self.lgb = lgb
         # LightGBM's max_bin excludes its missing-value bin: 255 here ~ 256 codes elsewhere.
-        self.params = dict(objective="binary" if task == "classification" else "regression",
+        self.params = dict(objective="binary" if task in CLASSIFICATION_TASKS else "regression",
                            learning_rate=LEARNING_RATE, max_depth=depth, num_leaves=2 ** depth,
                            max_bin=max_bin - 1, lambda_l2=REG_LAMBDA, min_sum_hessian_in_leaf=MIN_HESSIAN,
                            min_data_in_leaf=1, num_threads=threads, verbose=-1, seed=SEED)
@@ -255,7 +261,7 @@ class SklearnRunner:
             raise RuntimeError("scikit-learn has no GPU path")
         from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
         self.task = task
-        self.estimator = HistGradientBoostingClassifier if task == "classification" else HistGradientBoostingRegressor
+        self.estimator = HistGradientBoostingClassifier if task in CLASSIFICATION_TASKS else HistGradientBoostingRegressor
         # sklearn has no minimum-Hessian parameter (min_samples_leaf=1 is the loosest leaf limit).
         self.params = dict(learning_rate=LEARNING_RATE, max_depth=depth, max_leaf_nodes=2 ** depth,
                            max_bins=max_bin - 1, l2_regularization=REG_LAMBDA, min_samples_leaf=1,
@@ -269,7 +275,7 @@ class SklearnRunner:
         return self.estimator(max_iter=rounds, **self.params).fit(X, y)
 
     def predict(self, model, X):
-        return model.predict_proba(X)[:, 1] if self.task == "classification" else model.predict(X)
+        return model.predict_proba(X)[:, 1] if self.task in CLASSIFICATION_TASKS else model.predict(X)
 
 
 RUNNERS = {"jaxboost": JaxboostRunner, "jaxboost-custom": JaxboostCustomLossRunner, "xgboost": XGBoostRunner, "lightgbm": LightGBMRunner,
@@ -361,7 +367,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--info", action="store_true", help="print versions and JAX devices, then exit")
     parser.add_argument("--library", choices=sorted(RUNNERS))
-    parser.add_argument("--task", choices=["classification", "regression"])
+    parser.add_argument("--task", choices=["classification", "regression", "wide"])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--depth", type=int, default=6)
