@@ -256,10 +256,9 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
   if (p.zero_nodes != nullptr && end_row == 0) {
     ZeroCells(p.hist, p.layout, kCodeSlots, *p.zero_nodes, feature_begin, feature_end);  // no pass to do it
   }
-  for (int64_t start = 0; start < end_row; start += kBlockRows) {
-    const int64_t stop = std::min(end_row, start + kBlockRows);
-    const std::vector<int64_t>* zero_nodes = start == 0 ? p.zero_nodes : nullptr;
-    if (all_rows) {
+  if (all_rows) {
+    for (int64_t start = 0; start < end_row; start += kBlockRows) {
+      const int64_t stop = std::min(end_row, start + kBlockRows);
       for (int64_t i = start; i < stop; ++i) {
         // A row outside node 0 adds zeros.
         const bool take = p.node_of_row[i] == 0;
@@ -267,13 +266,19 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
         pairs[2 * (i - start) + 1] = take ? p.hessians[i] : 0.0f;
       }
       AccumulateBlock<true>(p.codes, p.code_stride, feature_begin, feature_end, start, nullptr, pairs.data(),
-                            stop - start, p.layout, p.hist, zero_nodes);
-      continue;
+                            stop - start, p.layout, p.hist, start == 0 ? p.zero_nodes : nullptr);
     }
-    int64_t count = 0;
-    // Routing in the same pass as gathering reads each row's node once (one thread writes it).
-    const bool writes_children = p.route != nullptr && feature_begin == 0;
-    for (int64_t i = start; i < stop; ++i) {
+    return;
+  }
+  // Routing in the same pass as gathering reads each row's node once (one thread writes it).
+  const bool writes_children = p.route != nullptr && feature_begin == 0;
+  // A block is gathered until it holds kBlockRows selected rows, however many rows that takes:
+  // each block's passes bring the cells of every feature through the cache, so on a level
+  // that selects a fraction of the rows, blocks of a fixed span of rows would each add fewer
+  // rows for the same traffic (wide data: 16 nodes of 500 features hold 16 MB of cells).
+  for (int64_t start = 0; start < end_row;) {
+    int64_t count = 0, i = start;
+    for (; i < end_row && count < kBlockRows; ++i) {
       // Branch-free gathering: every row is written, only selected rows advance the count.
       const int32_t node = p.node_of_row[i];
       bool take;
@@ -291,7 +296,8 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       count += static_cast<int>(take) & (static_cast<int>(g != 0.0f) | static_cast<int>(h != 0.0f));
     }
     AccumulateBlock<false>(p.codes, p.code_stride, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
-                           p.layout, p.hist, zero_nodes);
+                           p.layout, p.hist, start == 0 ? p.zero_nodes : nullptr);
+    start = i;
   }
 }
 
