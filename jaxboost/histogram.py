@@ -23,6 +23,7 @@ kernel slices its rows out, a copy, so only the native kernels get that table).
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import NamedTuple
 
@@ -202,21 +203,25 @@ def cumulative_over_bins(histograms: jax.Array, kernel: str = "auto") -> jax.Arr
 
 
 def first_maximum(values: jax.Array, kernel: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """``(argmax, max)`` along the last axis of float32 ``(rows, n)`` values: the first index of
-    each row's maximum (argmax's tie rule) and the maximum. ``kernel`` as for ``build_histogram``.
+    """``(argmax, max)`` of each row of float32 ``(rows, ...)`` values, over the row's
+    remaining axes in row-major order: the first flat index of each row's maximum (argmax's tie
+    rule) and the maximum. ``kernel`` as for ``build_histogram``.
 
     On CPU a native kernel reads the values once. XLA's variadic (value, index) reduce is several
     times slower on CPU, and as two plain reductions (the other backends' way) XLA fuses the
-    computation of the values into both and so runs it twice."""
+    computation of the values into both and so runs it twice. The values need not be reshaped
+    to two axes first: on CPU a reshape that merges the split scan's (features, bins) axes left
+    the fusion computing the gains as one flat loop, which LLVM did not vectorise (a node of
+    300 features took 0.29 ms instead of 0.13)."""
     values = jnp.asarray(values, jnp.float32)
-    if values.ndim != 2 or values.shape[1] == 0:
-        raise ValueError(f"values must be (rows, n > 0); got shape {values.shape}")
+    if values.ndim < 2 or math.prod(values.shape[1:]) == 0:
+        raise ValueError(f"values must be (rows, ...) with a non-empty row; got shape {values.shape}")
     target = _available_native_target(FIRST_MAXIMUM_TARGET, "first-maximum", kernel)
 
     def xla(v):
         # The barrier makes both reductions read one computed array: fused separately, the values
         # could be recomputed with different rounding and the maximum then match nothing.
-        v = lax.optimization_barrier(v)
+        v = lax.optimization_barrier(v.reshape(v.shape[0], -1))
         maximum = jnp.max(v, axis=1, keepdims=True)
         candidates = jnp.arange(v.shape[1], dtype=jnp.int32)
         return jnp.min(jnp.where(v == maximum, candidates, v.shape[1] - 1), axis=1), maximum[:, 0]

@@ -525,17 +525,18 @@ ffi::Error CumulativeBinsImpl(ffi::Buffer<ffi::F32> histogram, ffi::ResultBuffer
 XLA_FFI_DEFINE_HANDLER(kCumulativeBinsHandler, CumulativeBinsImpl,
                        ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
-// The first index of the maximum of every row of a (rows, n) array, and that maximum: the split
+// The first index of the maximum of every row of a (rows, ...) array, and that maximum: the split
 // scan's choice among its candidates. Computed by XLA as two reductions, the candidates' gains
 // were fused into both and so computed twice; read here, they are computed once.
 ffi::Error FirstMaximumImpl(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> index,
                             ffi::ResultBuffer<ffi::F32> maximum) {
+  // (rows, ...): each row's values are its remaining axes, flat.
   const auto dims = values.dimensions();
-  if (dims.size() != 2 || static_cast<int64_t>(index->element_count()) != dims[0] ||
-      static_cast<int64_t>(maximum->element_count()) != dims[0] || dims[1] == 0) {
-    return ffi::Error::InvalidArgument("first-maximum kernel: expected (rows, n > 0) in and (rows,) out");
+  if (dims.size() < 2 || static_cast<int64_t>(index->element_count()) != dims[0] ||
+      static_cast<int64_t>(maximum->element_count()) != dims[0] || values.element_count() == 0) {
+    return ffi::Error::InvalidArgument("first-maximum kernel: expected (rows, ...) of n > 0 a row in and (rows,) out");
   }
-  const int64_t rows = dims[0], n = dims[1];
+  const int64_t rows = dims[0], n = static_cast<int64_t>(values.element_count()) / rows;
   for (int64_t row = 0; row < rows; ++row) {
     const float* v = values.typed_data() + row * n;
     // The maximum over independent lanes (one running maximum would make every comparison wait

@@ -129,7 +129,9 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
 
     # Direction axis: index 0 sends missing values left, index 1 sends them right.
     directions = (True, False) if missing_values else (True,)
-    loss_change = jnp.stack([gains(left) for left in directions], axis=2).reshape(num_nodes, -1)  # (K, d*dirs*(B-1))
+    # (K, d, dirs, B-1), or (K, d, B-1) for one direction; first_maximum reads it as it is
+    # (see there: merged into one axis, the gains were not vectorised).
+    loss_change = jnp.stack([gains(left) for left in directions], axis=2) if missing_values else gains(True)
     best, best_value = first_maximum(loss_change)
     feature, direction, threshold_bin = jnp.unravel_index(best, (n_features, len(directions), n_value_bins))
 

@@ -791,7 +791,8 @@ def test_cumulative_over_bins_matches_numpy(kernel):
 @pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
 def test_first_maximum_matches_numpy_argmax(kernel):
     """First index of each row's maximum (ties go to the lowest index, as in the split scan's
-    tie rule), rows of -inf included, and under vmap."""
+    tie rule), rows of -inf included, rows of several axes (the flat index in row-major order),
+    and under vmap."""
     rng = np.random.default_rng(4)
     values = rng.integers(0, 5, size=(6, 40)).astype(np.float32)  # many ties
     values[2] = -np.inf
@@ -809,8 +810,17 @@ def test_first_maximum_matches_numpy_argmax(kernel):
         np.testing.assert_array_equal(np.asarray(maximum), np.max(tail, axis=1))
     batched_index, _ = jax.vmap(first)(jnp.stack([jnp.asarray(values), jnp.asarray(values[::-1])]))
     np.testing.assert_array_equal(np.asarray(batched_index[1]), np.argmax(values[::-1], axis=1))
-    with pytest.raises(ValueError, match="rows, n > 0"):
-        first_maximum(jnp.zeros((3, 0)), kernel=kernel)
+    # (rows, features, directions, bins), as the split scan passes its gains.
+    gains = rng.integers(0, 4, size=(3, 5, 2, 7)).astype(np.float32)
+    gains[1, :2] = -np.inf
+    index, maximum = first(jnp.asarray(gains))
+    np.testing.assert_array_equal(np.asarray(index), np.argmax(gains.reshape(3, -1), axis=1))
+    np.testing.assert_array_equal(np.asarray(maximum), gains.reshape(3, -1).max(axis=1))
+    batched_index, _ = jax.vmap(first)(jnp.stack([jnp.asarray(gains), jnp.asarray(gains[::-1])]))
+    np.testing.assert_array_equal(np.asarray(batched_index[1]), np.argmax(gains[::-1].reshape(3, -1), axis=1))
+    for empty in (jnp.zeros((3, 0)), jnp.zeros((3, 4, 0)), jnp.zeros((3,))):
+        with pytest.raises(ValueError, match="non-empty row"):
+            first_maximum(empty, kernel=kernel)
 
 
 @pytest.mark.parametrize("kernel,threads", [("xla", 1), pytest.param("native", 1, marks=needs_native),
