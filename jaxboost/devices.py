@@ -119,7 +119,10 @@ MIN_ROWS_PER_DEVICE = 12_000
 # is faster. Measured on a 2-core machine at depth 6, ms/tree sharded / one device, 2 threads
 # (XGBoost): 200k rows x 250 features (512 KB a node) 56 / 71 (65), x 350 (700 KB) 109 / 90
 # (92), x 500 161 / 120 (133); 50k x 500 100 / 66 (69); 600k x 500 313 / 249 (331); 400k x 28
-# at depth 10 38 / 61 (49).
+# at depth 10 38 / 61 (49). Since the split scan's gains are vectorised: 200k x 250 42 / 60, x
+# 300 52 / 68, x 350 87 / 76, x 400 98 / 82, x 500 127 / 96; 50k x 300 40 / 28, x 350 53 / 33.
+# The crossover moves with the rows (fewer rows favour one device); at 300 features either
+# choice is 30% off at one of 50k and 200k rows.
 WIDE_NODE_BYTES = 600 * 1024
 
 
