@@ -221,7 +221,7 @@ def first_maximum(values: jax.Array, kernel: str = "auto") -> tuple[jax.Array, j
     def xla(v):
         # The barrier makes both reductions read one computed array: fused separately, the values
         # could be recomputed with different rounding and the maximum then match nothing.
-        v = lax.optimization_barrier(v.reshape(v.shape[0], -1))
+        v = lax.optimization_barrier(v.reshape(v.shape[0], math.prod(v.shape[1:])))
         maximum = jnp.max(v, axis=1, keepdims=True)
         candidates = jnp.arange(v.shape[1], dtype=jnp.int32)
         return jnp.min(jnp.where(v == maximum, candidates, v.shape[1] - 1), axis=1), maximum[:, 0]

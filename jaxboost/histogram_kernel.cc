@@ -532,11 +532,13 @@ ffi::Error FirstMaximumImpl(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi:
                             ffi::ResultBuffer<ffi::F32> maximum) {
   // (rows, ...): each row's values are its remaining axes, flat.
   const auto dims = values.dimensions();
+  int64_t n = 1;
+  for (size_t axis = 1; axis < dims.size(); ++axis) n *= dims[axis];
   if (dims.size() < 2 || static_cast<int64_t>(index->element_count()) != dims[0] ||
-      static_cast<int64_t>(maximum->element_count()) != dims[0] || values.element_count() == 0) {
+      static_cast<int64_t>(maximum->element_count()) != dims[0] || n == 0) {
     return ffi::Error::InvalidArgument("first-maximum kernel: expected (rows, ...) of n > 0 a row in and (rows,) out");
   }
-  const int64_t rows = dims[0], n = static_cast<int64_t>(values.element_count()) / rows;
+  const int64_t rows = dims[0];
   for (int64_t row = 0; row < rows; ++row) {
     const float* v = values.typed_data() + row * n;
     // The maximum over independent lanes (one running maximum would make every comparison wait

@@ -818,6 +818,8 @@ def test_first_maximum_matches_numpy_argmax(kernel):
     np.testing.assert_array_equal(np.asarray(maximum), gains.reshape(3, -1).max(axis=1))
     batched_index, _ = jax.vmap(first)(jnp.stack([jnp.asarray(gains), jnp.asarray(gains[::-1])]))
     np.testing.assert_array_equal(np.asarray(batched_index[1]), np.argmax(gains[::-1].reshape(3, -1), axis=1))
+    no_rows = first(jnp.zeros((0, 4, 5)))  # no rows: nothing to choose, not an error
+    assert no_rows[0].shape == no_rows[1].shape == (0,)
     for empty in (jnp.zeros((3, 0)), jnp.zeros((3, 4, 0)), jnp.zeros((3,))):
         with pytest.raises(ValueError, match="non-empty row"):
             first_maximum(empty, kernel=kernel)
