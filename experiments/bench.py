@@ -70,6 +70,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_worker import available_cores
+
 EXPERIMENTS = Path(__file__).resolve().parent
 REPO_ROOT = EXPERIMENTS.parent
 WORKER = EXPERIMENTS / "bench_worker.py"
@@ -439,7 +441,8 @@ def growth_of_memory(libraries: list[str], row_counts: list[int], summary_of) ->
 def machine_section(device: str = "cpu") -> str:
     info = run_worker(["--info"], device=device)
     versions = info.get("versions", {})
-    lines = [f"- CPU count: {os.cpu_count()}; processor: {platform.processor() or 'unknown'}; "
+    lines = [f"- CPU count: {os.cpu_count()} ({available_cores()} available to this process: affinity mask "
+             f"and CPU quota); processor: {platform.processor() or 'unknown'}; "
              f"platform: {platform.platform()}; Python {platform.python_version()}",
              "- versions: " + ", ".join(f"{name} {version}" for name, version in versions.items()),
              "- JAX devices as seen by jaxboost: " + ", ".join(info.get("jax_devices", [info.get("status", "?")]))]
@@ -474,7 +477,7 @@ def method_notes(args) -> str:
         f"- Settings: learning rate 0.1, lambda 1, depth {args.depth} (LightGBM/sklearn: at most "
         f"{2 ** args.depth} leaves), min leaf Hessian 1 (XGBoost min_child_weight, LightGBM "
         f"min_sum_hessian_in_leaf + min_data_in_leaf=1, sklearn min_samples_leaf=1), bins: jaxboost/XGBoost "
-        f"{args.max_bin}, LightGBM/sklearn {args.max_bin - 1} + missing bin, {os.cpu_count()} threads.",
+        f"{args.max_bin}, LightGBM/sklearn {args.max_bin - 1} + missing bin, {available_cores()} threads.",
     ])
 
 

@@ -30,6 +30,7 @@ be imported gives ``{"status": "not installed"}``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -284,6 +285,16 @@ RUNNERS = {"jaxboost": JaxboostRunner, "jaxboost-custom": JaxboostCustomLossRunn
 
 # ----------------------------------------------------------------------------- measurement
 
+def available_cores() -> int:
+    """The cores this process may use, counted as jaxboost counts them (``jaxboost/cores.py``,
+    loaded on its own so that the other libraries' processes do not import JAX); every library
+    gets this many threads."""
+    spec = importlib.util.spec_from_file_location("jaxboost_cores", os.path.join(REPO_ROOT, "jaxboost", "cores.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.available_cpu_cores()
+
+
 def timed(function, *args):
     start = time.perf_counter()
     value = function(*args)
@@ -291,7 +302,7 @@ def timed(function, *args):
 
 
 def measure(args) -> dict:
-    threads = os.cpu_count() or 1
+    threads = available_cores()
     X_train, X_test, y_train, y_test = make_task(args.task, args.rows)
     data_peak_mb = peak_rss_mb(since_reset=False)
     gpu_memory = gpu_memory_sampler() if args.device == "gpu" else None

@@ -13,12 +13,12 @@ non-missing value left.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple
 
 import numpy as np
 
+from .cores import available_cpu_cores
 from .host_memory import aligned_empty
 
 MAX_BIN_LIMIT = 256
@@ -33,7 +33,7 @@ ROW_BLOCK = 65_536
 def _for_each_feature(work: Callable[[int], None], n_features: int) -> None:
     """Run ``work(feature)`` for every feature on all cores (NumPy's sort and searchsorted
     release the GIL, so threads do run in parallel)."""
-    with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, n_features)) as pool:
+    with ThreadPoolExecutor(max_workers=min(available_cpu_cores(), n_features)) as pool:
         list(pool.map(work, range(n_features)))
 
 

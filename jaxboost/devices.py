@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .cores import available_cpu_cores
 from .host_memory import HOST_ALIGNMENT, aligned_empty
 
 ROW_AXIS = "rows"
@@ -40,12 +41,13 @@ def _backends_initialized() -> bool:
 
 
 def use_cpu_cores(n: int | None = None) -> None:
-    """Give JAX ``n`` host CPU devices (default: one per core). Call before JAX starts.
+    """Give JAX ``n`` host CPU devices (default: one per core this process may use,
+    ``cores.available_cpu_cores``). Call before JAX starts.
 
     Raises RuntimeError if JAX's backends are already initialised (then set
     ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before starting Python instead).
     """
-    n = n or os.cpu_count() or 1
+    n = n or available_cpu_cores()
     if _backends_initialized():
         raise RuntimeError("jaxboost.use_cpu_cores must be called before JAX initialises its backends "
                            "(before any JAX computation); set XLA_FLAGS=--xla_force_host_platform_device_count="
@@ -54,11 +56,12 @@ def use_cpu_cores(n: int | None = None) -> None:
 
 
 def configure_default_cpu_devices() -> None:
-    """At import: one CPU device per core unless the user has already chosen, or JAX has started."""
+    """At import: one CPU device per core this process may use (its affinity mask and CPU quota,
+    ``cores.available_cpu_cores``) unless the user has already chosen, or JAX has started."""
     user_chose = _DEVICE_FLAG in os.environ.get("XLA_FLAGS", "") or jax.config.jax_num_cpu_devices not in (-1, None)
     if user_chose or _backends_initialized() or os.environ.get("JAXBOOST_NO_DEVICE_SETUP"):
         return
-    cores = os.cpu_count() or 1
+    cores = available_cpu_cores()
     if cores > 1:
         jax.config.update("jax_num_cpu_devices", cores)
 
@@ -139,7 +142,7 @@ def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = N
     histogram kernel then uses ``kernel_threads``)."""
     global _warned_single_device
     devices = jax.local_devices()
-    if (len(devices) == 1 and devices[0].platform == "cpu" and (os.cpu_count() or 1) > 1
+    if (len(devices) == 1 and devices[0].platform == "cpu" and available_cpu_cores() > 1
             and n_rows >= 2 * MIN_ROWS_PER_DEVICE and not _warned_single_device):
         _warned_single_device = True
         warnings.warn("jaxboost is training on one CPU device of a multi-core machine, so the histogram "

@@ -34,6 +34,8 @@ import platform
 
 import numpy as np
 
+from .cores import available_cpu_cores
+
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
 
 
@@ -43,7 +45,7 @@ def limit_malloc_arenas() -> int | None:
         return None
     chosen = os.environ.get("JAXBOOST_MALLOC_ARENAS")
     try:
-        arenas = int(chosen) if chosen else 2 * (os.cpu_count() or 1)
+        arenas = int(chosen) if chosen else 2 * available_cpu_cores()
     except ValueError:
         raise ValueError(f"JAXBOOST_MALLOC_ARENAS must be a whole number; got {chosen!r}") from None
     if arenas <= 0:

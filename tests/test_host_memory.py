@@ -19,7 +19,7 @@ on_glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver(
 def test_cap_defaults_to_two_arenas_per_core(monkeypatch):
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     monkeypatch.delenv("JAXBOOST_MALLOC_ARENAS", raising=False)
-    monkeypatch.setattr(host_memory.os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(host_memory, "available_cpu_cores", lambda: 3)
     assert host_memory.limit_malloc_arenas() == 6
 
 

@@ -1,0 +1,105 @@
+"""Cores (``jaxboost.cores``): the cores a process may use, from its affinity mask and its
+control group's CPU quota (cgroup v1 and v2 files laid out in a temporary folder), and the host
+devices jaxboost sets up from them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxboost import cores
+
+
+def _write(folder, name, text):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(text)
+
+
+def _proc_cgroup(tmp_path, text):
+    path = tmp_path / "proc_cgroup"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_v2_quota_is_rounded_up_to_whole_cores(tmp_path):
+    root = tmp_path / "cgroup"
+    _write(root, "cpu.max", "150000 100000\n")
+    assert cores.cgroup_cpu_limit(str(root), _proc_cgroup(tmp_path, "0::/\n")) == 2
+    _write(root, "cpu.max", "400000 100000\n")
+    assert cores.cgroup_cpu_limit(str(root), _proc_cgroup(tmp_path, "0::/\n")) == 4
+    _write(root, "cpu.max", "20000 100000\n")  # a fifth of a core still gets one
+    assert cores.cgroup_cpu_limit(str(root), _proc_cgroup(tmp_path, "0::/\n")) == 1
+
+
+def test_v2_without_quota_is_no_limit(tmp_path):
+    root = tmp_path / "cgroup"
+    _write(root, "cpu.max", "max 100000\n")
+    assert cores.cgroup_cpu_limit(str(root), _proc_cgroup(tmp_path, "0::/\n")) is None
+
+
+def test_v2_takes_the_tightest_quota_of_the_group_and_its_ancestors(tmp_path):
+    root = tmp_path / "cgroup"
+    _write(root / "jobs" / "job1", "cpu.max", "max 100000\n")
+    _write(root / "jobs", "cpu.max", "300000 100000\n")
+    _write(root, "cpu.max", "800000 100000\n")
+    proc = _proc_cgroup(tmp_path, "0::/jobs/job1\n")
+    assert cores.cgroup_cpu_limit(str(root), proc) == 3
+    _write(root / "jobs" / "job1", "cpu.max", "100000 50000\n")
+    assert cores.cgroup_cpu_limit(str(root), proc) == 2
+
+
+def test_v1_quota_under_the_cpu_mount_seen_from_a_container(tmp_path):
+    # The process's path names the host's group, which a container does not see: its own group
+    # is the mount itself.
+    root = tmp_path / "cgroup"
+    _write(root / "cpu,cpuacct", "cpu.cfs_quota_us", "250000\n")
+    _write(root / "cpu,cpuacct", "cpu.cfs_period_us", "100000\n")
+    proc = _proc_cgroup(tmp_path, """\
+        12:memory:/docker/abc
+        4:cpu,cpuacct:/docker/abc
+        1:name=systemd:/docker/abc
+        """)
+    assert cores.cgroup_cpu_limit(str(root), proc) == 3
+    _write(root / "cpu,cpuacct", "cpu.cfs_quota_us", "-1\n")
+    assert cores.cgroup_cpu_limit(str(root), proc) is None
+
+
+def test_no_control_groups_is_no_limit(tmp_path):
+    assert cores.cgroup_cpu_limit(str(tmp_path / "absent"), str(tmp_path / "absent_proc")) is None
+    root = tmp_path / "cgroup"
+    _write(root, "cpu.max", "garbage\n")
+    assert cores.cgroup_cpu_limit(str(root), _proc_cgroup(tmp_path, "0::/\n")) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="affinity masks are Linux-only")
+def test_available_cores_are_the_affinity_mask_capped_by_the_quota(monkeypatch):
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(cores, "cgroup_cpu_limit", lambda: None)
+    assert cores.available_cpu_cores() == 4
+    monkeypatch.setattr(cores, "cgroup_cpu_limit", lambda: 2)
+    assert cores.available_cpu_cores() == 2
+    monkeypatch.setattr(cores, "cgroup_cpu_limit", lambda: 8)
+    assert cores.available_cpu_cores() == 4
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a Linux process allowed on two or more cores")
+def test_import_gives_one_device_per_core_of_the_affinity_mask(tmp_path):
+    # A process pinned to one core gets one device, not one per machine core.
+    script = textwrap.dedent("""\
+        import os
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        import jax
+        import jaxboost
+        print(len(jax.devices("cpu")), jaxboost.available_cpu_cores())
+        """)
+    env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAXBOOST_NO_DEVICE_SETUP")}
+    env.update(JAXBOOST_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "1"]
