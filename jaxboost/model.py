@@ -48,6 +48,22 @@ class Model:
     params: dict = field(default_factory=dict)
     feature_names: tuple | None = None
 
+    def __post_init__(self):
+        # A model does not change once built (``with_leaf_values`` and slicing make new ones), so
+        # what prediction prepares from its trees is kept (``_native_walk``). Freezing the NumPy
+        # arrays turns an in-place write into an error instead of stale predictions.
+        for array in (*self.trees, self.bin_edges.edges):
+            if isinstance(array, np.ndarray):
+                array.flags.writeable = False
+        object.__setattr__(self, "_prepared_walks", {})
+
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name != "_prepared_walks"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_prepared_walks", {})
+
     @property
     def num_outputs(self) -> int:
         return int(self.base_score.shape[0])
@@ -84,16 +100,13 @@ class Model:
         margin = check_base_margin(base_margin, n_rows, self.num_outputs)
         initial = np.broadcast_to(self.base_score, (n_rows, self.num_outputs)) if margin is None else margin
         start, stop = self._rounds(iteration_range)
-        trees = jax.tree_util.tree_map(lambda a: np.asarray(a)[start:stop], self.trees)
-        split_features = trees.feature[~trees.is_leaf]
-        if np.any((split_features < 0) | (split_features >= self.n_features)):
-            raise ValueError(f"the model's trees split on feature indices out of range for its {self.n_features} "
-                             "features: the model is corrupt")
         # Rows are split over the devices (every core on a CPU) like in training.
         mesh = row_mesh(n_rows)
         if mesh_platform(mesh) == "cpu" and feature_predictor_available():
-            raw = self._predict_raw_native(features, initial, trees, threads=mesh.size)
+            raw = np.array(initial, dtype=np.float32, order="C")
+            predict_raw_features(features, *self._native_walk(start, stop), raw, mesh.size)
             return raw[:, 0] if self.num_outputs == 1 else raw
+        trees = self._checked_trees(start, stop)
         size = padded_size(n_rows, mesh.size)
         initial_padded = np.zeros((size, self.num_outputs), np.float32)
         initial_padded[:n_rows] = initial
@@ -105,17 +118,30 @@ class Model:
                                             missing_bin=self.bin_edges.missing_bin, mesh=mesh))[:n_rows]
         return raw[:, 0] if self.num_outputs == 1 else raw
 
-    def _predict_raw_native(self, features: np.ndarray, initial: np.ndarray, trees: Tree, threads: int) -> np.ndarray:
-        """``predict_raw`` on CPU: raw features against the splits' bin edges, the same routing
-        as the binned path without binning, walked by the native kernel on the host where the
-        rows lie (no device copy of X, no program to compile), ``threads`` ranges of rows at once."""
-        thresholds = self.bin_edges.edges[trees.feature, np.minimum(trees.threshold_bin,
-                                                                    self.bin_edges.edges.shape[1] - 1)]
-        raw = np.array(initial, dtype=np.float32, order="C")
-        predict_raw_features(features, np.ascontiguousarray(packed_nodes(trees), np.int32),
-                             np.ascontiguousarray(thresholds, np.float32),
-                             np.ascontiguousarray(trees.value, np.float32), raw, threads)
-        return raw
+    def _checked_trees(self, start: int, stop: int) -> Tree:
+        """Rounds ``start .. stop-1`` of the trees, after checking that every split's feature exists."""
+        trees = jax.tree_util.tree_map(lambda a: np.asarray(a)[start:stop], self.trees)
+        split_features = trees.feature[~trees.is_leaf]
+        if np.any((split_features < 0) | (split_features >= self.n_features)):
+            raise ValueError(f"the model's trees split on feature indices out of range for its {self.n_features} "
+                             "features: the model is corrupt")
+        return trees
+
+    def _native_walk(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The native CPU predictor's view of rounds ``start .. stop-1``: packed nodes, the
+        splits' bin edges as raw thresholds (``x < edge`` goes left, exactly "bin <= threshold"),
+        leaf values. Prepared once per range: on one row it took 70 of a prediction's 120 us."""
+        walk = self._prepared_walks.get((start, stop))
+        if walk is None:
+            trees = self._checked_trees(start, stop)
+            edges = self.bin_edges.edges
+            thresholds = edges[trees.feature, np.minimum(trees.threshold_bin, edges.shape[1] - 1)]
+            walk = (np.ascontiguousarray(packed_nodes(trees), np.int32), np.ascontiguousarray(thresholds, np.float32),
+                    np.ascontiguousarray(trees.value, np.float32))
+            if len(self._prepared_walks) >= 8:
+                self._prepared_walks.clear()
+            self._prepared_walks[(start, stop)] = walk
+        return walk
 
     def predict(self, X, *, iteration_range: tuple[int, int] | None = None, base_margin=None) -> np.ndarray:
         """Predictions after the link: probabilities for logistic, class probabilities for softmax."""

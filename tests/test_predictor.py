@@ -15,7 +15,7 @@ import pytest
 import jaxboost as jb
 from jaxboost import predictor
 from jaxboost.binning import apply_bins
-from jaxboost.native import feature_predictor_available
+from jaxboost.native import feature_predictor_available, predict_raw_features
 
 pytestmark = pytest.mark.skipif(not feature_predictor_available(),
                                 reason="the native kernels could not be built here; the binned path is tested elsewhere")
@@ -107,10 +107,34 @@ def test_native_walk_over_several_threads_matches_the_binned_path(data):
     rows = np.random.default_rng(12).normal(size=(1037, 6)).astype(np.float32)
     rows[::9, 3] = np.nan
     expected = binned_prediction(model, rows)
-    initial = np.broadcast_to(model.base_score, (len(rows), model.num_outputs))
+    walk = model._native_walk(0, model.num_rounds)
     for threads in (1, 2, 3, 7, 40):
-        np.testing.assert_array_equal(model._predict_raw_native(rows, initial, model.trees, threads), expected,
-                                      err_msg=f"{threads} threads")
+        raw = np.array(np.broadcast_to(model.base_score, (len(rows), model.num_outputs)), np.float32, order="C")
+        predict_raw_features(rows, *walk, raw, threads)
+        np.testing.assert_array_equal(raw, expected, err_msg=f"{threads} threads")
+
+
+def test_prepared_walks_follow_the_rounds_asked_for_and_the_model_stays_unchanged(data):
+    """What the native predictor prepares from a model is kept per range of rounds: predictions
+    over other ranges, before and after, equal the binned path on that model slice; the model's
+    arrays refuse in-place writes (which would leave them stale), and a pickled model carries no
+    prepared arrays."""
+    import pickle
+
+    X, signal = data
+    model = jb.train(X, signal, num_rounds=6, max_depth=3)
+    rows = np.random.default_rng(3).normal(size=(300, 6)).astype(np.float32)
+    for start, stop in [(0, 6), (0, 2), (3, 5), (0, 6), (2, 2)]:
+        np.testing.assert_array_equal(model.predict_raw(rows, iteration_range=(start, stop)),
+                                      binned_prediction(model[start:stop], rows), err_msg=f"rounds {start}-{stop}")
+    assert set(model._prepared_walks) == {(0, 6), (0, 2), (3, 5), (2, 2)}
+    with pytest.raises(ValueError, match="read-only"):
+        model.trees.value[0, 0, 0] = 1.0
+    with pytest.raises(ValueError, match="read-only"):
+        model.bin_edges.edges[0, 0] = 1.0
+    copy = pickle.loads(pickle.dumps(model))
+    assert copy._prepared_walks == {}
+    np.testing.assert_array_equal(copy.predict_raw(rows), model.predict_raw(rows))
 
 
 @pytest.mark.parametrize("outputs", [1, 3])
