@@ -63,11 +63,8 @@ def resolve_link(link: Link) -> Callable:
 
 # Rows per call when a link is applied to predictions: applied to the whole array, a link
 # compiled once per number of rows predicted on (about 40 ms for each new batch size, a hundred
-# times the prediction itself on 1000 rows); on chunks of one size it compiles once. Batches of
-# up to SMALL_LINK_ROWS rows use a chunk of that size (a second program), as padding one row to
-# a full chunk took 40 us against 9 us, a prediction's largest cost on one row.
+# times the prediction itself on 1000 rows); on chunks of one size it compiles once.
 LINK_CHUNK_ROWS = 16384
-SMALL_LINK_ROWS = 256
 
 
 @lru_cache(maxsize=32)
@@ -77,15 +74,14 @@ def _compiled_link(link: Callable) -> Callable:
 
 def apply_link(link: Callable, raw_prediction: np.ndarray) -> np.ndarray:
     """``link`` applied to host raw predictions ``(n,)`` or ``(n, K)``, row by row (a row's
-    prediction depends on its own raw prediction only), in chunks of ``LINK_CHUNK_ROWS`` rows
-    (one chunk of ``SMALL_LINK_ROWS`` for small batches), the last padded with zeros."""
+    prediction depends on its own raw prediction only), in chunks of ``LINK_CHUNK_ROWS`` rows,
+    the last padded with zeros."""
     raw_prediction = np.asarray(raw_prediction, np.float32)
     if link is identity:  # nothing to compute, so nothing to compile
         return raw_prediction
     n_rows = raw_prediction.shape[0]
-    chunk_rows = SMALL_LINK_ROWS if n_rows <= SMALL_LINK_ROWS else LINK_CHUNK_ROWS
-    padded = np.zeros((-(-n_rows // chunk_rows) * chunk_rows,) + raw_prediction.shape[1:], np.float32)
+    padded = np.zeros((-(-n_rows // LINK_CHUNK_ROWS) * LINK_CHUNK_ROWS,) + raw_prediction.shape[1:], np.float32)
     padded[:n_rows] = raw_prediction
     compiled = _compiled_link(link)
-    chunks = [compiled(padded[start:start + chunk_rows]) for start in range(0, padded.shape[0], chunk_rows)]
+    chunks = [compiled(padded[start:start + LINK_CHUNK_ROWS]) for start in range(0, padded.shape[0], LINK_CHUNK_ROWS)]
     return np.concatenate([np.asarray(chunk) for chunk in chunks])[:n_rows]
