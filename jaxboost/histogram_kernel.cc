@@ -1057,7 +1057,7 @@ const char* PredictRaw(const float* x, int64_t n_rows, int64_t n_features, const
   return nullptr;
 }
 
-// A training round's update of the raw predictions// A training round's update of the raw predictions: row i adds, for each output k, the value
+// A training round's update of the raw predictions: row i adds, for each output k, the value
 // at its last-level position, values[k, positions[k, i]] (positions clamped into range, as a
 // gather would). XLA's gather computed the leaf of every row through two small tables and
 // bounds checks, about 4 ns a row; this is one load from a table in L1.
