@@ -33,7 +33,8 @@ How it is measured (``bench_worker.py`` does one run):
   of runs taken in the same turn, which share a busy machine's slow spells.
 * predict s: predicting the test set, second (warm) call; XGBoost uses ``inplace_predict``.
   predict all s: the same on all rows (train and test: 1M on the full classification task),
-  timed after the memory figures are taken.
+  timed after the memory figures are taken. predict 1 row ms: the median latency of one-row
+  predictions (serving one request at a time).
 * peak RSS MB: the child's peak resident memory after data generation (the kernel's high-water
   mark is reset once the data exist; it includes the float32 data and imported modules). A
   memory table per task splits it: RSS at start (data + imports), the peak anonymous memory
@@ -94,7 +95,7 @@ SCALING_DEPTHS = [4, 6, 8, 10]
 # Small data, where the work per node (histogram sums, the split scan) outweighs the work per row.
 SMALL_DATA_ROWS = 12_500
 SCALING_BINS = [64, 256]
-NUMERIC_FIELDS = ["binning_s", "compile_s", "boosting_s", "ms_per_tree", "predict_s", "predict_all_s", "metric",
+NUMERIC_FIELDS = ["binning_s", "compile_s", "boosting_s", "ms_per_tree", "predict_s", "predict_all_s", "predict_row_ms", "metric",
                   "peak_rss_mb", "first_round_s", "warm_round_s", "data_peak_rss_mb", "gpu_peak_mb", "rss_start_mb",
                   "peak_anonymous_mb", "file_rss_mb"]
 # On a GPU only jaxboost and XGBoost run (LightGBM's wheels and scikit-learn are CPU-only).
@@ -283,7 +284,7 @@ def task_table(task: str, summaries: dict[str, dict], device: str = "cpu", ratio
     ``ratios``: each library's run-by-run ratios to the reference library."""
     gpu = device == "gpu"
     header = ["library", "binning s", "compile s", "boosting s", "ms/tree", "predict s", "predict all s",
-              METRIC_NAME[task],
+              "predict 1 row ms", METRIC_NAME[task],
               "peak RSS MB"] + (["peak GPU MB"] if gpu else []) + [f"ms/tree vs {REFERENCE_LIBRARY}",
                                                                   "run by run: median (range)"]
     reference = summaries.get(REFERENCE_LIBRARY, {}).get("ms_per_tree")
@@ -297,6 +298,7 @@ def task_table(task: str, summaries: dict[str, dict], device: str = "cpu", ratio
                      fmt_seconds(summary["compile_s"]) if library.startswith("jaxboost") else "n/a",
                      fmt_seconds(summary["boosting_s"]), fmt_ms(summary["ms_per_tree"]),
                      fmt_seconds(summary["predict_s"]), fmt_seconds(summary.get("predict_all_s")),
+                     "n/a" if summary.get("predict_row_ms") is None else f"{summary['predict_row_ms']:.3f}",
                      "n/a" if metric is None else (f"{metric:.3f}" if task == "regression" else f"{metric:.4f}"),
                      f"{summary['peak_rss_mb']:.0f}"]
                     + ([fmt_megabytes(summary.get("gpu_peak_mb"))] if gpu else [])
@@ -461,7 +463,8 @@ def method_notes(args) -> str:
         "- binning s: jb.Dataset / xgb.QuantileDMatrix / lgb.Dataset(...).construct(); sklearn bins inside fit "
         "(its boosting s includes binning, its ms/tree does not).",
         "- predict s: the test set, second (warm) call; XGBoost: inplace_predict. predict all s: the same on all "
-        "rows (train and test), timed after the memory figures are taken.",
+        "rows (train and test), timed after the memory figures are taken. predict 1 row ms: the median of "
+        "200 one-row predictions (after 200 warm-up calls), the latency of serving one request at a time.",
         f"- ms/tree vs {REFERENCE_LIBRARY}: the ratio of the medians; run by run: the median (and range) of the "
         "ratios of runs taken in the same turn, which share a busy machine's slow spells.",
         "- peak RSS MB: the child's resident-memory high-water mark reset after data generation (includes the "

@@ -13,7 +13,8 @@ It generates the task's data (fixed seed, not timed), resets the process's peak-
 4. predicts the test set twice and times the second (warmed-up) call;
 5. scores the test set (AUC or RMSE, with scikit-learn/NumPy);
 6. records the memory figures, then times a prediction on all rows (train and test: 1M rows
-   on the full classification task), whose copy of the data would otherwise count in them.
+   on the full classification task), whose copy of the data would otherwise count in them, and
+   the median latency of predicting one row at a time.
 
 ms/tree = (time of the R-round train - time of the warm 1-round train) / (R - 1): per-call
 overhead (data placement, starting value, sklearn's binning inside ``fit``) cancels out.
@@ -301,6 +302,24 @@ def timed(function, *args):
     return value, time.perf_counter() - start
 
 
+# Calls of a one-row prediction timed for its latency (median), after as many warm-up calls.
+LATENCY_CALLS = 200
+
+
+def one_row_latency_ms(runner, model, X_test) -> float:
+    """The median time of predicting one row (a different row each call), as when a model
+    serves requests one at a time."""
+    import numpy as np
+    rows = [X_test[i:i + 1] for i in range(LATENCY_CALLS)]
+    for row in rows:
+        runner.predict(model, row)
+    times = []
+    for row in rows:
+        _, seconds = timed(runner.predict, model, row)
+        times.append(seconds)
+    return 1000 * float(np.median(times))
+
+
 def measure(args) -> dict:
     threads = available_cores()
     X_train, X_test, y_train, y_test = make_task(args.task, args.rows)
@@ -340,7 +359,8 @@ def measure(args) -> dict:
         X_all = np.concatenate([X_train, X_test])
         runner.predict(model, X_all)  # warm-up for this shape
         _, predict_all_s = timed(runner.predict, model, X_all)
-        result.update(predict_all_s=predict_all_s, predict_all_rows=len(X_all))
+        result.update(predict_all_s=predict_all_s, predict_all_rows=len(X_all),
+                      predict_row_ms=one_row_latency_ms(runner, model, X_test))
     if gpu_memory is not None:
         result.update(gpu_peak_mb=gpu_memory.stop(), gpu_name=gpu_name())
     return result

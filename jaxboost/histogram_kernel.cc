@@ -1003,16 +1003,20 @@ PredictKernel ChoosePredictKernel() {
   return PredictKernel::kScalar;
 }
 
-// Raw predictions of raw float32 features X (n_rows, n_features), C order: `raw` (n_rows,
-// outputs) holds the starting values and receives the predictions. Trees are (rounds, outputs,
-// nodes) heaps. Called from Python directly (ctypes, which releases the GIL), not through XLA:
-// the rows are read where they lie, with no copy into device buffers and no program to compile.
-// `threads` each walk a contiguous range of rows. Returns nullptr, or what was wrong.
-const char* PredictRaw(const float* x, int64_t n_rows, int64_t n_features, const int32_t* node_info,
-                       const float* thresholds, const float* values, int64_t rounds, int64_t outputs, int64_t nodes,
-                       int64_t threads, float* raw) {
-  if (n_rows < 0 || n_features <= 0 || rounds < 0 || outputs < 0) return "predict kernel: bad sizes";
-  if (n_rows == 0 || rounds == 0 || outputs == 0) return nullptr;
+// A forest checked and re-laid once for many predictions (a model keeps it between calls): on
+// one row, building it was most of a call's time.
+struct PreparedForest {
+  PredictForest forest;
+  int64_t n_features = 0, outputs = 0;
+  PredictKernel kernel = PredictKernel::kScalar;
+};
+
+// Checks trees of (rounds, outputs, nodes) heaps over n_features features and prepares them into
+// *out (nullptr when there is nothing to walk). Returns nullptr, or what was wrong.
+const char* PrepareForest(const int32_t* node_info, const float* thresholds, const float* values, int64_t rounds,
+                          int64_t outputs, int64_t nodes, int64_t n_features, PreparedForest** out) {
+  *out = nullptr;
+  if (n_features <= 0 || rounds < 0 || outputs < 0 || nodes <= 0) return "predict kernel: bad sizes";
   int64_t depth = 0;
   while ((int64_t{2} << depth) - 1 < nodes) ++depth;  // nodes = 2^(depth+1) - 1
   // Checked once here, so the walk itself needs no bounds checks.
@@ -1025,12 +1029,31 @@ const char* PredictRaw(const float* x, int64_t n_rows, int64_t n_features, const
       return "predict kernel: split feature out of range";
     }
   }
-  const PredictForest forest = BuildForest(node_info, thresholds, values, rounds * outputs, depth, n_features);
-  const PredictKernel kernel = ChoosePredictKernel();
+  auto prepared = std::make_unique<PreparedForest>();
+  prepared->forest = BuildForest(node_info, thresholds, values, rounds * outputs, depth, n_features);
+  prepared->n_features = n_features;
+  prepared->outputs = outputs;
+  prepared->kernel = ChoosePredictKernel();
+  *out = prepared.release();
+  return nullptr;
+}
+
+// Raw predictions of raw float32 features X (n_rows, n_features), C order: `raw` (n_rows,
+// outputs) holds the starting values and receives the predictions. Called from Python directly
+// (ctypes, which releases the GIL), not through XLA: the rows are read where they lie, with no
+// copy into device buffers and no program to compile. `threads` each walk a contiguous range of
+// rows. Returns nullptr, or what was wrong.
+const char* PredictPrepared(const PreparedForest* prepared, const float* x, int64_t n_rows, int64_t n_features,
+                            int64_t threads, float* raw) {
+  if (n_rows < 0) return "predict kernel: bad sizes";
+  if (prepared == nullptr || n_rows == 0) return nullptr;
+  if (n_features != prepared->n_features) return "predict kernel: X has another feature count than the trees";
+  const PredictForest& forest = prepared->forest;
+  const int64_t outputs = prepared->outputs;
   auto walk = [&](int64_t begin, int64_t end) {
     const float* rows_x = x + begin * n_features;
     float* rows_raw = raw + begin * outputs;
-    switch (kernel) {
+    switch (prepared->kernel) {
 #ifdef JAXBOOST_X86_DISPATCH
       case PredictKernel::kAvx512:
         PredictRows<kVectorBlockRows>(forest, rows_x, n_features, outputs, end - begin, rows_raw, PredictBlockAvx512);
@@ -1111,12 +1134,21 @@ extern "C" XLA_FFI_Error* JaxboostCumulativeBins(XLA_FFI_CallFrame* call_frame) 
   return kCumulativeBinsHandler(call_frame);
 }
 
-extern "C" const char* JaxboostPredictRaw(const float* x, int64_t n_rows, int64_t n_features,
-                                          const int32_t* node_info, const float* thresholds, const float* values,
-                                          int64_t rounds, int64_t outputs, int64_t nodes, int64_t threads,
-                                          float* raw) {
-  return PredictRaw(x, n_rows, n_features, node_info, thresholds, values, rounds, outputs, nodes, threads, raw);
+extern "C" const char* JaxboostPrepareForest(const int32_t* node_info, const float* thresholds,
+                                             const float* values, int64_t rounds, int64_t outputs, int64_t nodes,
+                                             int64_t n_features, void** forest) {
+  PreparedForest* prepared = nullptr;
+  const char* error = PrepareForest(node_info, thresholds, values, rounds, outputs, nodes, n_features, &prepared);
+  *forest = prepared;
+  return error;
 }
+
+extern "C" const char* JaxboostPredictPrepared(const void* forest, const float* x, int64_t n_rows,
+                                               int64_t n_features, int64_t threads, float* raw) {
+  return PredictPrepared(static_cast<const PreparedForest*>(forest), x, n_rows, n_features, threads, raw);
+}
+
+extern "C" void JaxboostFreeForest(void* forest) { delete static_cast<PreparedForest*>(forest); }
 
 extern "C" XLA_FFI_Error* JaxboostAddPositionValues(XLA_FFI_CallFrame* call_frame) {
   return kAddPositionValuesHandler(call_frame);

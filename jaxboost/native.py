@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 import jax
@@ -125,47 +126,69 @@ def native_target(name: str) -> str | None:
 
 
 @functools.cache
-def _predict_function():
-    function = _load_library().JaxboostPredictRaw
-    function.restype = ctypes.c_char_p
+def _forest_functions():
+    """The native predictor's three entry points: prepare a forest, walk rows through it, free it."""
+    library = _load_library()
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, size, size, pointer, pointer, pointer, size, size, size, size, pointer]
-    return function
+    prepare, walk, free = library.JaxboostPrepareForest, library.JaxboostPredictPrepared, library.JaxboostFreeForest
+    prepare.restype = walk.restype = ctypes.c_char_p
+    prepare.argtypes = [pointer, pointer, pointer, size, size, size, size, ctypes.POINTER(ctypes.c_void_p)]
+    walk.argtypes = [pointer, pointer, size, size, size, pointer]
+    free.restype, free.argtypes = None, [pointer]
+    return prepare, walk, free
 
 
 def feature_predictor_available() -> bool:
-    """Whether ``predict_raw_features`` can run: native kernels on and built."""
+    """Whether ``NativeForest`` can run: native kernels on and built."""
     if not native_enabled():
         return False
     try:
-        _predict_function()
+        _forest_functions()
     except Exception as error:  # noqa: BLE001 - whatever went wrong, the XLA predictor remains
         logger.debug("jaxboost native predictor unavailable, using the XLA predictor: %s", error)
         return False
     return True
 
 
-def predict_raw_features(X: np.ndarray, packed: np.ndarray, thresholds: np.ndarray, values: np.ndarray,
-                         raw: np.ndarray, threads: int) -> None:
-    """Add every tree's leaf value to ``raw`` in place, walking raw features on the host.
+class NativeForest:
+    """Trees checked and laid out once by the native CPU predictor, for walking raw features.
 
-    ``X`` float32 ``(n, d)``; ``packed`` (``predictor.packed_nodes``), ``thresholds`` (the
-    splits' bin edges) and ``values`` shaped ``(rounds, K, nodes)``; ``raw`` float32 ``(n, K)``
-    holding the starting values. A row goes left when ``x < threshold`` (exactly "bin <=
-    threshold_bin") and NaN takes the node's default direction. The C++ walk reads ``X`` where
-    it lies, with ``threads`` threads and without the GIL."""
-    n_rows, n_features = X.shape
-    rounds, outputs, nodes = packed.shape
-    checks = [(X, np.float32, 2), (packed, np.int32, 3), (thresholds, np.float32, 3), (values, np.float32, 3),
-              (raw, np.float32, 2)]
-    for array, dtype, ndim in checks:
-        if array.dtype != dtype or array.ndim != ndim or not array.flags.c_contiguous:
-            raise TypeError(f"predict_raw_features needs C-contiguous {dtype.__name__} arrays of {ndim} dimensions")
-    if thresholds.shape != packed.shape or values.shape != packed.shape or raw.shape != (n_rows, outputs):
-        raise ValueError(f"inconsistent shapes: X {X.shape}, trees {packed.shape}, raw {raw.shape}")
-    if not raw.flags.writeable:
-        raise ValueError("raw must be writeable: it receives the predictions")
-    error = _predict_function()(X.ctypes.data, n_rows, n_features, packed.ctypes.data, thresholds.ctypes.data,
-                                values.ctypes.data, rounds, outputs, nodes, int(threads), raw.ctypes.data)
-    if error:
-        raise ValueError(error.decode())
+    ``packed`` (``predictor.packed_nodes``), ``thresholds`` (the splits' bin edges) and
+    ``values`` are shaped ``(rounds, K, nodes)`` over ``n_features`` features. A row goes left
+    when ``x < threshold`` (exactly "bin <= threshold_bin") and NaN takes the node's default
+    direction. The native copy is freed with this object."""
+
+    def __init__(self, packed: np.ndarray, thresholds: np.ndarray, values: np.ndarray, n_features: int):
+        checks = [(packed, np.int32), (thresholds, np.float32), (values, np.float32)]
+        for array, dtype in checks:
+            if array.dtype != dtype or array.ndim != 3 or not array.flags.c_contiguous:
+                raise TypeError(f"NativeForest needs C-contiguous {dtype.__name__} arrays of 3 dimensions")
+        if thresholds.shape != packed.shape or values.shape != packed.shape:
+            raise ValueError(f"inconsistent tree shapes: {packed.shape}, {thresholds.shape}, {values.shape}")
+        prepare, _, free = _forest_functions()
+        rounds, self.outputs, nodes = packed.shape
+        self.n_features = int(n_features)
+        handle = ctypes.c_void_p()
+        error = prepare(packed.ctypes.data, thresholds.ctypes.data, values.ctypes.data, rounds, self.outputs, nodes,
+                        self.n_features, ctypes.byref(handle))
+        if error:
+            raise ValueError(error.decode())
+        self._handle = handle.value
+        weakref.finalize(self, free, handle.value)
+
+    def add_to(self, X: np.ndarray, raw: np.ndarray, threads: int) -> None:
+        """Add every tree's leaf value to ``raw`` (float32 ``(n, K)``, holding the starting
+        values) in place, for the rows of ``X`` (float32 ``(n, n_features)``). The C++ walk
+        reads ``X`` where it lies, with ``threads`` threads and without the GIL."""
+        for array in (X, raw):
+            if array.dtype != np.float32 or array.ndim != 2 or not array.flags.c_contiguous:
+                raise TypeError("NativeForest.add_to needs C-contiguous float32 arrays of 2 dimensions")
+        if X.shape[1] != self.n_features or raw.shape != (X.shape[0], self.outputs):
+            raise ValueError(f"inconsistent shapes: X {X.shape} for {self.n_features} features, raw {raw.shape} "
+                             f"for {self.outputs} outputs")
+        if not raw.flags.writeable:
+            raise ValueError("raw must be writeable: it receives the predictions")
+        _, walk, _ = _forest_functions()
+        error = walk(self._handle, X.ctypes.data, X.shape[0], X.shape[1], int(threads), raw.ctypes.data)
+        if error:
+            raise ValueError(error.decode())

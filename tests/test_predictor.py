@@ -15,7 +15,7 @@ import pytest
 import jaxboost as jb
 from jaxboost import predictor
 from jaxboost.binning import apply_bins
-from jaxboost.native import feature_predictor_available, predict_raw_features
+from jaxboost.native import feature_predictor_available
 
 pytestmark = pytest.mark.skipif(not feature_predictor_available(),
                                 reason="the native kernels could not be built here; the binned path is tested elsewhere")
@@ -107,14 +107,14 @@ def test_native_walk_over_several_threads_matches_the_binned_path(data):
     rows = np.random.default_rng(12).normal(size=(1037, 6)).astype(np.float32)
     rows[::9, 3] = np.nan
     expected = binned_prediction(model, rows)
-    walk = model._native_walk(0, model.num_rounds)
+    forest = model._native_forest(0, model.num_rounds)
     for threads in (1, 2, 3, 7, 40):
         raw = np.array(np.broadcast_to(model.base_score, (len(rows), model.num_outputs)), np.float32, order="C")
-        predict_raw_features(rows, *walk, raw, threads)
+        forest.add_to(rows, raw, threads)
         np.testing.assert_array_equal(raw, expected, err_msg=f"{threads} threads")
 
 
-def test_prepared_walks_follow_the_rounds_asked_for_and_the_model_stays_unchanged(data):
+def test_prepared_forests_follow_the_rounds_asked_for_and_the_model_stays_unchanged(data):
     """What the native predictor prepares from a model is kept per range of rounds: predictions
     over other ranges, before and after, equal the binned path on that model slice; the model's
     arrays refuse in-place writes (which would leave them stale), and a pickled model carries no
@@ -127,14 +127,43 @@ def test_prepared_walks_follow_the_rounds_asked_for_and_the_model_stays_unchange
     for start, stop in [(0, 6), (0, 2), (3, 5), (0, 6), (2, 2)]:
         np.testing.assert_array_equal(model.predict_raw(rows, iteration_range=(start, stop)),
                                       binned_prediction(model[start:stop], rows), err_msg=f"rounds {start}-{stop}")
-    assert set(model._prepared_walks) == {(0, 6), (0, 2), (3, 5), (2, 2)}
+    assert set(model._prepared_forests) == {(0, 6), (0, 2), (3, 5), (2, 2)}
     with pytest.raises(ValueError, match="read-only"):
         model.trees.value[0, 0, 0] = 1.0
     with pytest.raises(ValueError, match="read-only"):
         model.bin_edges.edges[0, 0] = 1.0
     copy = pickle.loads(pickle.dumps(model))
-    assert copy._prepared_walks == {}
+    assert copy._prepared_forests == {}
     np.testing.assert_array_equal(copy.predict_raw(rows), model.predict_raw(rows))
+
+
+def test_native_forest_refuses_bad_trees_and_rows(data):
+    """The native predictor checks the trees once, when they are prepared (a split on a feature
+    the data do not have, a heap that is not full), and each call's rows (their feature count,
+    their dtype)."""
+    from jaxboost.native import NativeForest
+
+    X, signal = data
+    model = jb.train(X, signal, num_rounds=3, max_depth=3)
+    forest = model._native_forest(0, 3)
+    packed = np.ascontiguousarray(predictor.packed_nodes(model.trees), np.int32)
+    thresholds = np.zeros(packed.shape, np.float32)
+    values = np.ascontiguousarray(model.trees.value, np.float32)
+    split = tuple(np.argwhere(~np.asarray(model.trees.is_leaf))[0])
+    bad = packed.copy()
+    bad[split] = (X.shape[1] + 2) << 10
+    with pytest.raises(ValueError, match="split feature out of range"):
+        NativeForest(bad, thresholds, values, X.shape[1])
+    with pytest.raises(ValueError, match="not a full heap"):
+        NativeForest(packed[..., :-1].copy(), thresholds[..., :-1].copy(), values[..., :-1].copy(), X.shape[1])
+    raw = np.zeros((5, 1), np.float32)
+    with pytest.raises(ValueError, match=r"X \(5, 7\) for 6 features"):
+        forest.add_to(np.zeros((5, 7), np.float32), raw, 1)
+    with pytest.raises(TypeError, match="float32"):
+        forest.add_to(np.zeros((5, X.shape[1]), np.float64), raw, 1)
+    raw[:] = model.base_score
+    forest.add_to(X[:5], raw, 1)
+    np.testing.assert_array_equal(raw[:, 0], model.predict_raw(X[:5]))
 
 
 @pytest.mark.parametrize("outputs", [1, 3])
