@@ -142,8 +142,9 @@ def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = N
     histogram kernel then uses ``kernel_threads``)."""
     global _warned_single_device
     devices = jax.local_devices()
-    if (len(devices) == 1 and devices[0].platform == "cpu" and available_cpu_cores() > 1
-            and n_rows >= 2 * MIN_ROWS_PER_DEVICE and not _warned_single_device):
+    # The cores are counted last: that reads files, and predicting calls this every time.
+    if (len(devices) == 1 and devices[0].platform == "cpu" and n_rows >= 2 * MIN_ROWS_PER_DEVICE
+            and not _warned_single_device and available_cpu_cores() > 1):
         _warned_single_device = True
         warnings.warn("jaxboost is training on one CPU device of a multi-core machine, so the histogram "
                       "kernel uses one core; call jaxboost.use_cpu_cores() before JAX starts (or import "
