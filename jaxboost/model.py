@@ -1,8 +1,11 @@
 """Model: the trained ensemble (tree arrays, bin edges, starting value, link) and prediction.
 
-Prediction bins raw ``X`` with the training edges, walks all trees in one compiled call
-(``predictor.predict_raw_binned``) and applies the loss's inverse link. Rows are padded to a
-few bucket sizes so that predicting on many batch sizes compiles only a few programs.
+On CPU, prediction walks the raw ``X`` through the trees with the native predictor
+(``native.NativeForest``, the splits' bin edges as thresholds), which the model prepares once
+per range of rounds and keeps; elsewhere it bins ``X`` with the training edges and walks all
+trees in one compiled call (``predictor.predict_raw_binned``), rows padded to a few bucket
+sizes so that many batch sizes compile few programs. ``predict`` then applies the loss's
+inverse link (``link.apply_link``).
 """
 
 from __future__ import annotations
