@@ -134,6 +134,37 @@ def test_binning_in_row_blocks_matches_one_block(monkeypatch):
     assert not binning.has_missing_code(apply_bins(np.nan_to_num(X, nan=0.0), bin_edges), bin_edges.missing_bin)
 
 
+def test_threaded_and_serial_binning_agree(monkeypatch):
+    """Binning takes the features in threads only above ``MIN_THREADED_VALUES`` values; both
+    ways give the same edges (weighted too) and codes, and each way is actually taken."""
+    from jaxboost import binning
+
+    rng = np.random.default_rng(8)
+    X = rng.normal(size=(3000, 7)).astype(np.float32)
+    X[rng.uniform(size=X.shape) < 0.05] = np.nan
+    weights = rng.uniform(0.5, 2.0, size=3000)
+    pools = []
+    real_pool = binning.ThreadPoolExecutor
+
+    def counted_pool(*args, **kwargs):
+        pools.append(kwargs.get("max_workers"))
+        return real_pool(*args, **kwargs)
+
+    monkeypatch.setattr(binning, "ThreadPoolExecutor", counted_pool)
+    results = {}
+    for name, threshold in [("serial", 1 << 40), ("threaded", 0)]:
+        monkeypatch.setattr(binning, "MIN_THREADED_VALUES", threshold)
+        monkeypatch.setattr(binning, "available_cpu_cores", lambda: 3)
+        edges, weighted = fit_bin_edges(X, max_bin=64), fit_bin_edges(X, max_bin=64, sample_weight=weights)
+        results[name] = (edges, weighted, apply_bins(X, edges))
+        assert pools == ([] if name == "serial" else [3, 3, 3]), (name, pools)
+    (edges, weighted, codes), (threaded_edges, threaded_weighted, threaded_codes) = results["serial"], results["threaded"]
+    for serial, threaded in [(edges, threaded_edges), (weighted, threaded_weighted)]:
+        np.testing.assert_array_equal(serial.edges, threaded.edges)
+        np.testing.assert_array_equal(serial.n_edges, threaded.n_edges)
+    np.testing.assert_array_equal(codes, threaded_codes)
+
+
 def test_nan_goes_to_the_missing_code():
     rng = np.random.default_rng(4)
     X = rng.normal(size=(500, 3)).astype(np.float32)

@@ -78,11 +78,11 @@ def test_no_control_groups_is_no_limit(tmp_path):
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="affinity masks are Linux-only")
 def test_available_cores_are_the_affinity_mask_capped_by_the_quota(monkeypatch):
     monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(cores, "cgroup_cpu_limit", lambda: None)
+    monkeypatch.setattr(cores, "_process_cgroup_limit", lambda: None)
     assert cores.available_cpu_cores() == 4
-    monkeypatch.setattr(cores, "cgroup_cpu_limit", lambda: 2)
+    monkeypatch.setattr(cores, "_process_cgroup_limit", lambda: 2)
     assert cores.available_cpu_cores() == 2
-    monkeypatch.setattr(cores, "cgroup_cpu_limit", lambda: 8)
+    monkeypatch.setattr(cores, "_process_cgroup_limit", lambda: 8)
     assert cores.available_cpu_cores() == 4
 
 
