@@ -103,3 +103,21 @@ def test_import_gives_one_device_per_core_of_the_affinity_mask(tmp_path):
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "1"]
+
+
+def test_rows_are_sharded_over_no_more_devices_than_cores(monkeypatch):
+    """JAX may hold more CPU devices than the process has cores (set up before jaxboost, or by
+    a flag): rows are then sharded over as many devices as there are cores, and the wide-data
+    kernel takes as many threads."""
+    import jax
+
+    from jaxboost import devices
+
+    n_devices = len(jax.local_devices())
+    rows = 100 * devices.MIN_ROWS_PER_DEVICE
+    for available in (1, 2, 64):
+        monkeypatch.setattr(devices, "available_cpu_cores", lambda available=available: available)
+        assert devices.row_mesh(rows).devices.size == min(n_devices, available)
+        wide = devices.row_mesh(rows, n_features=1000, max_bin=256)
+        assert wide.devices.size == 1
+        assert devices.kernel_threads(wide, 1000, 256) == min(n_devices, available)
