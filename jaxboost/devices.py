@@ -107,6 +107,7 @@ def mesh_platform(mesh: Mesh) -> str:
 
 
 _warned_single_device = False
+_warned_extra_devices = False
 
 
 # Below this many rows per device, the collectives of a sharded round cost more than the
@@ -141,7 +142,7 @@ def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = N
     more devices than the process has cores (``cores.available_cpu_cores``), and one CPU device
     for wide data (``is_wide``, when ``n_features`` and ``max_bin`` are given; its histogram
     kernel then uses ``kernel_threads``)."""
-    global _warned_single_device
+    global _warned_single_device, _warned_extra_devices
     devices = jax.local_devices()
     # The cores are counted last: that reads files, and predicting calls this every time.
     if (len(devices) == 1 and devices[0].platform == "cpu" and n_rows >= 2 * MIN_ROWS_PER_DEVICE
@@ -158,7 +159,15 @@ def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = N
             # JAX may have more CPU devices than the process has cores (set up before jaxboost,
             # or by a user's flag); they would wait on each other at every level's sum (16
             # devices on 2 cores: 27.9 ms a tree against 2 devices' 11.7).
-            used = min(used, available_cpu_cores())
+            cores = available_cpu_cores()
+            if len(devices) > cores and not _warned_extra_devices:
+                _warned_extra_devices = True
+                warnings.warn(f"JAX has {len(devices)} CPU devices but this process may use {cores} cores: jaxboost "
+                              f"shards rows over {cores} of them, and the others' threads still slow training (16 "
+                              "devices on 2 cores: 21 against 13 ms a tree); set XLA_FLAGS=--xla_force_host_platform_"
+                              f"device_count={cores} or call jaxboost.use_cpu_cores() before JAX starts",
+                              RuntimeWarning, stacklevel=3)
+            used = min(used, cores)
     return Mesh(np.array(devices[:used]), (ROW_AXIS,))
 
 

@@ -113,11 +113,19 @@ def test_rows_are_sharded_over_no_more_devices_than_cores(monkeypatch):
 
     from jaxboost import devices
 
+    import warnings
+
     n_devices = len(jax.local_devices())
     rows = 100 * devices.MIN_ROWS_PER_DEVICE
+    monkeypatch.setattr(devices, "_warned_extra_devices", False)
     for available in (1, 2, 64):
         monkeypatch.setattr(devices, "available_cpu_cores", lambda available=available: available)
-        assert devices.row_mesh(rows).devices.size == min(n_devices, available)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert devices.row_mesh(rows).devices.size == min(n_devices, available)
+        # Warned once, when there are more devices than cores.
+        extra = [w for w in caught if "CPU devices but this process may use" in str(w.message)]
+        assert len(extra) == (1 if available == 1 and n_devices > 1 else 0), (available, [str(w.message) for w in caught])
         wide = devices.row_mesh(rows, n_features=1000, max_bin=256)
         assert wide.devices.size == 1
         assert devices.kernel_threads(wide, 1000, 256) == min(n_devices, available)
