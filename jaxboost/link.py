@@ -70,27 +70,39 @@ def resolve_link(link: Link) -> Callable:
 # sigmoid 90 us of a 110 us prediction (30 us in steps of 256 rows; 1M rows 4.1 -> 4.5 ms).
 LINK_CHUNK_ROWS = 2048
 LINK_STEP_ROWS = 256
+# On a GPU or TPU each loop step would be a kernel launch of its own: the link runs on whole
+# chunks there, larger ones.
+ACCELERATOR_LINK_CHUNK_ROWS = 16384
 
 
 @lru_cache(maxsize=32)
-def _compiled_link(link: Callable) -> Callable:
-    def in_steps(raw_prediction):
+def _compiled_link(link: Callable, in_steps: bool) -> Callable:
+    if not in_steps:
+        return jax.jit(link)
+
+    def stepped(raw_prediction):
         steps = jax.lax.map(link, raw_prediction.reshape((-1, LINK_STEP_ROWS) + raw_prediction.shape[1:]))
         return steps.reshape((raw_prediction.shape[0],) + steps.shape[2:])
 
-    return jax.jit(in_steps)
+    return jax.jit(stepped)
+
+
+def link_layout() -> tuple[int, bool]:
+    """``(rows a chunk, whether in steps of LINK_STEP_ROWS)`` for JAX's default backend."""
+    return (LINK_CHUNK_ROWS, True) if jax.default_backend() == "cpu" else (ACCELERATOR_LINK_CHUNK_ROWS, False)
 
 
 def apply_link(link: Callable, raw_prediction: np.ndarray) -> np.ndarray:
     """``link`` applied to host raw predictions ``(n,)`` or ``(n, K)``, row by row (a row's
-    prediction depends on its own raw prediction only), in chunks of ``LINK_CHUNK_ROWS`` rows,
+    prediction depends on its own raw prediction only), in chunks of one size (``link_layout``),
     the last padded with zeros."""
     raw_prediction = np.asarray(raw_prediction, np.float32)
     if link is identity:  # nothing to compute, so nothing to compile
         return raw_prediction
+    chunk_rows, in_steps = link_layout()
     n_rows = raw_prediction.shape[0]
-    padded = np.zeros((-(-n_rows // LINK_CHUNK_ROWS) * LINK_CHUNK_ROWS,) + raw_prediction.shape[1:], np.float32)
+    padded = np.zeros((-(-n_rows // chunk_rows) * chunk_rows,) + raw_prediction.shape[1:], np.float32)
     padded[:n_rows] = raw_prediction
-    compiled = _compiled_link(link)
-    chunks = [compiled(padded[start:start + LINK_CHUNK_ROWS]) for start in range(0, padded.shape[0], LINK_CHUNK_ROWS)]
+    compiled = _compiled_link(link, in_steps)
+    chunks = [compiled(padded[start:start + chunk_rows]) for start in range(0, padded.shape[0], chunk_rows)]
     return np.concatenate([np.asarray(chunk) for chunk in chunks])[:n_rows]

@@ -944,7 +944,7 @@ def test_identity_link_is_returned_without_compiling(monkeypatch):
     X, y = _regression_data()
     model = jb.train(X, y, num_rounds=2, max_depth=DEPTH)
 
-    def no_compiling(function):
+    def no_compiling(function, in_steps):
         raise AssertionError(f"the link {function.__name__} was compiled")
     monkeypatch.setattr(link, "_compiled_link", no_compiling)
     np.testing.assert_array_equal(model.predict(X), model.predict_raw(X))
@@ -952,21 +952,27 @@ def test_identity_link_is_returned_without_compiling(monkeypatch):
         link.apply_link(link.sigmoid, model.predict_raw(X))
 
 
-def test_predict_applies_the_link_in_fixed_chunks_compiled_once():
-    """The link is applied to chunks of ``LINK_CHUNK_ROWS`` rows (the last zero-padded), so new
-    batch sizes do not compile it again; the result is the link of the raw predictions, row for
-    row, for one output and for a row-wise link over several (softmax)."""
-    from jaxboost.link import LINK_CHUNK_ROWS, _compiled_link
+def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
+    """The link is applied to chunks of one size (the last zero-padded), so new batch sizes do
+    not compile it again; the result is the link of the raw predictions, row for row, for one
+    output and for a row-wise link over several (softmax). On CPU a chunk's rows go through the
+    link in steps; the layout for GPUs and TPUs (whole, larger chunks) gives the same values."""
+    from jaxboost import link as links
 
     rng = np.random.default_rng(5)
-    n_rows = LINK_CHUNK_ROWS + 123  # one full chunk and a partial one
+    n_rows = links.ACCELERATOR_LINK_CHUNK_ROWS + 123  # a full chunk and a partial one in either layout
     X = rng.normal(size=(n_rows, 4)).astype(np.float32)
     labels = np.digitize(X[:, 0] + 0.3 * rng.normal(size=n_rows), [-0.5, 0.5]).astype(np.float32)
+    assert links.link_layout() == (links.LINK_CHUNK_ROWS, True)
+    accelerator_layout = (links.ACCELERATOR_LINK_CHUNK_ROWS, False)
     for loss, y in [("logistic", (labels > 0).astype(np.float32)), ("softmax", labels)]:
         model = jb.train(X[:3000], y[:3000], loss=loss, num_rounds=3, max_depth=3)
-        compiled = _compiled_link(model.link)
-        for rows in (1, 7, 3000, n_rows):
-            raw = model.predict_raw(X[:rows])
-            np.testing.assert_allclose(model.predict(X[:rows]), np.asarray(model.link(jnp.asarray(raw))),
-                                       rtol=1e-6, atol=1e-7, err_msg=f"{loss}, {rows} rows")
-        assert compiled._cache_size() == 1, f"{loss}: the link compiled {compiled._cache_size()} times"
+        for layout in [links.link_layout(), accelerator_layout]:
+            monkeypatch.setattr(links, "link_layout", lambda layout=layout: layout)
+            compiled = links._compiled_link(model.link, layout[1])
+            for rows in (1, 7, 3000, n_rows):
+                raw = model.predict_raw(X[:rows])
+                np.testing.assert_allclose(model.predict(X[:rows]), np.asarray(model.link(jnp.asarray(raw))),
+                                           rtol=1e-6, atol=1e-7, err_msg=f"{loss}, {rows} rows, layout {layout}")
+            assert compiled._cache_size() == 1, f"{loss}: the link compiled {compiled._cache_size()} times"
+            monkeypatch.undo()
