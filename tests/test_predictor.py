@@ -137,6 +137,24 @@ def test_prepared_forests_follow_the_rounds_asked_for_and_the_model_stays_unchan
     np.testing.assert_array_equal(copy.predict_raw(rows), model.predict_raw(rows))
 
 
+def test_threads_predicting_at_once_share_the_prepared_forests(data):
+    """Serving threads predict on one model at once (the native walk runs without the GIL),
+    over ranges of rounds that fill and clear the model's prepared forests: every prediction
+    equals the one made alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    X, signal = data
+    model = jb.train(X, signal, num_rounds=12, max_depth=3)
+    rows = np.random.default_rng(4).normal(size=(500, 6)).astype(np.float32)
+    ranges = [(0, stop) for stop in range(1, 13)] * 4
+    expected = {r: binned_prediction(model[r[0]:r[1]], rows) for r in set(ranges)}
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda r: (r, model.predict_raw(rows, iteration_range=r)), ranges))
+    for r, prediction in results:
+        np.testing.assert_array_equal(prediction, expected[r], err_msg=f"rounds {r}")
+    assert len(model._prepared_forests) <= 8
+
+
 def test_native_forest_refuses_bad_trees_and_rows(data):
     """The native predictor checks the trees once, when they are prepared (a split on a feature
     the data do not have, a heap that is not full), and each call's rows (their feature count,
