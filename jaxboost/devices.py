@@ -144,7 +144,8 @@ def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = N
     kernel then uses ``kernel_threads``)."""
     global _warned_single_device, _warned_extra_devices
     devices = jax.local_devices()
-    # The cores are counted last: that reads files, and predicting calls this every time.
+    # The cores are counted last (a system call, and the cgroup files once): predicting calls this
+    # every time.
     if (len(devices) == 1 and devices[0].platform == "cpu" and n_rows >= 2 * MIN_ROWS_PER_DEVICE
             and not _warned_single_device and available_cpu_cores() > 1):
         _warned_single_device = True
