@@ -30,6 +30,9 @@ from .validation import check_base_margin, check_features
 class Model:
     """A trained jaxboost ensemble.
 
+    A model does not change: its tree and bin-edge arrays are read-only, and ``with_leaf_values``
+    or slicing (``model[a:b]``) make new models.
+
     Attributes:
       trees: node arrays shaped ``(rounds, num_outputs, nodes)`` (NumPy).
       bin_edges: the training data's bin edges.
