@@ -71,7 +71,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_worker import available_cores
+from bench_worker import TASK_FEATURES, available_cores
 
 EXPERIMENTS = Path(__file__).resolve().parent
 REPO_ROOT = EXPERIMENTS.parent
@@ -84,7 +84,6 @@ OPTIONAL_LIBRARIES = ["jaxboost-custom"]
 TASKS = ["classification", "regression"]
 # Not run by default: "wide", classification with 500 features (``--tasks wide``).
 OPTIONAL_TASKS = ["wide"]
-TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500}
 METRIC_NAME = {"classification": "test AUC", "regression": "test RMSE", "wide": "test AUC"}
 REFERENCE_LIBRARY = "xgboost"
 QUIET_LOAD = 0.5

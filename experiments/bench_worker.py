@@ -31,6 +31,7 @@ be imported gives ``{"status": "not installed"}``.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -47,7 +48,7 @@ MIN_HESSIAN = 1.0  # XGBoost min_child_weight, LightGBM min_sum_hessian_in_leaf,
 SEED = 0
 # Tasks scored as binary classification; "wide" is the classification task with 500 features.
 CLASSIFICATION_TASKS = ("classification", "wide")
-WIDE_FEATURES = 500
+TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500}
 
 
 # ----------------------------------------------------------------------------- data
@@ -59,13 +60,13 @@ def make_task(task: str, rows: int):
     from sklearn.model_selection import train_test_split
 
     if task == "classification":
-        X, y = make_classification(n_samples=rows, n_features=28, n_informative=14, n_redundant=4,
+        X, y = make_classification(n_samples=rows, n_features=TASK_FEATURES[task], n_informative=14, n_redundant=4,
                                    random_state=SEED)
     elif task == "wide":
-        X, y = make_classification(n_samples=rows, n_features=WIDE_FEATURES, n_informative=50, n_redundant=10,
+        X, y = make_classification(n_samples=rows, n_features=TASK_FEATURES[task], n_informative=50, n_redundant=10,
                                    random_state=SEED)
     elif task == "regression":
-        X, y = make_regression(n_samples=rows // 2, n_features=50, n_informative=20, noise=10,
+        X, y = make_regression(n_samples=rows // 2, n_features=TASK_FEATURES[task], n_informative=20, noise=10,
                                random_state=SEED)
     else:
         raise ValueError(f"unknown task {task!r}")
@@ -286,6 +287,7 @@ RUNNERS = {"jaxboost": JaxboostRunner, "jaxboost-custom": JaxboostCustomLossRunn
 
 # ----------------------------------------------------------------------------- measurement
 
+@functools.cache
 def available_cores() -> int:
     """The cores this process may use, counted as jaxboost counts them (``jaxboost/cores.py``,
     loaded on its own so that the other libraries' processes do not import JAX); every library

@@ -1012,7 +1012,7 @@ struct PreparedForest {
 };
 
 // Checks trees of (rounds, outputs, nodes) heaps over n_features features and prepares them into
-// *out (nullptr when there is nothing to walk). Returns nullptr, or what was wrong.
+// *out (left nullptr when they are wrong). Returns nullptr, or what was wrong.
 const char* PrepareForest(const int32_t* node_info, const float* thresholds, const float* values, int64_t rounds,
                           int64_t outputs, int64_t nodes, int64_t n_features, PreparedForest** out) {
   *out = nullptr;
