@@ -944,7 +944,11 @@ def test_train_many_computing_derivatives_in_chunks_grows_the_same_trees(monkeyp
 def _assert_same_splits(chunked, whole, X):
     for field in ("feature", "threshold_bin", "is_leaf", "default_left"):
         np.testing.assert_array_equal(getattr(chunked.trees, field), getattr(whole.trees, field), err_msg=field)
-    np.testing.assert_allclose(chunked.trees.value, whole.trees.value, rtol=1e-5, atol=1e-6)
+    # The chunks' derivatives may differ from the whole's in the last bit (other vector
+    # widths). Vector leaves solve with softmax's Hessian, singular but for lambda, which
+    # magnifies that: values then agreed to 2e-5 of themselves, or 1.2e-6 where small (-0.00143).
+    scale = np.abs(whole.trees.value).max()
+    np.testing.assert_allclose(chunked.trees.value, whole.trees.value, rtol=5e-5, atol=1e-5 * scale)
     np.testing.assert_allclose(chunked.predict_raw(X), whole.predict_raw(X), rtol=1e-5, atol=1e-6)
 
 
