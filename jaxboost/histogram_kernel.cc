@@ -567,6 +567,73 @@ ffi::Error FirstMaximumImpl(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi:
   return ffi::Error::Success();
 }
 
+// Sorts float32 keys ascending, carrying float32 payloads along (the AUC's sort of a whole
+// eval set every round). XLA's CPU sort calls a compiled comparator per comparison: 36 ms for
+// 200k keys. This is an LSD radix sort of the keys' order-preserving bit patterns, 11 bits a
+// pass (3 passes), on (key, row) pairs, then one gather of each payload: stable, O(n).
+// Keys: -0.0 sorts before +0.0, and NaNs after +inf (with the sign bit: before -inf).
+ffi::Error SortByKeyImpl(ffi::Buffer<ffi::F32> keys, ffi::RemainingArgs payloads, ffi::ResultBuffer<ffi::F32> sorted_keys,
+                         ffi::RemainingRets sorted_payloads) {
+  const int64_t n = static_cast<int64_t>(keys.element_count());
+  if (keys.dimensions().size() != 1 || static_cast<int64_t>(sorted_keys->element_count()) != n ||
+      payloads.size() != sorted_payloads.size()) {
+    return ffi::Error::InvalidArgument("sort-by-key kernel: expected (n,) keys and as many payloads as results");
+  }
+  constexpr int kRadixBits = 11;
+  constexpr uint32_t kRadixSize = 1u << kRadixBits;
+  std::vector<uint32_t> order_bits(n), order_bits_next(n);
+  std::vector<int32_t> rows(n), rows_next(n);
+  const float* key = keys.typed_data();
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, key + i, sizeof(bits));
+    // Negative floats order backwards in their bits: flip them all; positives: flip the sign.
+    order_bits[i] = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    rows[i] = static_cast<int32_t>(i);
+  }
+  std::vector<int64_t> counts(kRadixSize);
+  for (int shift = 0; shift < 32; shift += kRadixBits) {
+    std::fill(counts.begin(), counts.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++counts[(order_bits[i] >> shift) & (kRadixSize - 1)];
+    // A digit that every key shares leaves the order as it is.
+    if (*std::max_element(counts.begin(), counts.end()) == n) continue;
+    int64_t start = 0;
+    for (uint32_t digit = 0; digit < kRadixSize; ++digit) {
+      const int64_t count = counts[digit];
+      counts[digit] = start;
+      start += count;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t to = counts[(order_bits[i] >> shift) & (kRadixSize - 1)]++;
+      order_bits_next[to] = order_bits[i];
+      rows_next[to] = rows[i];
+    }
+    order_bits.swap(order_bits_next);
+    rows.swap(rows_next);
+  }
+  float* out = sorted_keys->typed_data();
+  for (int64_t i = 0; i < n; ++i) out[i] = key[rows[i]];
+  for (size_t p = 0; p < payloads.size(); ++p) {
+    auto payload = payloads.get<ffi::Buffer<ffi::F32>>(p);
+    auto result = sorted_payloads.get<ffi::Buffer<ffi::F32>>(p);
+    if (payload.has_error() || result.has_error() || static_cast<int64_t>(payload->element_count()) != n ||
+        static_cast<int64_t>((*result)->element_count()) != n) {
+      return ffi::Error::InvalidArgument("sort-by-key kernel: payloads and results must be float32 (n,)");
+    }
+    const float* from = payload->typed_data();
+    float* to = (*result)->typed_data();
+    for (int64_t i = 0; i < n; ++i) to[i] = from[rows[i]];
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kSortByKeyHandler, SortByKeyImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .RemainingArgs()
+                           .Ret<ffi::Buffer<ffi::F32>>()
+                           .RemainingRets());
+
 XLA_FFI_DEFINE_HANDLER(kFirstMaximumHandler, FirstMaximumImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::F32>>()
@@ -1128,6 +1195,10 @@ extern "C" XLA_FFI_Error* JaxboostRouteHistogram(XLA_FFI_CallFrame* call_frame) 
 
 extern "C" XLA_FFI_Error* JaxboostFirstMaximum(XLA_FFI_CallFrame* call_frame) {
   return kFirstMaximumHandler(call_frame);
+}
+
+extern "C" XLA_FFI_Error* JaxboostSortByKey(XLA_FFI_CallFrame* call_frame) {
+  return kSortByKeyHandler(call_frame);
 }
 
 extern "C" XLA_FFI_Error* JaxboostCumulativeBins(XLA_FFI_CallFrame* call_frame) {

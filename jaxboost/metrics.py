@@ -21,8 +21,11 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional, Union
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+
+from .native import SORT_BY_KEY_TARGET, native_target
 
 __all__ = [
     "EPS",
@@ -126,6 +129,32 @@ def error(y, y_pred, sample_weight=None) -> jnp.ndarray:
     return _weighted_mean(per_row, w)
 
 
+def sort_by_key(keys: jnp.ndarray, *payloads: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
+    """float32 ``(n,)`` keys sorted ascending, with float32 ``(n,)`` payloads carried along
+    (the order among equal keys is unspecified: ``lax.sort`` is not stable). The native sort
+    orders -0.0 before +0.0 and subnormals by value, which XLA's CPU sort takes as equal: the
+    same order, refined.
+
+    On CPU a native radix sort does it: XLA's CPU sort calls a compiled comparator for every
+    comparison (36 ms for 200k keys against 1.5 ms), and AUC sorts a whole eval set every
+    round."""
+    arrays = tuple(jnp.asarray(a, jnp.float32) for a in (keys, *payloads))
+    target = native_target(SORT_BY_KEY_TARGET)
+
+    def xla(*arrays):
+        return tuple(lax.sort(arrays, num_keys=1))
+
+    if target is None:
+        return xla(*arrays)
+
+    def native(*arrays):
+        results = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in arrays)
+        return tuple(jax.ffi.ffi_call(target, results, vmap_method="sequential")(*arrays))
+
+    # Chosen when lowering: the FFI target exists only on CPU.
+    return lax.platform_dependent(*arrays, cpu=native, default=xla)
+
+
 def auc(y, y_pred, sample_weight=None) -> jnp.ndarray:
     """Weighted area under the ROC curve, ties counted one half (as scikit-learn).
 
@@ -152,7 +181,7 @@ def auc(y, y_pred, sample_weight=None) -> jnp.ndarray:
     w_pos = jnp.where(keep, w * y, 0.0)
     w_neg = jnp.where(keep, w * (1.0 - y), 0.0)
 
-    p_s, pos_s, neg_s = lax.sort((p, w_pos, w_neg), num_keys=1)
+    p_s, pos_s, neg_s = sort_by_key(p, w_pos, w_neg)
 
     idx = jnp.arange(n, dtype=jnp.int32)
     new_run = jnp.concatenate([jnp.ones((1,), bool), p_s[1:] != p_s[:-1]])

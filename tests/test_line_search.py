@@ -275,7 +275,8 @@ def test_softmax_starting_value_is_solved_by_newton_steps_to_float32_resolution(
     assert bool(converged), "Newton's steps should finish a smooth loss"
     start = np.asarray(starting_value(SOFTMAX_TEN, *args), np.float64)
     np.testing.assert_allclose(start - start.mean(), expected - expected.mean(), atol=2e-6)
-    np.testing.assert_array_equal(start, np.asarray(constant))
+    # The same steps (the starting value's program has its own compiler options: rounding).
+    np.testing.assert_allclose(start, np.asarray(constant), atol=1e-6)
 
 
 def gaussian_loss(f, y):

@@ -253,3 +253,51 @@ def test_default_weights_and_column_predictions():
         # sample_weight=None means all ones; an (n, 1) prediction column is accepted.
         got = float(jax.jit(lambda a, b: fn(a, b, None))(jnp.asarray(y), jnp.asarray(p)[:, None]))
         np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- sort_by_key
+
+
+def _lax_sorted(keys, *payloads):
+    return jax.jit(lambda *arrays: jax.lax.sort(arrays, num_keys=1))(keys, *payloads)
+
+
+@pytest.mark.parametrize("n", [1, 2, 2049, 20_000])
+def test_sort_by_key_matches_lax_sort(n):
+    """The native radix sort on CPU orders keys as ``lax.sort`` does (negatives, signed zeros,
+    infinities, heavy ties) and carries each payload with its key."""
+    from jaxboost import native
+
+    if native.native_target(native.SORT_BY_KEY_TARGET) is None:
+        pytest.skip("native kernels unavailable (JAXBOOST_NATIVE=0 or no compiler)")
+    rng = np.random.default_rng(n)
+    keys = rng.normal(scale=100, size=n).astype(np.float32)
+    # Not subnormals: XLA's CPU sort takes them as zero, the native sort orders them by value.
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 1e-30, -1e-30], np.float32)
+    keys[: n // 3] = np.round(keys[: n // 3])  # ties
+    chosen = rng.random(n) < 0.1
+    keys[chosen] = rng.choice(special, size=int(chosen.sum()))
+    row = np.arange(n, dtype=np.float32)  # a payload that names each key's row
+    other = rng.random(n).astype(np.float32)
+    native_keys, native_row, native_other = jax.jit(metrics.sort_by_key)(keys, row, other)
+    lax_keys, _, _ = _lax_sorted(keys, row, other)
+    np.testing.assert_array_equal(np.asarray(native_keys), np.asarray(lax_keys))
+    taken = np.asarray(native_row).astype(np.int64)
+    assert sorted(taken.tolist()) == list(range(n)), "each row once"
+    np.testing.assert_array_equal(keys[taken], np.asarray(native_keys))
+    np.testing.assert_array_equal(other[taken], np.asarray(native_other))
+    sorted_keys = np.asarray(native_keys)
+    assert np.all(sorted_keys[1:] >= sorted_keys[:-1])
+
+
+def test_sort_by_key_runs_natively_on_cpu_and_under_vmap():
+    from jaxboost import native
+
+    if native.native_target(native.SORT_BY_KEY_TARGET) is None:
+        pytest.skip("native kernels unavailable (JAXBOOST_NATIVE=0 or no compiler)")
+    keys = jnp.asarray(np.random.default_rng(0).normal(size=(3, 500)).astype(np.float32))
+    lowered = jax.jit(jax.vmap(metrics.sort_by_key)).lower(keys, -keys).as_text()
+    assert native.SORT_BY_KEY_TARGET in lowered
+    sorted_keys, payload = jax.jit(jax.vmap(metrics.sort_by_key))(keys, -keys)
+    np.testing.assert_array_equal(np.asarray(sorted_keys), np.sort(np.asarray(keys), axis=1))
+    np.testing.assert_array_equal(np.asarray(payload), -np.asarray(sorted_keys))
