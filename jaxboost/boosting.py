@@ -159,17 +159,34 @@ def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array
     """The constant per output minimising the weighted loss; compiled for the default backend.
 
     One output: one exact 1-D minimisation. Several: Newton steps on the whole vector, then,
-    unless they end at a stationary point, coordinate sweeps of exact 1-D minimisations."""
-    return _compiled_starting_value(jax.default_backend())(objective, raw_prediction, y, weights, loss_params)
+    unless they end at a stationary point, coordinate sweeps of exact 1-D minimisations (a
+    program of their own, compiled only for a loss that needs them)."""
+    platform = jax.default_backend()
+    start = jnp.zeros(objective.num_outputs, raw_prediction.dtype)
+    if objective.num_outputs == 1:
+        return _compiled_starting_value(platform, "sweeps")(objective, raw_prediction, y, weights, loss_params, start)
+    constant, converged = _compiled_starting_value(platform, "newton")(objective, raw_prediction, y, weights,
+                                                                        loss_params)
+    sweeps = _compiled_starting_value(platform, "sweeps")
+    if isinstance(converged, jax.core.Tracer):
+        # Traced (train_many vmaps this over its models): each model takes its own result.
+        return jnp.where(converged, constant, sweeps(objective, raw_prediction, y, weights, loss_params, constant))
+    if bool(converged):
+        return constant
+    return sweeps(objective, raw_prediction, y, weights, loss_params, constant)
 
 
 @lru_cache(maxsize=None)
-def _compiled_starting_value(platform: str):
-    return jax.jit(_starting_value, static_argnames="objective", compiler_options=compiler_options(platform))
+def _compiled_starting_value(platform: str, method: str):
+    function = newton_constant if method == "newton" else _coordinate_sweeps
+    return jax.jit(function, static_argnames="objective", compiler_options=compiler_options(platform))
 
 
-def _starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
-                    loss_params: dict | None = None) -> jax.Array:
+def _coordinate_sweeps(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
+                       loss_params: dict | None, start: jax.Array) -> jax.Array:
+    """Sweeps over the outputs from ``start``, each output set by an exact 1-D minimisation given
+    the others, until a sweep moves none by more than ``SWEEP_TOLERANCE`` (one output: one
+    minimisation, no loop)."""
     no_penalty = Regularization(jnp.float32(0), jnp.float32(0), jnp.float32(0))
     segment_ids = jnp.zeros(y.shape[0], jnp.int32)
 
@@ -187,14 +204,9 @@ def _starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
         _, change, sweeps = state
         return (change > SWEEP_TOLERANCE) & (sweeps < MAX_SWEEPS)
 
-    def sweeps_from(start):
-        return jax.lax.while_loop(unsettled, sweep, (start, jnp.float32(jnp.inf), 0))[0]
-
-    start = jnp.zeros(objective.num_outputs, raw_prediction.dtype)
     if objective.num_outputs == 1:
-        return solve_output(0, start)  # one exact minimisation: no loop to compile
-    constant, converged = newton_constant(objective, raw_prediction, y, weights, loss_params)
-    return jax.lax.cond(converged, lambda c: c, sweeps_from, constant)
+        return solve_output(0, start)
+    return jax.lax.while_loop(unsettled, sweep, (start, jnp.float32(jnp.inf), 0))[0]
 
 
 def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
@@ -246,12 +258,12 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
 
         def sufficient(length):
             # False for a NaN loss or step: the steps stop and the sweeps take over.
-            moved = constant + length * direction
-            decrease = weighted_sum(row_losses(moved) - losses_before)
+            losses, slopes = jax.jvp(lambda t: row_losses(constant + t * direction), (length,), (jnp.float32(1),))
+            decrease = weighted_sum(losses - losses_before)
             # Near the minimiser float32 cannot resolve the decrease any more, but the slope
             # along the step still shows whether it went most of the way to the line's minimum.
             unresolved = length * jnp.abs(slope) <= LOSS_RESOLUTION * loss_scale
-            flatter = jnp.abs(gradient(moved) @ direction) <= 0.5 * jnp.abs(slope)
+            flatter = jnp.abs(weighted_sum(slopes)) <= 0.5 * jnp.abs(slope)
             return (decrease <= SUFFICIENT_DECREASE * length * slope) | (unresolved & flatter)
 
         def halve(search):
@@ -264,7 +276,7 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
 
         # A full step this small is taken as it is: the loss cannot resolve its decrease.
         small = jnp.all(jnp.abs(direction) <= STEP_TOLERANCE * jnp.maximum(1.0, jnp.abs(constant)))
-        length, accepted, _ = jax.lax.while_loop(too_long, halve, (jnp.float32(1), small | sufficient(1.0), 0))
+        length, accepted, _ = jax.lax.while_loop(too_long, halve, (jnp.float32(1), small | sufficient(jnp.float32(1)), 0))
         converged = small & stationary
         # A small step at a point that is not stationary: no curvature to go on.
         stalled = ~accepted | (small & ~stationary)
