@@ -11,6 +11,9 @@ Tasks (data generated with a fixed seed, float32, 80/20 train/test split):
   error, scored by test RMSE;
 * wide (only with ``--tasks wide``): ``make_classification(rows, 500 features, 50 informative,
   10 redundant)``, as classification: data whose histograms outgrow the caches.
+* multiclass (only with ``--tasks multiclass``): ``make_classification(rows // 5, 28 features,
+  14 informative, 4 redundant, 10 classes)``, softmax (one tree per class and round), scored by
+  test log loss.
 
 Every library gets the same settings: ``--rounds`` trees of depth ``--depth`` (LightGBM and
 sklearn: at most 2^depth leaves), learning rate 0.1, L2 lambda 1, minimum leaf Hessian 1
@@ -71,7 +74,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_worker import TASK_FEATURES, available_cores
+from bench_worker import MULTICLASS_TASKS, NUM_CLASSES, TASK_FEATURES, available_cores, task_samples
 
 EXPERIMENTS = Path(__file__).resolve().parent
 REPO_ROOT = EXPERIMENTS.parent
@@ -82,9 +85,11 @@ LIBRARIES = ["jaxboost", "xgboost", "lightgbm", "sklearn"]
 # "a custom loss costs the same per round as a built-in" comparison.
 OPTIONAL_LIBRARIES = ["jaxboost-custom"]
 TASKS = ["classification", "regression"]
-# Not run by default: "wide", classification with 500 features (``--tasks wide``).
-OPTIONAL_TASKS = ["wide"]
-METRIC_NAME = {"classification": "test AUC", "regression": "test RMSE", "wide": "test AUC"}
+# Not run by default: "wide", classification with 500 features (``--tasks wide``), and
+# "multiclass", 10 classes.
+OPTIONAL_TASKS = ["wide", "multiclass"]
+METRIC_NAME = {"classification": "test AUC", "regression": "test RMSE", "wide": "test AUC",
+               "multiclass": "test log loss"}
 REFERENCE_LIBRARY = "xgboost"
 QUIET_LOAD = 0.5
 RUN_TIMEOUT_S = 3 * 3600
@@ -347,9 +352,11 @@ def run_tasks(args, runner: Runner) -> list[str]:
                 runner.run(library, task, args.rows, args.depth, args.max_bin, repeats=repeat)
         summaries = {library: runner.run(library, task, args.rows, args.depth, args.max_bin)
                      for library in args.libraries}
-        n_samples = args.rows // 2 if task == "regression" else args.rows
+        n_samples = task_samples(task, args.rows)
         title = (f"## {task}: {n_samples:,} samples ({int(n_samples * 0.8):,} train) x {TASK_FEATURES[task]} features, "
                  f"{args.rounds} rounds, depth {args.depth}, {args.max_bin} bins")
+        if task in MULTICLASS_TASKS:
+            title += f", {NUM_CLASSES} classes (a round grows {NUM_CLASSES} trees: ms/tree is ms a round)"
         config = (task, args.rows, args.depth, args.max_bin)
         ratios = {library: turn_ratios(runner, library, config) for library in args.libraries}
         section = (f"{title}\n\n{task_table(task, summaries, args.device, ratios)}\n\nMemory (MB, medians):\n\n"

@@ -48,7 +48,16 @@ MIN_HESSIAN = 1.0  # XGBoost min_child_weight, LightGBM min_sum_hessian_in_leaf,
 SEED = 0
 # Tasks scored as binary classification; "wide" is the classification task with 500 features.
 CLASSIFICATION_TASKS = ("classification", "wide")
-TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500}
+# Softmax over NUM_CLASSES classes, scored by log loss.
+MULTICLASS_TASKS = ("multiclass",)
+NUM_CLASSES = 10
+TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500, "multiclass": 28}
+# A task's samples are --rows divided by this: a regression row and a 10-class row cost more.
+TASK_ROWS_DIVISOR = {"classification": 1, "regression": 2, "wide": 1, "multiclass": 5}
+
+
+def task_samples(task: str, rows: int) -> int:
+    return rows // TASK_ROWS_DIVISOR[task]
 
 
 # ----------------------------------------------------------------------------- data
@@ -59,14 +68,18 @@ def make_task(task: str, rows: int):
     from sklearn.datasets import make_classification, make_regression
     from sklearn.model_selection import train_test_split
 
+    samples = task_samples(task, rows)
     if task == "classification":
-        X, y = make_classification(n_samples=rows, n_features=TASK_FEATURES[task], n_informative=14, n_redundant=4,
+        X, y = make_classification(n_samples=samples, n_features=TASK_FEATURES[task], n_informative=14, n_redundant=4,
                                    random_state=SEED)
     elif task == "wide":
-        X, y = make_classification(n_samples=rows, n_features=TASK_FEATURES[task], n_informative=50, n_redundant=10,
-                                   random_state=SEED)
+        X, y = make_classification(n_samples=samples, n_features=TASK_FEATURES[task], n_informative=50,
+                                   n_redundant=10, random_state=SEED)
+    elif task == "multiclass":
+        X, y = make_classification(n_samples=samples, n_features=TASK_FEATURES[task], n_informative=14,
+                                   n_redundant=4, n_classes=NUM_CLASSES, random_state=SEED)
     elif task == "regression":
-        X, y = make_regression(n_samples=rows // 2, n_features=TASK_FEATURES[task], n_informative=20, noise=10,
+        X, y = make_regression(n_samples=samples, n_features=TASK_FEATURES[task], n_informative=20, noise=10,
                                random_state=SEED)
     else:
         raise ValueError(f"unknown task {task!r}")
@@ -76,10 +89,12 @@ def make_task(task: str, rows: int):
 
 def score(task: str, y_true, prediction) -> float:
     import numpy as np
-    from sklearn.metrics import roc_auc_score
+    from sklearn.metrics import log_loss, roc_auc_score
 
     if task in CLASSIFICATION_TASKS:
         return float(roc_auc_score(y_true, prediction))
+    if task in MULTICLASS_TASKS:
+        return float(log_loss(y_true, prediction, labels=list(range(NUM_CLASSES))))
     return float(np.sqrt(np.mean((np.asarray(prediction, np.float64) - y_true) ** 2)))
 
 
@@ -178,8 +193,9 @@ class JaxboostRunner:
         if (backend == "gpu") != (device == "gpu"):
             raise RuntimeError(f"asked for a {device} run, but JAX's default backend is {backend}")
         self.jb, self.max_bin = jb, max_bin
-        self.params = dict(loss="logistic" if task in CLASSIFICATION_TASKS else "squared_error", max_depth=depth,
-                           learning_rate=LEARNING_RATE, reg_lambda=REG_LAMBDA, min_child_weight=MIN_HESSIAN)
+        loss = "logistic" if task in CLASSIFICATION_TASKS else "softmax" if task in MULTICLASS_TASKS else "squared_error"
+        self.params = dict(loss=loss, max_depth=depth, learning_rate=LEARNING_RATE, reg_lambda=REG_LAMBDA,
+                           min_child_weight=MIN_HESSIAN)
 
     def build(self, X, y):
         return self.jb.Dataset(X, y, max_bin=self.max_bin)
@@ -196,6 +212,12 @@ def user_squared_error(raw_prediction, y):
     return 0.5 * (raw_prediction - y) ** 2
 
 
+def user_softmax_cross_entropy(raw_prediction, y):
+    """The multiclass custom loss: optax's, on the label as an integer class."""
+    import optax
+    return optax.losses.softmax_cross_entropy_with_integer_labels(raw_prediction, y.astype("int32"))
+
+
 class JaxboostCustomLossRunner(JaxboostRunner):
     """jaxboost with a custom callable loss instead of the built-in: optax's sigmoid cross-entropy
     (classification) or a user-written squared error (regression), to show the cost per round."""
@@ -205,6 +227,8 @@ class JaxboostCustomLossRunner(JaxboostRunner):
         import optax
         if task in CLASSIFICATION_TASKS:
             self.params.update(loss=optax.losses.sigmoid_binary_cross_entropy, link="sigmoid")
+        elif task in MULTICLASS_TASKS:
+            self.params.update(loss=user_softmax_cross_entropy, num_outputs=NUM_CLASSES, link="softmax")
         else:
             self.params.update(loss=user_squared_error)
 
@@ -217,6 +241,8 @@ class XGBoostRunner:
                            tree_method="hist", max_depth=depth, eta=LEARNING_RATE, reg_lambda=REG_LAMBDA,
                            min_child_weight=MIN_HESSIAN, max_bin=max_bin, nthread=threads, verbosity=0,
                            device="cuda" if device == "gpu" else "cpu")
+        if task in MULTICLASS_TASKS:
+            self.params.update(objective="multi:softprob", num_class=NUM_CLASSES)
 
     def build(self, X, y):
         return self.xgb.QuantileDMatrix(X, y, max_bin=self.max_bin, nthread=self.params["nthread"])
@@ -245,6 +271,8 @@ class LightGBMRunner:
                            learning_rate=LEARNING_RATE, max_depth=depth, num_leaves=2 ** depth,
                            max_bin=max_bin - 1, lambda_l2=REG_LAMBDA, min_sum_hessian_in_leaf=MIN_HESSIAN,
                            min_data_in_leaf=1, num_threads=threads, verbose=-1, seed=SEED)
+        if task in MULTICLASS_TASKS:
+            self.params.update(objective="multiclass", num_class=NUM_CLASSES)
 
     def build(self, X, y):
         return self.lgb.Dataset(X, y, params=self.params, free_raw_data=False).construct()
@@ -264,7 +292,8 @@ class SklearnRunner:
             raise RuntimeError("scikit-learn has no GPU path")
         from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
         self.task = task
-        self.estimator = HistGradientBoostingClassifier if task in CLASSIFICATION_TASKS else HistGradientBoostingRegressor
+        classifier = task in CLASSIFICATION_TASKS + MULTICLASS_TASKS
+        self.estimator = HistGradientBoostingClassifier if classifier else HistGradientBoostingRegressor
         # sklearn has no minimum-Hessian parameter (min_samples_leaf=1 is the loosest leaf limit).
         self.params = dict(learning_rate=LEARNING_RATE, max_depth=depth, max_leaf_nodes=2 ** depth,
                            max_bins=max_bin - 1, l2_regularization=REG_LAMBDA, min_samples_leaf=1,
@@ -278,6 +307,8 @@ class SklearnRunner:
         return self.estimator(max_iter=rounds, **self.params).fit(X, y)
 
     def predict(self, model, X):
+        if self.task in MULTICLASS_TASKS:
+            return model.predict_proba(X)
         return model.predict_proba(X)[:, 1] if self.task in CLASSIFICATION_TASKS else model.predict(X)
 
 
@@ -400,7 +431,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--info", action="store_true", help="print versions and JAX devices, then exit")
     parser.add_argument("--library", choices=sorted(RUNNERS))
-    parser.add_argument("--task", choices=["classification", "regression", "wide"])
+    parser.add_argument("--task", choices=sorted(TASK_FEATURES))
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--depth", type=int, default=6)
