@@ -102,20 +102,22 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     split_cost = jnp.asarray(reg.split_cost)
     split_cost = split_cost[None, :, None] if split_cost.ndim == 1 else split_cost
 
-    def gains(missing_goes_left: bool) -> jax.Array:
-        """``loss_chg`` of every threshold ``(K, d, B-1)``, missing values sent one way (-inf
-        where the candidate is not allowed). Each direction is computed whole, so the children's
+    def gains(left: jax.Array) -> jax.Array:
+        """``loss_chg`` of every threshold ``(K, d, B-1)`` (-inf where the candidate is not
+        allowed) from the left children's running sums ``left``, missing values sent one way
+        (a leading axis: several ways). Each direction is computed whole, so the children's
         sums are never stored for every candidate: the winner's are recomputed below."""
-        left = value_cumsum + missing if missing_goes_left else value_cumsum
         left_gradients, left_hessians, left_weight = channels(left)
         right_gradients, right_hessians, right_weight = channels(node_total - left)
         valid = (feature_allowed[:, :, None]
                  & (left_weight >= min_child_weight) & (right_weight >= min_child_weight)
                  & (left_weight > 0) & (right_weight > 0))
         if leaves is not None:
-            _, left_score = vector_value_and_score(left_gradients, left_hessians, reg, leaves)
-            _, right_score = vector_value_and_score(right_gradients, right_hessians, reg, leaves)
-            loss_change = left_score + right_score - parent_score
+            # Both children in one call: each step of the element-wise solve is one fused loop
+            # over both (half the loops of a tree, and half the code to compile).
+            _, scores = vector_value_and_score(jnp.stack([left_gradients, right_gradients]),
+                                               jnp.stack([left_hessians, right_hessians]), reg, leaves)
+            loss_change = scores[0] + scores[1] - parent_score
         elif bounds is None:
             loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg,
                                             parent_score)
@@ -129,9 +131,16 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
 
     # Direction axis: index 0 sends missing values left, index 1 sends them right.
     directions = (True, False) if missing_values else (True,)
+    lefts = [value_cumsum + missing if missing_goes_left else value_cumsum for missing_goes_left in directions]
     # (K, d, dirs, B-1), or (K, d, B-1) for one direction; first_maximum reads it as it is
     # (see there: merged into one axis, the gains were not vectorised).
-    loss_change = jnp.stack([gains(left) for left in directions], axis=2) if missing_values else gains(True)
+    if not missing_values:
+        loss_change = gains(lefts[0])
+    elif leaves is not None:
+        # Vector leaves: both directions in one solve (see the children's, above).
+        loss_change = jnp.moveaxis(gains(jnp.stack(lefts)), 0, 2)
+    else:
+        loss_change = jnp.stack([gains(left) for left in lefts], axis=2)
     best, best_value = first_maximum(loss_change)
     feature, direction, threshold_bin = jnp.unravel_index(best, (n_features, len(directions), n_value_bins))
 
@@ -144,8 +153,8 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     left_gradients, left_hessians, _ = channels(left_sums)
     right_gradients, right_hessians, _ = channels(right_sums)
     if leaves is not None:
-        left_value = vector_value_and_score(left_gradients, left_hessians, reg, leaves)[0]
-        right_value = vector_value_and_score(right_gradients, right_hessians, reg, leaves)[0]
+        left_value, right_value = vector_value_and_score(jnp.stack([left_gradients, right_gradients]),
+                                                         jnp.stack([left_hessians, right_hessians]), reg, leaves)[0]
     elif bounds is not None:
         left_value = leaf_value(left_gradients, left_hessians, reg, bounds.lower, bounds.upper)
         right_value = leaf_value(right_gradients, right_hessians, reg, bounds.lower, bounds.upper)
