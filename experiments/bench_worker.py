@@ -193,7 +193,8 @@ class JaxboostRunner:
         if (backend == "gpu") != (device == "gpu"):
             raise RuntimeError(f"asked for a {device} run, but JAX's default backend is {backend}")
         self.jb, self.max_bin = jb, max_bin
-        loss = "logistic" if task in CLASSIFICATION_TASKS else "softmax" if task in MULTICLASS_TASKS else "squared_error"
+        loss = ("logistic" if task in CLASSIFICATION_TASKS else "softmax" if task in MULTICLASS_TASKS
+                else "squared_error")
         self.params = dict(loss=loss, max_depth=depth, learning_rate=LEARNING_RATE, reg_lambda=REG_LAMBDA,
                            min_child_weight=MIN_HESSIAN)
 

@@ -214,10 +214,11 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
     """Newton steps from 0 on the K-vector ``c`` minimising ``sum_i w_i l(y_i, F_i + c)``.
 
     The gradient and the K x K Hessian come from autodiff (one Hessian-vector product per
-    output, each one pass over the rows). Each step is taken along the Hessian's directions of
-    positive curvature only, halved until the loss falls enough (summed as per-row differences,
-    which float32 resolves near the minimiser where two totals would not). Rows of zero weight
-    are left out.
+    output, each one pass over the rows). Each step goes along the Hessian's eigen-directions,
+    each scaled by the magnitude of its curvature (directions of almost none are left out), and
+    is halved until the loss falls enough: summed as per-row differences, which float32 resolves
+    near the minimiser where two totals would not, or, below that resolution, until the slope
+    along the step has halved. Rows of zero weight are left out.
 
     Returns:
       ``(c, converged)``: the last ``c``, and whether the steps converged to a stationary point
@@ -253,7 +254,6 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
         direction = -directions @ jnp.where(usable, along / jnp.where(usable, curvatures, 1.0), 0.0)
         slope = total_gradient @ direction  # <= 0
         losses_before = row_losses(constant)
-
         loss_scale = weighted_sum(jnp.abs(losses_before))
 
         def sufficient(length):
@@ -276,7 +276,8 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
 
         # A full step this small is taken as it is: the loss cannot resolve its decrease.
         small = jnp.all(jnp.abs(direction) <= STEP_TOLERANCE * jnp.maximum(1.0, jnp.abs(constant)))
-        length, accepted, _ = jax.lax.while_loop(too_long, halve, (jnp.float32(1), small | sufficient(jnp.float32(1)), 0))
+        full_step = jnp.float32(1)
+        length, accepted, _ = jax.lax.while_loop(too_long, halve, (full_step, small | sufficient(full_step), 0))
         converged = small & stationary
         # A small step at a point that is not stationary: no curvature to go on.
         stalled = ~accepted | (small & ~stationary)

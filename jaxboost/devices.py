@@ -96,7 +96,9 @@ def configure_compilation_cache() -> None:
 # kernels either way: measured 2.9 -> 1.9 s of XLA time a round, no slower a tree.
 # Its YNNPACK library fusions (empty list: none) took over the split scan's small reductions
 # over the outputs of vector leaves, about 0.1 ms a call: 3 classes on 20k rows, 78 -> 33 ms a
-# round with the full Hessian, 17 -> 9 with the diagonal. Scalar trees had none.
+# round with the full Hessian, 17 -> 9 with the diagonal. They also got some candidates' gains
+# wrong there (394 where the rows give 350; test_full_hessian_splits_are_the_best_by_a_float64_scan).
+# Scalar trees had none.
 CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimental_ynn_fusion_type": ""}
 
 

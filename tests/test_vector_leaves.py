@@ -288,3 +288,60 @@ def test_continuation_keeps_the_tree_mode(softmax_model):
     continued = jb.train(X, y, loss="softmax", num_rounds=2, max_depth=3, learning_rate=0.3, init_model=model,
                          multi_strategy="multi_output_tree")
     assert continued.num_rounds == model.num_rounds + 2
+
+
+def _full_or_diagonal_scores(G, H, reg_lambda):
+    """float64 scores of vector leaves: the full solve's unless it promises more than
+    MAX_FULL_TO_DIAGONAL_SCORE times the diagonal's (softmax sums are PSD, so no other fallback)."""
+    _, full = _dense_solution(G, H, reg_lambda)
+    diagonal = np.sum(G ** 2 / (np.diagonal(H, axis1=-2, axis2=-1) + reg_lambda), axis=-1)
+    return np.where(full <= MAX_FULL_TO_DIAGONAL_SCORE * diagonal, full, diagonal)
+
+
+def test_full_hessian_splits_are_the_best_by_a_float64_scan():
+    """A later round of a softmax vector-leaf model (rows' Hessians differ by then): every split's
+    loss_chg is its gain recomputed in float64 from the rows, and no other candidate of its node
+    gains more. XLA's YNNPACK fusions had got the scan's fallback test wrong for some candidates
+    (a gain of 394 where the rows give 350), choosing other splits from round 4 on."""
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    X, y = X.astype(np.float32), y.astype(np.float32)
+    dataset = jb.Dataset(X, y)
+    model = jb.train(dataset, loss="softmax", num_rounds=4, max_depth=4, multi_strategy="multi_output_tree")
+    raw = model[:3].predict_raw(X).astype(np.float64)
+    p = np.exp(raw - raw.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    g = p - np.eye(10)[y.astype(int)]
+    H = np.einsum("nk,kl->nkl", p, np.eye(10)) - np.einsum("nk,nl->nkl", p, p)
+    codes = np.asarray(dataset.X_binned)
+    tree = jax.tree_util.tree_map(lambda field: np.asarray(field)[3, 0], model.trees)
+    rows_of = {0: np.ones(len(y), bool)}
+    checked = 0
+    for node in range(15):
+        if node not in rows_of or tree.is_leaf[node]:
+            continue
+        rows = rows_of[node]
+        feature, threshold = int(tree.feature[node]), int(tree.threshold_bin[node])
+        goes_left = codes[:, feature] <= threshold
+        rows_of[2 * node + 1], rows_of[2 * node + 2] = rows & goes_left, rows & ~goes_left
+        # Every candidate (feature, threshold) of the node: children's sums from running sums over bins.
+        bins = int(codes.max()) + 1
+        G_bins = np.zeros((codes.shape[1], bins, 10))
+        H_bins = np.zeros((codes.shape[1], bins, 10, 10))
+        for f in range(codes.shape[1]):
+            np.add.at(G_bins[f], codes[rows, f], g[rows])
+            np.add.at(H_bins[f], codes[rows, f], H[rows])
+        G_left, H_left = np.cumsum(G_bins, axis=1)[:, :-1], np.cumsum(H_bins, axis=1)[:, :-1]
+        G_node, H_node = g[rows].sum(0), H[rows].sum(0)
+        parent = _full_or_diagonal_scores(G_node, H_node, 1.0)
+        gains = (_full_or_diagonal_scores(G_left, H_left, 1.0)
+                 + _full_or_diagonal_scores(G_node - G_left, H_node - H_left, 1.0) - parent)
+        hessian_left = np.diagonal(H_left, axis1=-2, axis2=-1).min(-1)
+        hessian_right = np.diagonal(H_node - H_left, axis1=-2, axis2=-1).min(-1)
+        gains = np.where((hessian_left >= 1.0) & (hessian_right >= 1.0), gains, -np.inf)  # min_child_weight
+        np.testing.assert_allclose(tree.loss_change[node], gains[feature, threshold], rtol=1e-3,
+                                   err_msg=f"node {node}: loss_chg is not its split's float64 gain")
+        assert tree.loss_change[node] >= gains.max() * (1 - 1e-3), f"node {node}: a candidate gains more"
+        checked += 1
+    assert checked >= 3
