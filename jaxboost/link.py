@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import losses
+from .devices import compiler_options
 
 
 # Module-level functions (not lambdas or jitted callables), so that a Model holding one pickles.
@@ -76,15 +77,18 @@ ACCELERATOR_LINK_CHUNK_ROWS = 16384
 
 
 @lru_cache(maxsize=32)
-def _compiled_link(link: Callable, in_steps: bool) -> Callable:
+def _compiled_link(link: Callable, in_steps: bool, platform: str) -> Callable:
+    # The training rounds' compiler options: without XLA's YNNPACK fusions a softmax over 10
+    # outputs of one chunk took 0.087 ms instead of 0.133.
+    options = compiler_options(platform)
     if not in_steps:
-        return jax.jit(link)
+        return jax.jit(link, compiler_options=options)
 
     def stepped(raw_prediction):
         steps = jax.lax.map(link, raw_prediction.reshape((-1, LINK_STEP_ROWS) + raw_prediction.shape[1:]))
         return steps.reshape((raw_prediction.shape[0],) + steps.shape[2:])
 
-    return jax.jit(stepped)
+    return jax.jit(stepped, compiler_options=options)
 
 
 def link_layout() -> tuple[int, bool]:
@@ -103,6 +107,6 @@ def apply_link(link: Callable, raw_prediction: np.ndarray) -> np.ndarray:
     n_rows = raw_prediction.shape[0]
     padded = np.zeros((-(-n_rows // chunk_rows) * chunk_rows,) + raw_prediction.shape[1:], np.float32)
     padded[:n_rows] = raw_prediction
-    compiled = _compiled_link(link, in_steps)
+    compiled = _compiled_link(link, in_steps, jax.default_backend())
     chunks = [compiled(padded[start:start + chunk_rows]) for start in range(0, padded.shape[0], chunk_rows)]
     return np.concatenate([np.asarray(chunk) for chunk in chunks])[:n_rows]

@@ -956,7 +956,7 @@ def test_identity_link_is_returned_without_compiling(monkeypatch):
     X, y = _regression_data()
     model = jb.train(X, y, num_rounds=2, max_depth=DEPTH)
 
-    def no_compiling(function, in_steps):
+    def no_compiling(function, in_steps, platform):
         raise AssertionError(f"the link {function.__name__} was compiled")
     monkeypatch.setattr(link, "_compiled_link", no_compiling)
     np.testing.assert_array_equal(model.predict(X), model.predict_raw(X))
@@ -981,7 +981,7 @@ def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
         model = jb.train(X[:3000], y[:3000], loss=loss, num_rounds=3, max_depth=3)
         for layout in [links.link_layout(), accelerator_layout]:
             monkeypatch.setattr(links, "link_layout", lambda layout=layout: layout)
-            compiled = links._compiled_link(model.link, layout[1])
+            compiled = links._compiled_link(model.link, layout[1], jax.default_backend())
             for rows in (1, 7, 3000, n_rows):
                 raw = model.predict_raw(X[:rows])
                 np.testing.assert_allclose(model.predict(X[:rows]), np.asarray(model.link(jnp.asarray(raw))),
