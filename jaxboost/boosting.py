@@ -234,17 +234,22 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
     def row_losses(constant):
         return jax.vmap(loss)(raw_prediction + constant, y)
 
-    def gradient(constant):
-        return weighted_sum(output_gradient(loss, raw_prediction + constant, y, None))
+    def row_gradients(constant):
+        return output_gradient(loss, raw_prediction + constant, y, None)
 
     def newton_step(state):
         constant, _, _, steps = state
-        row_gradients = output_gradient(loss, raw_prediction + constant, y, None)
-        total_gradient = weighted_sum(row_gradients)
-        stationary = jnp.all(jnp.abs(total_gradient) <= STATIONARY_TOLERANCE * weighted_sum(jnp.abs(row_gradients)))
-        # One Hessian column per output, in turn: n x K values at a time rather than n x K x K.
-        hessian = jax.lax.map(lambda basis: jax.jvp(gradient, (constant,), (basis,))[1],
-                              jnp.eye(objective.num_outputs, dtype=constant.dtype))
+
+        def derivatives_along(basis):
+            # One Hessian column per output, in turn (n x K values at a time rather than
+            # n x K x K); the gradient's sums come with each, from the same pass.
+            gradients, column = jax.jvp(row_gradients, (constant,), (basis,))
+            return weighted_sum(gradients), weighted_sum(jnp.abs(gradients)), weighted_sum(column)
+
+        total_gradients, gross_gradients, hessian = jax.lax.map(
+            derivatives_along, jnp.eye(objective.num_outputs, dtype=constant.dtype))
+        total_gradient, gross_gradient = total_gradients[0], gross_gradients[0]
+        stationary = jnp.all(jnp.abs(total_gradient) <= STATIONARY_TOLERANCE * gross_gradient)
         curvatures, directions = jnp.linalg.eigh(0.5 * (hessian + hessian.T))
         # Negative curvature (a Gaussian's mean far from the labels, from a unit scale) is
         # stepped along by its magnitude, so every step goes down.
