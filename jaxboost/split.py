@@ -102,6 +102,13 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     split_cost = jnp.asarray(reg.split_cost)
     split_cost = split_cost[None, :, None] if split_cost.ndim == 1 else split_cost
 
+    def vector_children(left_gradients, left_hessians, right_gradients, right_hessians):
+        """Both children's vector leaf values and scores, stacked (left first): one call, as each
+        step of the element-wise solve is a fused loop of its own (half the loops of a tree, and
+        half the code to compile)."""
+        return vector_value_and_score(jnp.stack([left_gradients, right_gradients]),
+                                      jnp.stack([left_hessians, right_hessians]), reg, leaves)
+
     def gains(left: jax.Array) -> jax.Array:
         """``loss_chg`` of every threshold ``(K, d, B-1)`` (-inf where the candidate is not
         allowed) from the left children's running sums ``left``, missing values sent one way
@@ -113,10 +120,7 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
                  & (left_weight >= min_child_weight) & (right_weight >= min_child_weight)
                  & (left_weight > 0) & (right_weight > 0))
         if leaves is not None:
-            # Both children in one call: each step of the element-wise solve is one fused loop
-            # over both (half the loops of a tree, and half the code to compile).
-            _, scores = vector_value_and_score(jnp.stack([left_gradients, right_gradients]),
-                                               jnp.stack([left_hessians, right_hessians]), reg, leaves)
+            _, scores = vector_children(left_gradients, left_hessians, right_gradients, right_hessians)
             loss_change = scores[0] + scores[1] - parent_score
         elif bounds is None:
             loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg,
@@ -137,7 +141,7 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     if not missing_values:
         loss_change = gains(lefts[0])
     elif leaves is not None:
-        # Vector leaves: both directions in one solve (see the children's, above).
+        # Vector leaves: both directions in one solve (see vector_children).
         loss_change = jnp.moveaxis(gains(jnp.stack(lefts)), 0, 2)
     else:
         loss_change = jnp.stack([gains(left) for left in lefts], axis=2)
@@ -153,8 +157,7 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     left_gradients, left_hessians, _ = channels(left_sums)
     right_gradients, right_hessians, _ = channels(right_sums)
     if leaves is not None:
-        left_value, right_value = vector_value_and_score(jnp.stack([left_gradients, right_gradients]),
-                                                         jnp.stack([left_hessians, right_hessians]), reg, leaves)[0]
+        left_value, right_value = vector_children(left_gradients, left_hessians, right_gradients, right_hessians)[0]
     elif bounds is not None:
         left_value = leaf_value(left_gradients, left_hessians, reg, bounds.lower, bounds.upper)
         right_value = leaf_value(right_gradients, right_hessians, reg, bounds.lower, bounds.upper)
