@@ -17,6 +17,8 @@ device reads the Dataset's one code table in place, from the first row of its sh
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import warnings
 
@@ -27,6 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .cores import available_cpu_cores
 from .host_memory import HOST_ALIGNMENT, aligned_empty
+
+logger = logging.getLogger(__name__)
 
 ROW_AXIS = "rows"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -103,8 +107,27 @@ CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimen
 
 
 def compiler_options(platform: str) -> dict | None:
-    """Per-program XLA options for programs run on ``platform`` (None: the backend's defaults)."""
-    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else None
+    """Per-program XLA options for programs run on ``platform`` (None: the backend's defaults):
+    those of ``CPU_COMPILER_OPTIONS`` that the running XLA knows."""
+    return dict(_known_cpu_options(tuple(CPU_COMPILER_OPTIONS.items()))) if platform == "cpu" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _known_cpu_options(options: tuple) -> tuple:
+    """XLA refuses to compile with an option it does not know, and releases drop them (jaxlib
+    0.11 has no ``xla_cpu_use_fusion_emitters``): each option is tried once on a one-element
+    program, and the ones refused are left out, with a debug message."""
+    cpu = jax.devices("cpu")[0]
+    argument = jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(cpu))
+    known = []
+    for name, value in options:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(argument).compile()
+        except Exception as error:  # XLA's error type differs between releases
+            logger.debug("XLA option %s=%r left out: %s", name, value, str(error).splitlines()[0])
+        else:
+            known.append((name, value))
+    return tuple(known)
 
 
 def mesh_platform(mesh: Mesh) -> str:

@@ -129,3 +129,29 @@ def test_rows_are_sharded_over_no_more_devices_than_cores(monkeypatch):
         wide = devices.row_mesh(rows, n_features=1000, max_bin=256)
         assert wide.devices.size == 1
         assert devices.kernel_threads(wide, 1000, 256) == min(n_devices, available)
+
+
+def test_compiler_options_leave_out_what_this_xla_does_not_know(monkeypatch):
+    """A newer XLA refuses options it dropped (jaxlib 0.11 has no xla_cpu_use_fusion_emitters,
+    and every CPU round failed to compile there): those are left out, and training works."""
+    import jax
+    import numpy as np
+
+    import jaxboost as jb
+    from jaxboost import boosting, devices
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU compiler options: JAX's default backend is not the CPU")
+    unknown = "xla_cpu_option_that_no_release_has"
+    monkeypatch.setattr(devices, "CPU_COMPILER_OPTIONS", {**devices.CPU_COMPILER_OPTIONS, unknown: True})
+    options = devices.compiler_options("cpu")
+    assert unknown not in options
+    assert options.items() <= devices.CPU_COMPILER_OPTIONS.items()
+    boosting.compiled_round.cache_clear()  # rounds take their options when compiled
+    try:
+        rng = np.random.default_rng(0)
+        X = rng.normal(size=(500, 3)).astype(np.float32)
+        model = jb.train(X, X[:, 0] + 0.1 * rng.normal(size=500), num_rounds=3, max_depth=3)
+    finally:
+        boosting.compiled_round.cache_clear()
+    assert np.corrcoef(model.predict(X), X[:, 0])[0, 1] > 0.9
