@@ -394,6 +394,11 @@ def np_surviving_leaf(row_leaf, is_leaf):
     return result
 
 
+# A tree grown twice: on CPU its histograms add the rows in the same order both times; a GPU's
+# atomic adds take them in a varying order (measured: gains 3.4e-6 apart on an H100).
+REGROWN_RTOL = 1e-6 if jax.default_backend() == "cpu" else 2e-5
+
+
 def test_gamma_pruning_on_designed_tree():
     X_binned, g, h = xor_data()
     args = (jnp.asarray(X_binned.T), jnp.asarray(g), jnp.asarray(h))
@@ -420,7 +425,7 @@ def test_gamma_pruning_on_designed_tree():
     pruned, pruned_row_leaf = jax.tree.map(np.asarray, grow(*args, growth_params(1.0)))
     np.testing.assert_array_equal(pruned.is_leaf, tree.is_leaf, err_msg="gamma=1 must not prune anything")
     np.testing.assert_array_equal(pruned_row_leaf, row_leaf)
-    np.testing.assert_allclose(pruned.loss_change, tree.loss_change, rtol=1e-6)
+    np.testing.assert_allclose(pruned.loss_change, tree.loss_change, rtol=REGROWN_RTOL)
 
     # gamma = 210: only the right child's split goes; its rows land in node 2.
     pruned, pruned_row_leaf = jax.tree.map(np.asarray, grow(*args, growth_params(210.0)))
@@ -462,12 +467,12 @@ def test_gamma_pruning_matches_numpy_rule_on_random_trees(seed):
         context = f"(seed={seed}, gamma={gamma:.4f})"
         np.testing.assert_array_equal(pruned.is_leaf, expected_is_leaf, err_msg=f"is_leaf after pruning {context}")
         kept_split = reached & ~expected_is_leaf
-        np.testing.assert_allclose(pruned.loss_change[kept_split], tree.loss_change[kept_split], rtol=1e-6)
+        np.testing.assert_allclose(pruned.loss_change[kept_split], tree.loss_change[kept_split], rtol=REGROWN_RTOL)
         assert np.all(pruned.loss_change[expected_is_leaf] == 0), f"new leaves keep a loss_change {context}"
         assert np.all(pruned.loss_change[kept_split] >= 0)
         np.testing.assert_array_equal(pruned_row_leaf, np_surviving_leaf(row_leaf, expected_is_leaf),
                                       err_msg=f"rows must land in the surviving leaf {context}")
-        np.testing.assert_allclose(pruned.value[reached], tree.value[reached], rtol=1e-6,
+        np.testing.assert_allclose(pruned.value[reached], tree.value[reached], rtol=REGROWN_RTOL,
                                    err_msg=f"pruning must not change node values {context}")
 
 
