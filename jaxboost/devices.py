@@ -200,6 +200,15 @@ def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = N
     return Mesh(np.array(devices[:used]), (ROW_AXIS,))
 
 
+def predictor_threads(mesh: Mesh, n_rows: int) -> int:
+    """Threads of the native predictor for ``n_rows`` on the host: one per device of a CPU
+    ``mesh`` (``row_mesh``: one per core, fewer for few rows); with an accelerator's mesh, as
+    many as a CPU mesh would have had."""
+    if mesh_platform(mesh) == "cpu":
+        return mesh.devices.size
+    return max(1, min(available_cpu_cores(), n_rows // MIN_ROWS_PER_DEVICE))
+
+
 def kernel_threads(mesh: Mesh, n_features: int, max_bin: int) -> int:
     """Threads of the CPU histogram kernel for training on ``mesh``: one per local CPU device
     (the cores jaxboost was given), at most one per core the process may use, when wide data

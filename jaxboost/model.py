@@ -1,11 +1,12 @@
 """Model: the trained ensemble (tree arrays, bin edges, starting value, link) and prediction.
 
-On CPU, prediction walks the raw ``X`` through the trees with the native predictor
+Prediction walks the raw ``X`` through the trees with the native predictor on the host's cores
 (``native.NativeForest``, the splits' bin edges as thresholds), which the model prepares once
-per range of rounds and keeps; elsewhere it bins ``X`` with the training edges and walks all
-trees in one compiled call (``predictor.predict_raw_binned``), rows padded to a few bucket
-sizes so that many batch sizes compile few programs. ``predict`` then applies the loss's
-inverse link (``link.apply_link``).
+per range of rounds and keeps, whatever JAX's default backend (the rows and the result are host
+arrays). Without the native predictor (no C++ compiler, ``JAXBOOST_NATIVE=0``) it bins ``X``
+with the training edges and walks all trees in one compiled call on the default backend
+(``predictor.predict_raw_binned``), rows padded to a few bucket sizes so that many batch sizes
+compile few programs. ``predict`` then applies the loss's inverse link (``link.apply_link``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .binning import BinEdges, apply_bins
-from .devices import mesh_platform, padded_size, replicated, row_mesh, row_sharding
+from .devices import padded_size, predictor_threads, replicated, row_mesh, row_sharding
 from .link import apply_link
 from .native import NativeForest, feature_predictor_available
 from .predictor import packed_nodes, predict_leaf_binned, predict_raw_binned
@@ -108,9 +109,12 @@ class Model:
         start, stop = self._rounds(iteration_range)
         # Rows are split over the devices (every core on a CPU) like in training.
         mesh = row_mesh(n_rows)
-        if mesh_platform(mesh) == "cpu" and feature_predictor_available():
+        if feature_predictor_available():
+            # The rows and the result are host arrays: the native predictor on the host's cores
+            # beats a round trip to an accelerator (on an H100 machine, 1M x 28 rows x 100 trees:
+            # 0.055 s on its 16 cores against 0.365 s on the GPU; one row 0.09 against 3.5 ms).
             raw = np.array(initial, dtype=np.float32, order="C")
-            self._native_forest(start, stop).add_to(features, raw, mesh.size)
+            self._native_forest(start, stop).add_to(features, raw, predictor_threads(mesh, n_rows))
             return raw[:, 0] if self.num_outputs == 1 else raw
         trees = self._checked_trees(start, stop)
         size = padded_size(n_rows, mesh.size)

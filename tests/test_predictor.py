@@ -214,3 +214,23 @@ def test_position_values_added_by_the_kernel_equal_a_numpy_gather(outputs, monke
     gather = jax.jit(lambda *args: predictor.add_position_values(*args))  # a new function: traced again
     assert "jaxboost_add_position_values" not in gather.lower(raw, values, at).as_text()
     np.testing.assert_array_equal(np.asarray(gather(raw, values, at)), expected)
+
+
+def test_an_accelerators_default_backend_still_predicts_on_the_host(data, monkeypatch):
+    """With a GPU as JAX's default backend the rows and the result are still host arrays: the
+    native predictor walks them on the host's cores (threads as a CPU mesh would have)."""
+    from jaxboost import devices
+    from jaxboost.native import NativeForest
+
+    X, signal = data
+    model = jb.train(X, signal, num_rounds=5, max_depth=3)
+    threads_used = []
+    add_to = NativeForest.add_to
+    monkeypatch.setattr(NativeForest, "add_to", lambda self, rows, raw, threads: (threads_used.append(threads),
+                                                                                 add_to(self, rows, raw, threads)))
+    monkeypatch.setattr(devices, "mesh_platform", lambda mesh: "gpu")
+    monkeypatch.setattr(devices, "available_cpu_cores", lambda: 4)
+    np.testing.assert_array_equal(model.predict_raw(X), binned_prediction(model, X))
+    many = np.repeat(X, 20, axis=0)  # 60k rows: 5 x MIN_ROWS_PER_DEVICE, capped by the 4 cores
+    np.testing.assert_array_equal(model.predict_raw(many), binned_prediction(model, many))
+    assert threads_used == [1, 4]
