@@ -349,7 +349,7 @@ def _xla_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_
     args = (X_binned_T, node_index, gradients, hessians, row_mask)
     sizes = dict(num_nodes=num_nodes, max_bin=max_bin)
     # Chosen when lowering: complex64 scatters are the faster XLA kernel on CPU, and on a GPU
-    # 400 times slower than float32 ones (an atomic compare-and-swap loop per add).
+    # 20 to 1000 times slower than the float32 kernel (an atomic compare-and-swap loop per add).
     return lax.platform_dependent(*args, cpu=partial(_complex_scatter_histogram, **sizes),
                                   default=partial(_pair_scatter_histogram, **sizes))
 
@@ -391,9 +391,9 @@ def _pair_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mas
                             features_per_scatter: int | None = None):
     """float32 ``(g, h)`` pairs scattered over all features at once into ``scatter_copies``
     copies of the histogram; rows outside the mask or the nodes get an index past the end, which
-    the scatter drops before any add. Measured on an H100 at 800k rows x 28 features against the complex
-    kernel (``experiments/results/gpu_histogram_study.md``): the root 1280 -> 1.26 ms, 16 nodes
-    on 45% of the rows 6.37 -> 0.28 ms."""
+    the scatter drops before any add. Measured on an H100 at 800k rows x 28 features against
+    the complex kernel (``experiments/results/gpu_histogram_study.md``): the root 1280 -> 1.26
+    ms, 16 nodes on 45% of the rows 6.37 -> 0.28 ms."""
     n_features, n_rows = X_binned_T.shape
     copies = scatter_copies(num_nodes)
     cells = num_nodes * max_bin
