@@ -180,7 +180,7 @@ def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = N
         warnings.warn("jaxboost is training on one CPU device of a multi-core machine, so the histogram "
                       "kernel uses one core; call jaxboost.use_cpu_cores() before JAX starts (or import "
                       "jaxboost first) to use them all", RuntimeWarning, stacklevel=3)
-    used = max(1, min(len(devices), n_rows // MIN_ROWS_PER_DEVICE))
+    used = _devices_for_rows(n_rows, len(devices))
     if devices[0].platform == "cpu":
         if n_features is not None and max_bin is not None and is_wide(n_features, max_bin):
             used = 1
@@ -206,7 +206,13 @@ def predictor_threads(mesh: Mesh, n_rows: int) -> int:
     many as a CPU mesh would have had."""
     if mesh_platform(mesh) == "cpu":
         return mesh.devices.size
-    return max(1, min(available_cpu_cores(), n_rows // MIN_ROWS_PER_DEVICE))
+    return _devices_for_rows(n_rows, available_cpu_cores())
+
+
+def _devices_for_rows(n_rows: int, available: int) -> int:
+    """Devices (or threads) for ``n_rows``: at least ``MIN_ROWS_PER_DEVICE`` rows each, at most
+    ``available``, at least one."""
+    return max(1, min(available, n_rows // MIN_ROWS_PER_DEVICE))
 
 
 def kernel_threads(mesh: Mesh, n_features: int, max_bin: int) -> int:

@@ -562,12 +562,17 @@ def kernel_training_data(settings):
     return X, y
 
 
-def assert_same_models(model, other, settings):
+def assert_same_models(model, other, X, settings, agreeing_predictions=1.0):
+    """The same splits (98% of the nodes), and the same predictions: every row's, or more than
+    the fraction ``agreeing_predictions`` of the rows' (the rest swapped leaves at a near tie)."""
     same_structure = np.mean((model.trees.feature == other.trees.feature)
                              & (model.trees.threshold_bin == other.trees.threshold_bin))
     assert same_structure > 0.98, f"only {same_structure:.3f} of the nodes agree"
-    X, _ = kernel_training_data(settings)
-    np.testing.assert_allclose(model.predict(X), other.predict(X), rtol=1e-4, atol=1e-5)
+    if agreeing_predictions == 1.0:
+        np.testing.assert_allclose(model.predict(X), other.predict(X), rtol=1e-4, atol=1e-5)
+    else:
+        same = np.isclose(model.predict(X), other.predict(X), rtol=1e-4, atol=1e-5).mean()
+        assert same > agreeing_predictions, f"{same:.4f} of the predictions agree"
     assert int(np.sum(~model.trees.is_leaf)) > 64 or settings["max_depth"] < 8  # deep levels split
 
 
@@ -585,7 +590,7 @@ def assert_same_models(model, other, settings):
 def test_training_with_native_kernel_matches_xla_kernel(monkeypatch, settings):
     X, y = kernel_training_data(settings)
     assert_same_models(train_with_kernel(monkeypatch, X, y, settings, "native"),
-                       train_with_kernel(monkeypatch, X, y, settings, "xla"), settings)
+                       train_with_kernel(monkeypatch, X, y, settings, "xla"), X, settings)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="compares the CPU's XLA kernel with the GPU's, on CPU")
@@ -605,13 +610,9 @@ def test_training_with_the_accelerators_kernel_matches_the_cpus_xla_kernel(monke
     monkeypatch.setattr(histogram, "_complex_scatter_histogram", histogram._pair_scatter_histogram)
     with_pairs = train_with_kernel(monkeypatch, X, y, settings, "xla")
     if settings["loss"] == "logistic":
-        same_structure = np.mean((with_pairs.trees.feature == with_complex.trees.feature)
-                                 & (with_pairs.trees.threshold_bin == with_complex.trees.threshold_bin))
-        assert same_structure > 0.98, f"only {same_structure:.3f} of the nodes agree"
         # A near tie at depth 9 may go the other way (2 rows of 3000 swapped leaves with the
         # split scan's XLA kernels, JAXBOOST_NATIVE=0).
-        same_prediction = np.isclose(with_pairs.predict(X), with_complex.predict(X), rtol=1e-4, atol=1e-5)
-        assert same_prediction.mean() > 0.995, f"{same_prediction.mean():.4f} of the predictions agree"
+        assert_same_models(with_pairs, with_complex, X, settings, agreeing_predictions=0.995)
         return
     # Full-Hessian vector leaves are a chain of near ties: 1e-7 relative noise on the complex
     # kernel's histograms moves 8% of these splits and the log loss by up to 0.2% (measured), and
