@@ -115,19 +115,23 @@ def compiler_options(platform: str) -> dict | None:
 @functools.lru_cache(maxsize=None)
 def _known_cpu_options(options: tuple) -> tuple:
     """XLA refuses to compile with an option it does not know, and releases drop them (jaxlib
-    0.11 has no ``xla_cpu_use_fusion_emitters``): each option is tried once on a one-element
-    program, and the ones refused are left out, with a debug message."""
+    0.11 has no ``xla_cpu_use_fusion_emitters``): the options are tried once on a one-element
+    program, all together (one compile, about 25 ms, where all are known), else one by one, and
+    the ones refused are left out, with a debug message."""
     cpu = jax.devices("cpu")[0]
     argument = jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(cpu))
-    known = []
-    for name, value in options:
+
+    def accepted(chosen: tuple) -> bool:
         try:
-            jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(argument).compile()
+            jax.jit(lambda x: x + 1, compiler_options=dict(chosen)).lower(argument).compile()
         except Exception as error:  # XLA's error type differs between releases
-            logger.debug("XLA option %s=%r left out: %s", name, value, str(error).splitlines()[0])
-        else:
-            known.append((name, value))
-    return tuple(known)
+            logger.debug("XLA options %s refused: %s", dict(chosen), str(error).splitlines()[0])
+            return False
+        return True
+
+    if accepted(options):
+        return options
+    return tuple(option for option in options if accepted((option,)))
 
 
 def mesh_platform(mesh: Mesh) -> str:
