@@ -11,6 +11,7 @@ import numpy as np
 
 from .binning import BinEdges, apply_bins, fit_bin_edges, has_missing_code
 from .devices import code_table_width
+from .host_memory import release_free_memory
 from .validation import check_base_margin, check_features, check_labels, check_sample_weight
 
 
@@ -58,6 +59,9 @@ class Dataset:
         self.X_binned_T.flags.writeable = False
         # Without missing values the split scan need not try sending them either way.
         self.has_missing_values = has_missing_code(self.X_binned_T[:, :self.n_rows], bin_edges.missing_bin)
+        # Binning's temporaries (edge fitting's sorted samples, the search's blocks) leave free pages in
+        # the binning threads' arenas, which training would not reuse: 13 MB of a 1M x 28 Dataset.
+        release_free_memory()
 
     @property
     def X_binned(self) -> np.ndarray:
