@@ -34,7 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .devices import all_sum, all_sum_scattered, axis_devices, chunks_in_use
+from .devices import all_sum, all_sum_scattered, axis_devices, chunks_in_use, in_steps_on_cpu
 from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram,
                         statistic_pairs)
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
@@ -132,25 +132,37 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
     32 slots, or in the deep levels' wider buffer, and on few rows most deep nodes do not
     split); the other slots keep what they held, and no node there is active. The chunks go
     last first: a chunk's children land past every parent not yet read, so the buffer is
-    updated in place.
+    updated in place. Off the CPU every parent's children are written in one step
+    (``in_steps_on_cpu``).
     """
     slots = parent_histograms.shape[0]
     if slots < 2:
         return parent_histograms  # a depth-1 tree's single slot: its children are leaves
     chunk = parent_chunk_nodes(parent_histograms.shape, axis_devices(axis_name))
-    starts, used = chunks_in_use(live_parents, chunk, slots // 2, parent_splits)
 
-    def one_chunk(step, histograms):
-        start = starts[used - 1 - step]
-        parents = jax.lax.dynamic_slice_in_dim(histograms, start, chunk)
-        smaller = all_sum_scattered(jax.lax.dynamic_slice_in_dim(local_smaller, start, chunk), axis_name, 1)
-        left, right = sibling_histograms(parents, smaller, jax.lax.dynamic_slice_in_dim(left_is_smaller, start, chunk))
-        splits = jax.lax.dynamic_slice_in_dim(parent_splits, start, chunk)
+    def children(histograms, start, count: int):
+        """The children of the ``count`` parents from slot ``start``: ``2 count`` slots."""
+        def cut(per_parent):
+            return jax.lax.dynamic_slice_in_dim(per_parent, start, count)
+
+        smaller = all_sum_scattered(cut(local_smaller), axis_name, 1)
+        left, right = sibling_histograms(cut(histograms), smaller, cut(left_is_smaller))
+        splits = cut(parent_splits)
         pairs = jnp.stack([_where_nodes(splits, left, 0.0), _where_nodes(splits, right, 0.0)], axis=1)
-        return jax.lax.dynamic_update_slice_in_dim(histograms, pairs.reshape((2 * chunk,) + left.shape[1:]),
-                                                   2 * start, axis=0)
+        return pairs.reshape((2 * count,) + left.shape[1:])
 
-    return jax.lax.fori_loop(0, used, one_chunk, parent_histograms)
+    def in_steps():
+        starts, used = chunks_in_use(live_parents, chunk, slots // 2, parent_splits)
+
+        def one_chunk(step, histograms):
+            start = starts[used - 1 - step]
+            return jax.lax.dynamic_update_slice_in_dim(histograms, children(histograms, start, chunk), 2 * start,
+                                                       axis=0)
+
+        return jax.lax.fori_loop(0, used, one_chunk, parent_histograms)
+
+    # At once, every parent's children fill the buffer (those of parents that do not split: zeros).
+    return in_steps_on_cpu(in_steps, lambda: children(parent_histograms, 0, slots // 2))
 
 
 # Parents per step of the children's subtraction when rows are sharded over devices: in the

@@ -576,17 +576,22 @@ def assert_same_models(model, other, X, settings, agreeing_predictions=1.0):
     assert int(np.sum(~model.trees.is_leaf)) > 64 or settings["max_depth"] < 8  # deep levels split
 
 
-@needs_native
-@pytest.mark.parametrize("settings", [
-    {"loss": "logistic", "num_rounds": 8, "max_depth": 4, "learning_rate": 0.3, "max_bin": 64},
+# Fits that two ways of growing trees must grow alike.
+GROWTH_CASES = [
+    pytest.param({"loss": "logistic", "num_rounds": 8, "max_depth": 4, "learning_rate": 0.3, "max_bin": 64},
+                 id="logistic-depth4"),
     # The deep levels' loop, with the extra statistic pairs of vector leaves (3 classes).
-    {"loss": "softmax", "num_rounds": 2, "max_depth": 8, "learning_rate": 0.3, "max_bin": 64,
-     "multi_strategy": "multi_output_tree"},
+    pytest.param({"loss": "softmax", "num_rounds": 2, "max_depth": 8, "learning_rate": 0.3, "max_bin": 64,
+                  "multi_strategy": "multi_output_tree"}, id="softmax-vector-depth8"),
     # 3000 rows at depth 9: most deep slots hold no split (skipped), 256 bins (no scratch buffer),
     # monotone bounds carried through the skipped chunks.
-    {"loss": "logistic", "num_rounds": 3, "max_depth": 9, "learning_rate": 0.3, "max_bin": 256,
-     "monotone_constraints": [1, 0, 0, 0, 0, 0]},
-], ids=["logistic-depth4", "softmax-vector-depth8", "logistic-monotone-depth9"])
+    pytest.param({"loss": "logistic", "num_rounds": 3, "max_depth": 9, "learning_rate": 0.3, "max_bin": 256,
+                  "monotone_constraints": [1, 0, 0, 0, 0, 0]}, id="logistic-monotone-depth9"),
+]
+
+
+@needs_native
+@pytest.mark.parametrize("settings", GROWTH_CASES)
 def test_training_with_native_kernel_matches_xla_kernel(monkeypatch, settings):
     X, y = kernel_training_data(settings)
     assert_same_models(train_with_kernel(monkeypatch, X, y, settings, "native"),
@@ -621,6 +626,22 @@ def test_training_with_the_accelerators_kernel_matches_the_cpus_xla_kernel(monke
                 for model in (with_pairs, with_complex)]
     np.testing.assert_allclose(log_loss[0], log_loss[1], rtol=1e-2)
     assert log_loss[0] < 0.8 * np.log(3), f"log loss {log_loss[0]:.4f}: the model barely fits"
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compares the CPU's level steps with the GPU's, on CPU")
+@pytest.mark.parametrize("settings", GROWTH_CASES)
+def test_levels_split_at_once_as_on_an_accelerator_grow_the_cpus_trees(monkeypatch, settings):
+    """Off the CPU a level's split scan and sibling subtraction run in one masked step rather
+    than in steps over the live nodes (``devices.in_steps_on_cpu``); here on CPU, with the same
+    XLA histograms, both grow the same trees."""
+    from jaxboost import grower, split
+
+    X, y = kernel_training_data(settings)
+    in_steps = train_with_kernel(monkeypatch, X, y, settings, "xla")
+    for module in (grower, split):
+        monkeypatch.setattr(module, "in_steps_on_cpu", lambda in_steps, all_at_once: all_at_once())
+    at_once = train_with_kernel(monkeypatch, X, y, settings, "xla")  # undoes the patches when done
+    assert_same_models(at_once, in_steps, X, settings)
 
 
 @pytest.mark.parametrize("num_nodes,max_bin,n_features,features_per_scatter", [

@@ -536,14 +536,21 @@ def test_scan_without_missing_values_skips_a_direction_and_chooses_alike(seed):
         np.testing.assert_array_equal(got, expected, err_msg=name)
 
 
+@pytest.mark.parametrize("at_once", [False, True], ids=["cpu-steps", "accelerator-at-once"])
 @pytest.mark.parametrize("n_features,max_bin,expected_chunk", [(28, 256, 2), (14, 256, 4), (3, 16, 64)])
-def test_scan_of_live_nodes_scans_the_chunks_holding_active_nodes(n_features, max_bin, expected_chunk):
+def test_scan_of_live_nodes_scans_the_chunks_holding_active_nodes(monkeypatch, n_features, max_bin, expected_chunk,
+                                                                  at_once):
     """``find_best_splits_of_live_nodes``: steps of ``scan_chunk_nodes`` slots (as many as fit
     ``SCAN_CHUNK_BYTES``: 2 nodes of 28 features of 256 bins); each chunk that holds one of the
     first ``live`` slots and an active node gets exactly the whole scan's choice, every other
     slot the empty choice (zeros), whatever its histogram holds. A level that fits one step is
-    scanned whole."""
+    scanned whole. Off the CPU (``at_once``) every slot is scanned in one step: the active ones
+    get the same choices."""
+    from jaxboost import split
     from jaxboost.split import find_best_splits_of_live_nodes, scan_chunk_nodes
+
+    if at_once:
+        monkeypatch.setattr(split, "in_steps_on_cpu", lambda in_steps, all_at_once: all_at_once())
 
     slots, live = 64, 40
     rng = np.random.default_rng(n_features)
@@ -566,7 +573,7 @@ def test_scan_of_live_nodes_scans_the_chunks_holding_active_nodes(n_features, ma
     scanned = np.zeros(slots, bool)
     for start in range(0, -(-live // chunk) * chunk, chunk):
         scanned[start:start + chunk] = active[start:start + chunk].any()
-    if chunk == slots:  # one step: the whole level is scanned
+    if chunk == slots or at_once:  # one step: the whole level is scanned
         scanned[:] = True
     else:
         assert scanned.any() and (~scanned).any()

@@ -643,8 +643,9 @@ def test_sum_scattered_over_devices():
         np.testing.assert_array_equal(out[device], local[:, :, 2 * device:2 * device + 2].sum(axis=0))
 
 
+@pytest.mark.parametrize("at_once", [False, True], ids=["cpu-steps", "accelerator-at-once"])
 @pytest.mark.parametrize("n_devices, slots", [(1, 32), (2, 32), (2, 2), (2, 1), (2, 128)])
-def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices, slots):
+def test_children_histograms_over_parents_matches_sibling_subtraction(monkeypatch, n_devices, slots, at_once):
     """A looped level's children histograms: for the chunks of parents (8, or 32 in the deep
     levels' wide buffers) holding the first ``live`` slots and a parent that splits, children
     ``2 p, 2 p + 1`` of a splitting parent are the smaller child summed over devices and the
@@ -653,10 +654,15 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices,
     contents; a count of 0 (children that are leaves) changes nothing, nor does a single slot
     (depth-1 trees, whose children are leaves). A wide buffer's smaller children cover only its
     first half, where parents lie; the smaller children of parents that do not split may hold
-    anything (the native kernel leaves them unwritten)."""
+    anything (the native kernel leaves them unwritten). Off the CPU (``at_once``) every parent's
+    children are written in one step, whatever ``live`` says."""
     from jax.sharding import Mesh, PartitionSpec
 
+    from jaxboost import grower
     from jaxboost.grower import children_histograms_over_parents, parent_chunk_nodes
+
+    if at_once:
+        monkeypatch.setattr(grower, "in_steps_on_cpu", lambda in_steps, all_at_once: all_at_once())
 
     devices = jax.devices()[:n_devices]
     if len(devices) < n_devices:
@@ -693,7 +699,9 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(n_devices,
                                  np.where(splits, np.where(choose, larger, smaller), 0.0)], axis=1)
             children = children.reshape((2 * slots,) + children.shape[2:])
             expected = parents[device].copy()
-            for start in range(0, read_chunks * chunk, chunk):
+            if at_once and slots > 1:
+                expected = children[:slots]
+            for start in range(0, 0 if at_once else read_chunks * chunk, chunk):
                 if parent_splits[start:start + chunk].any():
                     expected[2 * start:2 * (start + chunk)] = children[2 * start:2 * (start + chunk)]
             np.testing.assert_allclose(out[device], expected, rtol=1e-6, atol=1e-6, err_msg=f"live={live}")
