@@ -171,6 +171,29 @@ def _raise_if_unhealthy(health, loss_name: str, round_index: int):
 RELEASE_MEMORY_EVERY_ROUNDS = 16
 
 
+class RoundTrees:
+    """The trees of the rounds dispatched so far, on their way to the host.
+
+    Each round's arrays start their copy to the host as the round is dispatched: a GPU's then
+    arrive while later rounds run, instead of one small transfer after another when the model
+    is built (a CPU's are on the host already)."""
+
+    def __init__(self):
+        self.rounds: list[Tree] = []
+
+    def append(self, trees: Tree) -> None:
+        for field in trees:
+            field.copy_to_host_async()
+        self.rounds.append(trees)
+
+    def __len__(self) -> int:
+        return len(self.rounds)
+
+    def stacked(self) -> Tree:
+        """Host arrays with a leading round axis (at least one round)."""
+        return jax.tree_util.tree_map(lambda *fields: np.stack([np.asarray(f) for f in fields]), *self.rounds)
+
+
 def release_memory_now_and_then(round_index: int) -> None:
     """After every ``RELEASE_MEMORY_EVERY_ROUNDS``-th round, hand the free pages of the malloc
     arenas back, before the rounds' freed buffers pile up in them."""
@@ -435,12 +458,11 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
 
     eval_names = [f"validation_{i}" for i in range(len(eval_rows))]
     history = {name: {metric.name: [] for metric in metrics} for name in eval_names}
-    round_trees = []
+    round_trees = RoundTrees()
 
     def stacked_trees() -> Tree:
-        grown = (jax.tree_util.tree_map(lambda *fields: np.stack([np.asarray(f) for f in fields]), *round_trees)
-                 if round_trees else jax.tree_util.tree_map(lambda a: np.zeros((0, K) + a.shape, a.dtype),
-                                                            empty_tree(num_nodes)))
+        grown = (round_trees.stacked() if round_trees
+                 else jax.tree_util.tree_map(lambda a: np.zeros((0, K) + a.shape, a.dtype), empty_tree(num_nodes)))
         if previous_trees is None:
             return grown
         return Tree(*(np.concatenate([old, new]) for old, new in zip(previous_trees, grown)))

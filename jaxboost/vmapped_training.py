@@ -22,7 +22,7 @@ from .grower import GrowthParams
 from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .regularizer import Regularization, check_regularization
-from .training import (_as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
+from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
                        interaction_groups, monotone_array, positives_weighted, release_memory_now_and_then,
                        vector_leaves)
 
@@ -189,7 +189,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     histograms = histogram_buffer(shape, dataset.n_features, models=M)
 
     history = [[] for _ in eval_rows]
-    round_trees = []
+    round_trees = RoundTrees()
     for round_index in range(num_rounds):
         eval_data = tuple((r.X_binned_device, r.y_device, r.sample_weight_device, raw)
                           for r, raw in zip(eval_rows, eval_raw))
@@ -203,7 +203,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         for per_set, values in zip(history, metric_values):
             per_set.append(np.asarray(values))  # (M, metrics)
 
-    all_trees = jax.tree_util.tree_map(lambda *fields: np.stack([np.asarray(f) for f in fields]), *round_trees)
+    all_trees = round_trees.stacked()
     models = []
     for k in range(M):
         evals_result = {f"validation_{i}": {metric.name: [float(v[k, j]) for v in per_set]
