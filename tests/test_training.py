@@ -395,7 +395,10 @@ def test_rounds_donate_raw_predictions_and_read_row_indices_only_when_sampling(m
         assert all((index is None) == (subsample == 1.0) for index in row_indices)
         monkeypatch.setattr(training, "compiled_round", lambda shape: recording(shape, donate=False))
         kept = jb.train(X, y, subsample=subsample, num_rounds=3, max_depth=DEPTH)
-        np.testing.assert_array_equal(model.predict_raw(X), kept.predict_raw(X))
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(model.predict_raw(X), kept.predict_raw(X))
+        else:  # float atomic adds sum a GPU's histograms in a varying order
+            np.testing.assert_allclose(model.predict_raw(X), kept.predict_raw(X), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n_rows, settings", [
