@@ -162,7 +162,8 @@ def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array
     unless they end at a stationary point, coordinate sweeps of exact 1-D minimisations (a
     program of their own, compiled only for a loss that needs them)."""
     platform = jax.default_backend()
-    start = jnp.zeros(objective.num_outputs, raw_prediction.dtype)
+    # A host array: jnp.zeros would compile two small programs of its own in a first fit (15-25 ms).
+    start = np.zeros(objective.num_outputs, raw_prediction.dtype)
     if objective.num_outputs == 1:
         return _compiled_starting_value(platform, "sweeps")(objective, raw_prediction, y, weights, loss_params, start)
     constant, converged = _compiled_starting_value(platform, "newton")(objective, raw_prediction, y, weights,
