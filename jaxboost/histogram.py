@@ -70,7 +70,8 @@ def _available_native_target(name: str, what: str, kernel: str) -> str | None:
 def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax.Array,
                     hessians: jax.Array, num_nodes: int, max_bin: int, row_mask: jax.Array | None = None,
                     kernel: str = "auto", threads: int = 1, feature_major: bool = False,
-                    result_features: int | None = None, row_offset: jax.Array | None = None) -> jax.Array:
+                    result_features: int | None = None, row_offset: jax.Array | None = None,
+                    channels: int = 2, channel: int = 0, into: jax.Array | None = None) -> jax.Array:
     """Histogram of the local rows.
 
     Args:
@@ -97,25 +98,62 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
       row_offset: int32 scalar, the first local row's column in ``X_binned_T`` (the devices of
         a CPU share one table, each reading its own columns), or None when the columns are
         the rows.
+      channels, channel, into: for histograms of more channels than one (g, h) pair, built a
+        pair at a time: ``channels`` (even) per cell, this pair's sums in ``[channel, channel +
+        2)``; ``into`` holds the earlier pairs' (the result of the call for ``channel - 2``),
+        None for channel 0. The native kernel writes each pair into the one buffer in place.
 
     Returns:
-      float32 ``(num_nodes, result_features, max_bin, 2)``: ``[..., 0]`` sums of gradients,
-      ``[..., 1]`` sums of Hessians.
+      float32 ``(num_nodes, result_features, max_bin, channels)``: ``[..., channel]`` sums of
+      gradients, ``[..., channel + 1]`` sums of Hessians, the other channels as in ``into``.
     """
     if row_mask is not None and jnp.shape(row_mask) != jnp.shape(node_index):
         raise ValueError(f"row_mask must hold one flag per row, shape {node_index.shape}; got {jnp.shape(row_mask)}")
     target = _choose_native_target(HISTOGRAM_TARGET, "histogram", kernel, threads, X_binned_T, max_bin)
-    args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
-            gradients.astype(jnp.float32), hessians.astype(jnp.float32))
-    mask = jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool)
     result_features = X_binned_T.shape[0] if result_features is None else result_features
-    xla = _with_features(partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features)
+    into = _earlier_channels(into, (num_nodes, result_features, max_bin), channels, channel)
+    args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
+            gradients.astype(jnp.float32), hessians.astype(jnp.float32),
+            jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool), into)
+    xla = _into_channels(_with_features(partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin),
+                                        result_features), channels, channel)
     if target is None:
-        return xla(*args, mask)
+        return xla(*args)
     native = partial(_native_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
-                     feature_major=feature_major, result_features=result_features)
+                     feature_major=feature_major, result_features=result_features, channels=channels,
+                     channel=channel)
     # Chosen when lowering: the FFI target exists only on CPU.
-    return lax.platform_dependent(*args, mask, cpu=native, default=xla)
+    return lax.platform_dependent(*args, cpu=native, default=xla)
+
+
+def _earlier_channels(into, cells: tuple, channels: int, channel: int) -> jax.Array:
+    """``into`` checked against the pair's place in the cells (an empty operand for channel 0)."""
+    if channels < 2 or channels % 2 or channel < 0 or channel % 2 or channel + 2 > channels:
+        raise ValueError(f"channel must be even and leave a pair in the {channels} channels (an even number); "
+                         f"got channel {channel}")
+    if (into is None) != (channel == 0):
+        raise ValueError("into (the earlier pairs' histogram) is given exactly for a channel past 0")
+    if into is None:
+        return jnp.zeros((0,), jnp.float32)
+    if jnp.shape(into) != cells + (channels,) or into.dtype != jnp.float32:
+        raise ValueError(f"into must be float32 {cells + (channels,)}; got {into.dtype} {jnp.shape(into)}")
+    return into
+
+
+def _into_channels(kernel, channels: int, channel: int):
+    """An XLA ``kernel`` (whose histogram, its result or the last of them, has one (g, h) pair a
+    cell) writing that pair into channels ``[channel, channel + 2)`` of the last operand's cells
+    (empty for channel 0: the other channels are then zeros)."""
+    if channels == 2:
+        return lambda *args: kernel(*args[:-1])
+
+    def into(*args):
+        outputs = kernel(*args[:-1])
+        pair = outputs[-1] if isinstance(outputs, tuple) else outputs
+        earlier = args[-1] if channel else jnp.zeros(pair.shape[:-1] + (channels,), jnp.float32)
+        histogram = earlier.at[..., channel:channel + 2].set(pair)
+        return outputs[:-1] + (histogram,) if isinstance(outputs, tuple) else histogram
+    return into
 
 
 def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gradients: jax.Array,
@@ -124,7 +162,7 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
                               max_bin: int, kernel: str = "auto", threads: int = 1,
                               feature_major: bool = False, result_features: int | None = None,
                               row_offset: jax.Array | None = None, histogram_nodes: int | None = None,
-                              live_nodes: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                              live_nodes: jax.Array | None = None, channels: int = 2) -> tuple[jax.Array, jax.Array]:
     """Route the local rows to the children of a level's splits, and histogram the smaller children.
 
     One pass over the rows does what would otherwise be a gather, several element-wise ops and
@@ -141,7 +179,9 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         device when rows are sharded (e.g. from the split's global left/right sums), so that
         every device builds the same children.
       max_bin: static number of bins; the missing code is ``max_bin - 1``.
-      kernel, threads, feature_major, result_features, row_offset: as for ``build_histogram``.
+      kernel, threads, feature_major, result_features, row_offset: as for ``build_histogram``;
+        channels too: the pair is channels 0 and 1 of cells of ``channels`` (the others zero
+        for the XLA kernel, unwritten by the native one), which ``build_histogram`` fills.
       histogram_nodes: static; only the smaller children of the first ``histogram_nodes``
         nodes are summed (None: of all ``num_nodes``). A level held in more slots than can
         hold a parent routes every slot but builds histograms for those only.
@@ -151,7 +191,7 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
 
     Returns:
       ``(child_of_row, smaller)``: int32 ``(n_rows,)`` and float32
-      ``(histogram_nodes, result_features, max_bin, 2)`` indexed by the parent's position.
+      ``(histogram_nodes, result_features, max_bin, channels)`` indexed by the parent's position.
       Only the cells of nodes that split are specified: the native kernel leaves the others
       unwritten too (most slots of a deep level hold no split), so callers read the smaller
       children of splitting nodes only.
@@ -169,13 +209,16 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
             gradients.astype(jnp.float32), hessians.astype(jnp.float32), split_feature.astype(jnp.int32),
             split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool), splits.astype(bool),
             left_is_smaller.astype(bool),
-            jnp.reshape(jnp.asarray(histogram_nodes if live_nodes is None else live_nodes, jnp.int32), (1,)))
+            jnp.reshape(jnp.asarray(histogram_nodes if live_nodes is None else live_nodes, jnp.int32), (1,)),
+            _earlier_channels(None, (), channels, 0))
     result_features = X_binned_T.shape[0] if result_features is None else result_features
-    xla = _with_features(partial(_xla_route_histogram, num_nodes=histogram_nodes, max_bin=max_bin), result_features)
+    xla = _into_channels(_with_features(partial(_xla_route_histogram, num_nodes=histogram_nodes, max_bin=max_bin),
+                                        result_features), channels, 0)
     if target is None:
         return xla(*args)
     native = partial(_native_route_histogram, target=target, num_nodes=histogram_nodes, max_bin=max_bin,
-                     threads=threads, feature_major=feature_major, result_features=result_features)
+                     threads=threads, feature_major=feature_major, result_features=result_features,
+                     channels=channels)
     # Chosen when lowering: the FFI target exists only on CPU.
     return lax.platform_dependent(*args, cpu=native, default=xla)
 
@@ -302,19 +345,20 @@ _HISTOGRAM_LAYOUTS = {False: (0, 1, 2, 3), True: (1, 0, 2, 3)}
 
 
 def _native_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin,
-                            default_left, splits, left_is_smaller, live_nodes, *, target, num_nodes, max_bin, threads,
-                            feature_major, result_features):
+                            default_left, splits, left_is_smaller, live_nodes, into, *, target, num_nodes, max_bin,
+                            threads, feature_major, result_features, channels):
     results = (jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32),
-               jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, 2), jnp.float32))
+               jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, channels), jnp.float32))
     inputs = (X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin, default_left,
-              splits, left_is_smaller, live_nodes)
+              splits, left_is_smaller, live_nodes, into)
     # One thread reads each row's node before writing its child, so the children may overwrite
     # the nodes: XLA then updates the level loop's row positions in place instead of copying
     # them into the loop state every level. Several threads all read every row's node.
     outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential",
                                output_layouts=[None, _HISTOGRAM_LAYOUTS[feature_major]],
                                input_output_aliases={2: 0} if threads == 1 else None)(
-        *inputs, missing_bin=np.int64(max_bin - 1), threads=np.int64(threads), feature_major=np.int64(feature_major))
+        *inputs, missing_bin=np.int64(max_bin - 1), threads=np.int64(threads), feature_major=np.int64(feature_major),
+        channel=np.int64(0))
     return tuple(as_varying_as(output, inputs) for output in outputs)
 
 
@@ -326,15 +370,18 @@ def as_varying_as(result, inputs):
     return lax.pcast(result, missing, to="varying") if missing else result
 
 
-def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, *, target, num_nodes,
-                      max_bin, threads, feature_major, result_features):
-    result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, 2), jnp.float32)
-    # Under vmap (several models trained at once) the kernel runs once per batch member.
+def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, *, target, num_nodes,
+                      max_bin, threads, feature_major, result_features, channels, channel):
+    result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, channels), jnp.float32)
+    # Under vmap (several models trained at once) the kernel runs once per batch member. Past
+    # channel 0 the result is the earlier channels' buffer, written in place.
     histogram = jax.ffi.ffi_call(target, result, vmap_method="sequential",
-                                 output_layouts=_HISTOGRAM_LAYOUTS[feature_major])(
-        X_binned_T, row_offset, node_index, gradients, hessians, row_mask, threads=np.int64(threads),
-        feature_major=np.int64(feature_major))
-    return as_varying_as(histogram, (X_binned_T, row_offset, node_index, gradients, hessians, row_mask))
+                                 output_layouts=_HISTOGRAM_LAYOUTS[feature_major],
+                                 input_layouts=[None] * 6 + [_HISTOGRAM_LAYOUTS[feature_major] if channel else None],
+                                 input_output_aliases={6: 0} if channel else None)(
+        X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, threads=np.int64(threads),
+        feature_major=np.int64(feature_major), channel=np.int64(channel))
+    return as_varying_as(histogram, (X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into))
 
 
 def _varying_axes(x) -> frozenset:
@@ -456,14 +503,18 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
     (or their ``StatisticPairs``).
     """
     statistics = statistic_pairs(statistics)
-    parts = [build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask, threads=threads,
-                             feature_major=feature_major, result_features=result_features, row_offset=row_offset)
-             for first, second in statistics.pairs]
-    return _join_channels(parts, statistics.channels)
+    width = 2 * len(statistics.pairs)
+    histogram = None
+    for index, (first, second) in enumerate(statistics.pairs):
+        histogram = build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask,
+                                    threads=threads, feature_major=feature_major, result_features=result_features,
+                                    row_offset=row_offset, channels=width, channel=2 * index, into=histogram)
+    return _without_padding(histogram, statistics.channels)
 
 
-def _join_channels(parts: list, channels: int) -> jax.Array:
-    return parts[0] if len(parts) == 1 and channels == 2 else jnp.concatenate(parts, axis=-1)[..., :channels]
+def _without_padding(histogram: jax.Array, channels: int) -> jax.Array:
+    """The histogram without the zero channel that pads an odd number of channels to pairs."""
+    return histogram if histogram.shape[-1] == channels else histogram[..., :channels]
 
 
 def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax.Array,
@@ -479,15 +530,17 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
     while routing, the others afterwards over the rows of the smaller children only."""
     statistics = statistic_pairs(statistics)
     pairs = statistics.pairs
-    child_of_row, first = route_and_build_histogram(
+    width = 2 * len(pairs)
+    child_of_row, histogram = route_and_build_histogram(
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
         left_is_smaller, max_bin, threads=threads, feature_major=feature_major, result_features=result_features,
-        row_offset=row_offset, histogram_nodes=histogram_nodes, live_nodes=live_nodes)
-    if len(pairs) == 1:
-        return child_of_row, _join_channels([first], statistics.channels)
-    goes_right = (child_of_row - 2 * node_of_row) == 1
-    in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, first.shape[0])
-    rest = [build_histogram(X_binned_T, node_of_row, g, h, first.shape[0], max_bin, in_smaller_child, threads=threads,
-                            feature_major=feature_major, result_features=result_features, row_offset=row_offset)
-            for g, h in pairs[1:]]
-    return child_of_row, _join_channels([first] + rest, statistics.channels)
+        row_offset=row_offset, histogram_nodes=histogram_nodes, live_nodes=live_nodes, channels=width)
+    if len(pairs) > 1:
+        goes_right = (child_of_row - 2 * node_of_row) == 1
+        in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram.shape[0])
+        for index, (g, h) in enumerate(pairs[1:], start=1):
+            histogram = build_histogram(X_binned_T, node_of_row, g, h, histogram.shape[0], max_bin, in_smaller_child,
+                                        threads=threads, feature_major=feature_major,
+                                        result_features=result_features, row_offset=row_offset, channels=width,
+                                        channel=2 * index, into=histogram)
+    return child_of_row, _without_padding(histogram, statistics.channels)

@@ -10,6 +10,12 @@
 // level's routing runs in the gathering pass, so each row's node is read once.
 // The codes are a feature-major table that may be wider than the local rows: the devices of a
 // CPU share one table, each reading the columns from its first row on (a row offset operand).
+// A histogram of more channels than (g, h) (vector leaves: K gradients and the packed Hessian)
+// is written one pair of channels per call, each call into the channels [channel, channel + 2)
+// of cells `width` floats wide: the first call (channel 0) zeroes the cells it writes whole,
+// the later ones take its result as their output (an aliased operand) and add their pair. So
+// no call's result is copied into a wider histogram afterwards (a copy that interleaved the
+// pairs took a third of a 10-output round).
 
 #include <algorithm>
 #include <cmath>
@@ -51,16 +57,21 @@ inline void AddPair(float* cell, const float* pair) {
 #endif
 }
 
-// Where a (node, feature) histogram of `bins` cells of (g, h) starts: node-major (nodes, features,
-// bins, 2), or feature-major (features, nodes, bins, 2), in which the features divide into blocks
-// that are contiguous, so summing them over devices scattered by feature needs no transpose.
+// Where a (node, feature) histogram of `bins` cells starts: node-major (nodes, features, bins,
+// width), or feature-major (features, nodes, bins, width), in which the features divide into
+// blocks that are contiguous, so summing them over devices scattered by feature needs no
+// transpose. A cell holds `width` floats, of which this call's (g, h) are those from `channel`.
 struct CellLayout {
   int64_t node_stride;
   int64_t feature_stride;
+  int64_t width = 2;
+  int64_t channel = 0;
 };
 
-CellLayout MakeLayout(int64_t num_nodes, int64_t n_features, int64_t bins, bool feature_major) {
-  return feature_major ? CellLayout{bins * 2, num_nodes * bins * 2} : CellLayout{n_features * bins * 2, bins * 2};
+CellLayout MakeLayout(int64_t num_nodes, int64_t n_features, int64_t bins, bool feature_major, int64_t width = 2,
+                      int64_t channel = 0) {
+  return feature_major ? CellLayout{bins * width, num_nodes * bins * width, width, channel}
+                       : CellLayout{n_features * bins * width, bins * width, width, channel};
 }
 
 // A selected row as the histogram passes read it: its id, its node and its (g, h) in 16 bytes,
@@ -81,14 +92,15 @@ void AccumulateGroup(const uint8_t* codes, int64_t stride, int64_t first, int64_
                      const GatheredRow* gathered, const float* pairs, int64_t count, CellLayout layout,
                      float* hist) {
   const uint8_t* group_codes = codes + first * stride + first_row;
-  float* group_hist = hist + first * layout.feature_stride;
+  float* group_hist = hist + first * layout.feature_stride + layout.channel;
   for (int64_t j = 0; j < count; ++j) {
     const uint8_t* row_codes = group_codes + (AllRows ? j : gathered[j].row);
     float* node_hist = group_hist + (AllRows ? 0 : static_cast<int64_t>(gathered[j].node) * layout.node_stride);
     const float* pair = AllRows ? pairs + 2 * j : gathered[j].pair;
 #pragma GCC unroll 8
     for (int k = 0; k < Group; ++k) {
-      AddPair(node_hist + k * layout.feature_stride + 2 * static_cast<int64_t>(row_codes[k * stride]), pair);
+      AddPair(node_hist + k * layout.feature_stride + layout.width * static_cast<int64_t>(row_codes[k * stride]),
+              pair);
     }
   }
 }
@@ -99,13 +111,13 @@ void AccumulateGroup(const uint8_t* codes, int64_t stride, int64_t first, int64_
 // ms, 16 nodes of half the rows 14 -> 6.5 ms, of a tenth 3.7 -> 3.0 ms; 2, 7, 14 and 28 slower).
 constexpr int64_t kFeatureGroup = 4;
 
-// Zeroes the cells of features [feature_begin, feature_end) of the given nodes.
+// Zeroes the cells of features [feature_begin, feature_end) of the given nodes, all their channels.
 void ZeroCells(float* hist, CellLayout layout, int64_t bins, const std::vector<int64_t>& nodes, int64_t feature_begin,
                int64_t feature_end) {
   for (const int64_t node : nodes) {
     for (int64_t f = feature_begin; f < feature_end; ++f) {
       std::memset(hist + node * layout.node_stride + f * layout.feature_stride, 0,
-                  sizeof(float) * static_cast<size_t>(bins * 2));
+                  sizeof(float) * static_cast<size_t>(bins * layout.width));
     }
   }
 }
@@ -219,7 +231,11 @@ struct HistogramProblem {
   const bool* row_mask;  // nullptr: every row
   int64_t n_rows, n_features, num_nodes;
   int64_t code_stride;
-  float* hist;  // (num_nodes, out_features, kCodeSlots, 2) laid out as `layout`, zeroed
+  float* hist;  // (num_nodes, out_features, kCodeSlots, width) laid out as `layout`
+  // Cells of `width` floats, this call's (g, h) at `channel`; the cells are zeroed by the call
+  // of channel 0 only (the later ones add to its result).
+  int64_t width = 2;
+  int64_t channel = 0;
   bool feature_major = false;
   // Features of the result: n_features and zeroed ones after them (blocks of equal size for
   // sums over devices scattered by feature).
@@ -321,18 +337,24 @@ std::vector<int64_t> WrittenNodes(const HistogramProblem& p) {
 
 void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, float* out) {
   const size_t cells = static_cast<size_t>(problem.num_nodes * problem.out_features * kCodeSlots * 2);
-  problem.layout = MakeLayout(problem.num_nodes, problem.out_features, kCodeSlots, problem.feature_major);
+  const bool first_channels = problem.channel == 0;
   if (problem.summed_nodes < 0 || problem.summed_nodes > problem.num_nodes) problem.summed_nodes = problem.num_nodes;
-  // With fewer than 256 bins, sums go to a scratch buffer with a slot for every code first.
+  // With fewer than 256 bins, sums go to a scratch buffer of (g, h) cells with a slot for every
+  // code first.
   const std::vector<int64_t> written = WrittenNodes(problem);
   std::vector<float> scratch;
   if (max_bin != kCodeSlots) {
+    problem.layout = MakeLayout(problem.num_nodes, problem.out_features, kCodeSlots, problem.feature_major);
     scratch.assign(cells, 0.0f);
     problem.hist = scratch.data();
   } else {
+    problem.layout = MakeLayout(problem.num_nodes, problem.out_features, kCodeSlots, problem.feature_major,
+                                problem.width, problem.channel);
     // The passes zero the codes' features; nothing adds to the zero features after them.
-    ZeroCells(out, problem.layout, kCodeSlots, written, problem.n_features, problem.out_features);
-    problem.zero_nodes = &written;
+    if (first_channels) {
+      ZeroCells(out, problem.layout, kCodeSlots, written, problem.n_features, problem.out_features);
+      problem.zero_nodes = &written;
+    }
     problem.hist = out;
   }
   threads = std::max<int64_t>(1, std::min(threads, problem.n_features));
@@ -348,13 +370,21 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
     for (auto& worker : workers) worker.join();
   }
   if (problem.hist == out) return;
-  const CellLayout out_layout = MakeLayout(problem.num_nodes, problem.out_features, max_bin, problem.feature_major);
-  ZeroCells(out, out_layout, max_bin, written, problem.n_features, problem.out_features);
+  const CellLayout out_layout = MakeLayout(problem.num_nodes, problem.out_features, max_bin, problem.feature_major,
+                                           problem.width, problem.channel);
+  if (first_channels) ZeroCells(out, out_layout, max_bin, written, problem.n_features, problem.out_features);
   for (const int64_t node : written) {
     for (int64_t f = 0; f < problem.n_features; ++f) {
       const float* source = problem.hist + node * problem.layout.node_stride + f * problem.layout.feature_stride;
-      std::memcpy(out + node * out_layout.node_stride + f * out_layout.feature_stride, source,
-                  sizeof(float) * 2 * max_bin);
+      float* target = out + node * out_layout.node_stride + f * out_layout.feature_stride + problem.channel;
+      if (problem.width == 2) {
+        std::memcpy(target, source, sizeof(float) * 2 * max_bin);
+      } else {
+        for (int64_t bin = 0; bin < max_bin; ++bin) {
+          target[bin * problem.width] = source[2 * bin];
+          target[bin * problem.width + 1] = source[2 * bin + 1];
+        }
+      }
     }
   }
 }
@@ -382,10 +412,24 @@ ffi::Error FindLocalCodes(const ffi::Buffer<ffi::U8>& codes, const ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// The cells' width (the histogram's last dimension) and this call's channel: `into` is empty for
+// the first pair (channel 0), else the histogram of the earlier pairs, aliased to the result.
+ffi::Error FindChannels(const ffi::Buffer<ffi::F32>& into, int64_t channel, int64_t width, size_t out_elements,
+                        const std::string& kernel) {
+  if (width < 2 || width % 2 || channel < 0 || channel % 2 || channel + 2 > width) {
+    return ffi::Error::InvalidArgument(kernel + ": channel must be even and leave a pair in the cells");
+  }
+  if ((channel == 0) != (into.element_count() == 0) || (channel > 0 && into.element_count() != out_elements)) {
+    return ffi::Error::InvalidArgument(kernel + ": the earlier channels' histogram must be given exactly past channel 0");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset,
                          ffi::Buffer<ffi::S32> node_of_row, ffi::Buffer<ffi::F32> gradients,
-                         ffi::Buffer<ffi::F32> hessians, ffi::Buffer<ffi::PRED> row_mask, int64_t threads,
-                         int64_t feature_major, ffi::ResultBuffer<ffi::F32> histogram) {
+                         ffi::Buffer<ffi::F32> hessians, ffi::Buffer<ffi::PRED> row_mask, ffi::Buffer<ffi::F32> into,
+                         int64_t threads, int64_t feature_major, int64_t channel,
+                         ffi::ResultBuffer<ffi::F32> histogram) {
   const auto out_dims = histogram->dimensions();
   if (out_dims.size() != 4) return ffi::Error::InvalidArgument("histogram kernel: the histogram must be 4-D");
   const int64_t n_rows = static_cast<int64_t>(node_of_row.element_count());
@@ -395,10 +439,14 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_o
   }
   const int64_t n_features = local.n_features;
   const int64_t num_nodes = out_dims[0], max_bin = out_dims[2];
-  if (out_dims[1] < n_features || out_dims[3] != 2 || max_bin > kCodeSlots ||
+  if (out_dims[1] < n_features || max_bin > kCodeSlots ||
       static_cast<int64_t>(gradients.element_count()) != n_rows ||
       static_cast<int64_t>(hessians.element_count()) != n_rows) {
     return ffi::Error::InvalidArgument("histogram kernel: inconsistent shapes");
+  }
+  if (ffi::Error error = FindChannels(into, channel, out_dims[3], histogram->element_count(), "histogram kernel");
+      error.failure()) {
+    return error;
   }
   const int64_t mask_size = static_cast<int64_t>(row_mask.element_count());
   if (mask_size != 0 && mask_size != n_rows) {
@@ -409,6 +457,8 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_o
                            hessians.typed_data(), mask, n_rows, n_features, num_nodes, local.stride, nullptr};
   problem.feature_major = feature_major != 0;
   problem.out_features = out_dims[1];
+  problem.width = out_dims[3];
+  problem.channel = channel;
   BuildHistogram(problem, max_bin, threads, histogram->typed_data());
   return ffi::Error::Success();
 }
@@ -419,8 +469,9 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
                               ffi::Buffer<ffi::S32> feature, ffi::Buffer<ffi::S32> threshold_bin,
                               ffi::Buffer<ffi::PRED> default_left, ffi::Buffer<ffi::PRED> splits,
                               ffi::Buffer<ffi::PRED> left_is_smaller, ffi::Buffer<ffi::S32> live_nodes,
-                              int64_t missing_bin, int64_t threads,
-                              int64_t feature_major, ffi::ResultBuffer<ffi::S32> child_of_row, ffi::ResultBuffer<ffi::F32> histogram) {
+                              ffi::Buffer<ffi::F32> into, int64_t missing_bin, int64_t threads,
+                              int64_t feature_major, int64_t channel, ffi::ResultBuffer<ffi::S32> child_of_row,
+                              ffi::ResultBuffer<ffi::F32> histogram) {
   const auto out_dims = histogram->dimensions();
   if (out_dims.size() != 4) return ffi::Error::InvalidArgument("route kernel: the histogram must be 4-D");
   const int64_t n_rows = static_cast<int64_t>(node_of_row.element_count());
@@ -441,13 +492,17 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   for (int64_t count : per_node) {
     if (count != num_nodes) return ffi::Error::InvalidArgument("route kernel: one split per node expected");
   }
-  if (histogram_nodes > num_nodes || out_dims[1] < n_features || out_dims[3] != 2 || max_bin > kCodeSlots ||
+  if (histogram_nodes > num_nodes || out_dims[1] < n_features || max_bin > kCodeSlots ||
       static_cast<int64_t>(child_of_row->element_count()) != n_rows ||
       static_cast<int64_t>(gradients.element_count()) != n_rows ||
       static_cast<int64_t>(hessians.element_count()) != n_rows) {
     return ffi::Error::InvalidArgument("route kernel: inconsistent shapes");
   }
   if (n_features == 0) return ffi::Error::InvalidArgument("route kernel: no features");
+  if (ffi::Error error = FindChannels(into, channel, out_dims[3], histogram->element_count(), "route kernel");
+      error.failure()) {
+    return error;
+  }
   const std::vector<int32_t> safe_feature = ClampedFeatures(feature.typed_data(), num_nodes, n_features);
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
                             splits.typed_data(), left_is_smaller.typed_data(), num_nodes, missing_bin,
@@ -458,6 +513,8 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   problem.route = &level;
   problem.child_of_row = child_of_row->typed_data();
   problem.feature_major = feature_major != 0;
+  problem.width = out_dims[3];
+  problem.channel = channel;
   problem.out_features = out_dims[1];
   problem.summed_nodes = std::clamp<int64_t>(live_nodes.typed_data()[0], 0, histogram_nodes);
   if (std::none_of(splits.typed_data(), splits.typed_data() + num_nodes, [](bool split) { return split; })) {
@@ -653,9 +710,11 @@ XLA_FFI_DEFINE_HANDLER(kRouteHistogramHandler, RouteHistogramImpl,
                            .Arg<ffi::Buffer<ffi::PRED>>()
                            .Arg<ffi::Buffer<ffi::PRED>>()
                            .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
                            .Attr<int64_t>("missing_bin")
                            .Attr<int64_t>("threads")
                            .Attr<int64_t>("feature_major")
+                           .Attr<int64_t>("channel")
                            .Ret<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -667,8 +726,10 @@ XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::PRED>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
                            .Attr<int64_t>("threads")
                            .Attr<int64_t>("feature_major")
+                           .Attr<int64_t>("channel")
                            .Ret<ffi::Buffer<ffi::F32>>());
 
 // Prediction on raw features: every row walks every tree (rounds x outputs) of the heap layout

@@ -685,6 +685,51 @@ def route_case(seed, n_rows, n_features, num_nodes, max_bin):
     return X_binned, node_index, gradients, hessians, level
 
 
+@pytest.mark.parametrize("kernel,max_bin,threads,feature_major,channels", [
+    pytest.param("native", 256, 1, False, 6, marks=needs_native),
+    pytest.param("native", 256, 2, True, 5, marks=needs_native),  # odd: a zero channel pads the last pair
+    pytest.param("native", 64, 1, True, 6, marks=needs_native),   # fewer bins: the scratch buffer's copy
+    ("xla", 64, 1, False, 5)])
+def test_histograms_of_many_channels_are_built_into_one_buffer(monkeypatch, kernel, max_bin, threads, feature_major,
+                                                               channels):
+    """Vector leaves' histograms, a pair of channels per kernel call, each call adding its pair
+    to the last one's buffer (the native kernel in place): the root's, a masked build's and a
+    routed level's smaller children hold every channel's sums, laid out node- or feature-major
+    and padded with zero features."""
+    from jaxboost import histogram
+    from jaxboost.histogram import build_statistics_histogram, route_and_build_statistics_histogram
+
+    for name in ("build_histogram", "route_and_build_histogram"):
+        monkeypatch.setattr(histogram, name, partial(getattr(histogram, name), kernel=kernel))
+    n_rows, n_features, result_features, num_nodes = 40_000, 9, 12, 5  # two row blocks
+    X_binned, node_index, _, _, level = route_case(31, n_rows, n_features, num_nodes, max_bin)
+    rng = np.random.default_rng(32)
+    statistics = rng.normal(size=(n_rows, channels)).astype(np.float32)
+    row_mask = rng.uniform(size=n_rows) < 0.6
+    options = dict(max_bin=max_bin, threads=threads, feature_major=feature_major, result_features=result_features)
+    X_T, nodes, stats = jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(statistics)
+
+    def naive(node_of_row, rows, nodes_summed):
+        out = np.zeros((nodes_summed, result_features, max_bin, channels))
+        for f in range(n_features):
+            np.add.at(out, (node_of_row[rows], f, X_binned[rows, f].astype(int)), statistics[rows])
+        return out
+
+    root = jax.jit(lambda: build_statistics_histogram(X_T, jnp.zeros_like(nodes), stats, 1, **options))()
+    np.testing.assert_allclose(root, naive(np.zeros_like(node_index), np.ones(n_rows, bool), 1), rtol=1e-5, atol=1e-3)
+    masked = jax.jit(lambda: build_statistics_histogram(X_T, nodes, stats, num_nodes, row_mask=jnp.asarray(row_mask),
+                                                        **options))()
+    np.testing.assert_allclose(masked, naive(node_index, row_mask, num_nodes), rtol=1e-5, atol=1e-3)
+    child, smaller = jax.jit(lambda: route_and_build_statistics_histogram(
+        X_T, nodes, stats, *(jnp.asarray(level[k]) for k in ("split_feature", "split_threshold_bin",
+                                                             "split_default_left", "splits", "left_is_smaller")),
+        **options))()
+    expected_child, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    np.testing.assert_array_equal(np.asarray(child), expected_child)
+    assert_split_nodes_close(smaller, naive(node_index, in_smaller, num_nodes), level["splits"], kernel,
+                             rtol=1e-5, atol=1e-3)
+
+
 def assert_split_nodes_close(actual, expected, splits, kernel, **tolerances):
     """A routed level's smaller-child histograms: the cells of the nodes that split equal the
     expected sums; the XLA kernel zeroes every other node's cells, the native kernel leaves them
