@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .native import (CUMULATIVE_BINS_TARGET, FIRST_MAXIMUM_TARGET, HISTOGRAM_TARGET, ROUTE_HISTOGRAM_TARGET,
-                     native_target)
+from .native import (CHANNEL_HISTOGRAM_TARGET, CUMULATIVE_BINS_TARGET, FIRST_MAXIMUM_TARGET, HISTOGRAM_TARGET,
+                     ROUTE_HISTOGRAM_TARGET, native_target)
 
 KERNELS = ("auto", "xla", "native")
 
@@ -362,6 +362,18 @@ def _native_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hess
     return tuple(as_varying_as(output, inputs) for output in outputs)
 
 
+def _native_channel_histogram(X_binned_T, row_offset, node_index, statistics, row_mask, into, *, target, num_nodes,
+                              max_bin, threads, feature_major, result_features, width, channel):
+    result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, width), jnp.float32)
+    layout = _HISTOGRAM_LAYOUTS[feature_major]
+    histogram = jax.ffi.ffi_call(target, result, vmap_method="sequential", output_layouts=layout,
+                                 input_layouts=[None] * 5 + [layout if channel else None],
+                                 input_output_aliases={5: 0} if channel else None)(
+        X_binned_T, row_offset, node_index, statistics, row_mask, into, threads=np.int64(threads),
+        feature_major=np.int64(feature_major), channel=np.int64(channel))
+    return as_varying_as(histogram, (X_binned_T, row_offset, node_index, statistics, row_mask, into))
+
+
 def as_varying_as(result, inputs):
     """Inside shard_map a custom call's result is typed as replicated, but it varies with the
     local rows like the XLA kernel's: say so, or the two platform branches disagree in type."""
@@ -472,11 +484,13 @@ def _pair_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mas
 
 class StatisticPairs(NamedTuple):
     """Per-row statistics as the ``(first, second)`` float32 ``(n_rows,)`` column pairs the
-    kernels read, two channels per pass. Formed once per tree: slicing the columns of an
-    ``(n_rows, C)`` array inside the level loop copied them at every level."""
+    kernels read, two channels per pass, and (``matrix``) as the ``(n_rows, C)`` array they came
+    from, which the native kernel of many channels reads whole. Formed once per tree: slicing
+    the columns of an ``(n_rows, C)`` array inside the level loop copied them at every level."""
 
     pairs: tuple
     channels: int
+    matrix: jax.Array | None = None
 
 
 def statistic_pairs(statistics) -> StatisticPairs:
@@ -488,7 +502,7 @@ def statistic_pairs(statistics) -> StatisticPairs:
     columns = [statistics[:, i] for i in range(channels)]
     if channels % 2:
         columns.append(jnp.zeros_like(columns[0]))
-    return StatisticPairs(tuple(zip(columns[::2], columns[1::2])), channels)
+    return StatisticPairs(tuple(zip(columns[::2], columns[1::2])), channels, statistics.astype(jnp.float32))
 
 
 def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
@@ -503,13 +517,52 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
     (or their ``StatisticPairs``).
     """
     statistics = statistic_pairs(statistics)
+    options = dict(threads=threads, feature_major=feature_major, result_features=result_features,
+                   row_offset=row_offset)
+    if len(statistics.pairs) == 1:
+        return _without_padding(build_histogram(X_binned_T, node_index, *statistics.pairs[0], num_nodes, max_bin,
+                                                row_mask, **options), statistics.channels)
+    return _without_padding(build_channels_histogram(X_binned_T, node_index, statistics, num_nodes, max_bin, row_mask,
+                                                     **options), statistics.channels)
+
+
+def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, statistics: StatisticPairs,
+                             num_nodes: int, max_bin: int, row_mask: jax.Array | None = None, kernel: str = "auto",
+                             threads: int = 1, feature_major: bool = False, result_features: int | None = None,
+                             row_offset: jax.Array | None = None, channel: int = 0,
+                             into: jax.Array | None = None) -> jax.Array:
+    """The histogram of the statistics' channels from ``channel`` on, into ``into`` (the histogram
+    of the channels before it; None for channel 0, the others then start at zero). Arguments as
+    for ``build_histogram``.
+
+    Returns float32 ``(num_nodes, result_features, max_bin, 2 * len(statistics.pairs))`` (an odd
+    number of channels padded with a zero one). On CPU one native pass adds all of a row's
+    channels to its cell; elsewhere, and with ``kernel="xla"``, a pair of channels per
+    ``build_histogram``, each into the last one's result.
+    """
+    result_features = X_binned_T.shape[0] if result_features is None else result_features
     width = 2 * len(statistics.pairs)
-    histogram = None
-    for index, (first, second) in enumerate(statistics.pairs):
-        histogram = build_histogram(X_binned_T, node_index, first, second, num_nodes, max_bin, row_mask,
-                                    threads=threads, feature_major=feature_major, result_features=result_features,
-                                    row_offset=row_offset, channels=width, channel=2 * index, into=histogram)
-    return _without_padding(histogram, statistics.channels)
+
+    def by_pairs(*_):
+        histogram = into
+        for index in range(channel // 2, len(statistics.pairs)):
+            histogram = build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
+                                        kernel=kernel, threads=threads, feature_major=feature_major,
+                                        result_features=result_features, row_offset=row_offset, channels=width,
+                                        channel=2 * index, into=histogram)
+        return histogram
+
+    target = (None if statistics.matrix is None else
+              _choose_native_target(CHANNEL_HISTOGRAM_TARGET, "channel histogram", kernel, threads, X_binned_T, max_bin))
+    if target is None:
+        return by_pairs()
+    args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
+            statistics.matrix, jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool),
+            _earlier_channels(into, (num_nodes, result_features, max_bin), width, channel))
+    native = partial(_native_channel_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
+                     feature_major=feature_major, result_features=result_features, width=width, channel=channel)
+    # Chosen when lowering: the FFI target exists only on CPU.
+    return lax.platform_dependent(*args, cpu=native, default=by_pairs)
 
 
 def _without_padding(histogram: jax.Array, channels: int) -> jax.Array:
@@ -538,9 +591,8 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
     if len(pairs) > 1:
         goes_right = (child_of_row - 2 * node_of_row) == 1
         in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram.shape[0])
-        for index, (g, h) in enumerate(pairs[1:], start=1):
-            histogram = build_histogram(X_binned_T, node_of_row, g, h, histogram.shape[0], max_bin, in_smaller_child,
-                                        threads=threads, feature_major=feature_major,
-                                        result_features=result_features, row_offset=row_offset, channels=width,
-                                        channel=2 * index, into=histogram)
+        histogram = build_channels_histogram(X_binned_T, node_of_row, statistics, histogram.shape[0], max_bin,
+                                             in_smaller_child, threads=threads, feature_major=feature_major,
+                                             result_features=result_features, row_offset=row_offset, channel=2,
+                                             into=histogram)
     return child_of_row, _without_padding(histogram, statistics.channels)

@@ -372,7 +372,10 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
   if (problem.hist == out) return;
   const CellLayout out_layout = MakeLayout(problem.num_nodes, problem.out_features, max_bin, problem.feature_major,
                                            problem.width, problem.channel);
-  if (first_channels) ZeroCells(out, out_layout, max_bin, written, problem.n_features, problem.out_features);
+  // The first pair starts the cells: their other channels too (zero), which later pairs add to.
+  if (first_channels) {
+    ZeroCells(out, out_layout, max_bin, written, problem.width == 2 ? problem.n_features : 0, problem.out_features);
+  }
   for (const int64_t node : written) {
     for (int64_t f = 0; f < problem.n_features; ++f) {
       const float* source = problem.hist + node * problem.layout.node_stride + f * problem.layout.feature_stride;
@@ -416,7 +419,7 @@ ffi::Error FindLocalCodes(const ffi::Buffer<ffi::U8>& codes, const ffi::Buffer<f
 // the first pair (channel 0), else the histogram of the earlier pairs, aliased to the result.
 ffi::Error FindChannels(const ffi::Buffer<ffi::F32>& into, int64_t channel, int64_t width, size_t out_elements,
                         const std::string& kernel) {
-  if (width < 2 || width % 2 || channel < 0 || channel % 2 || channel + 2 > width) {
+  if (width < 2 || channel < 0 || channel % 2 || channel + 2 > width) {
     return ffi::Error::InvalidArgument(kernel + ": channel must be even and leave a pair in the cells");
   }
   if ((channel == 0) != (into.element_count() == 0) || (channel > 0 && into.element_count() != out_elements)) {
@@ -524,6 +527,97 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
     return ffi::Error::Success();
   }
   BuildHistogram(problem, max_bin, threads, histogram->typed_data());
+  return ffi::Error::Success();
+}
+
+// Histograms of many channels (vector leaves: K gradients and the packed Hessian) in one pass:
+// each selected row's statistics from column `channel` on are added to its cell together, one
+// cell address per (row, feature) for all its channels. A pass per pair of channels brought the
+// level's cells, too many for the caches at 10 outputs, through them once per pair.
+struct ChannelProblem {
+  const uint8_t* codes;  // feature f of row i at codes[f * code_stride + i]
+  int64_t code_stride;
+  const int32_t* node_of_row;
+  const float* statistics;  // (n_rows, columns), row-major, columns <= width
+  const bool* row_mask;     // nullptr: every row
+  int64_t n_rows, num_nodes, max_bin, columns, channel;
+  CellLayout layout;  // cells of `width` floats (an odd number of columns padded to pairs)
+  float* hist;
+};
+
+void AccumulateChannelFeatures(const ChannelProblem& p, int64_t feature_begin, int64_t feature_end) {
+  std::vector<int32_t> rows(kBlockRows), nodes(kBlockRows);
+  const int64_t summed = p.columns - p.channel;
+  for (int64_t start = 0; start < p.n_rows;) {
+    int64_t count = 0, i = start;
+    for (; i < p.n_rows && count < kBlockRows; ++i) {
+      const int32_t node = p.node_of_row[i];
+      rows[count] = static_cast<int32_t>(i);
+      nodes[count] = node;
+      count += static_cast<int>((p.row_mask == nullptr || p.row_mask[i]) && node >= 0 && node < p.num_nodes);
+    }
+    for (int64_t first = feature_begin; first < feature_end; first += kFeatureGroup) {
+      const int64_t last = std::min(feature_end, first + kFeatureGroup);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t row = rows[j];
+        const float* __restrict values = p.statistics + row * p.columns + p.channel;
+        float* node_hist = p.hist + static_cast<int64_t>(nodes[j]) * p.layout.node_stride + p.channel;
+        for (int64_t f = first; f < last; ++f) {
+          const int64_t code = p.codes[f * p.code_stride + row];
+          if (code >= p.max_bin) continue;  // no such code in valid data: never written out of bounds
+          float* __restrict cell = node_hist + f * p.layout.feature_stride + code * p.layout.width;
+          for (int64_t c = 0; c < summed; ++c) cell[c] += values[c];
+        }
+      }
+    }
+    start = i;
+  }
+}
+
+ffi::Error ChannelHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset,
+                                ffi::Buffer<ffi::S32> node_of_row, ffi::Buffer<ffi::F32> statistics,
+                                ffi::Buffer<ffi::PRED> row_mask, ffi::Buffer<ffi::F32> into, int64_t threads,
+                                int64_t feature_major, int64_t channel, ffi::ResultBuffer<ffi::F32> histogram) {
+  const auto out_dims = histogram->dimensions();
+  const auto stat_dims = statistics.dimensions();
+  const int64_t n_rows = static_cast<int64_t>(node_of_row.element_count());
+  if (out_dims.size() != 4 || stat_dims.size() != 2 || stat_dims[0] != n_rows || stat_dims[1] > out_dims[3]) {
+    return ffi::Error::InvalidArgument("channel histogram kernel: expected statistics (n_rows, columns) and a "
+                                       "4-D histogram of at least as many channels");
+  }
+  LocalCodes local;
+  if (ffi::Error error = FindLocalCodes(codes, row_offset, n_rows, "channel histogram kernel", &local);
+      error.failure()) {
+    return error;
+  }
+  const int64_t num_nodes = out_dims[0], out_features = out_dims[1], max_bin = out_dims[2], width = out_dims[3];
+  if (out_features < local.n_features || max_bin > kCodeSlots || channel < 0 || channel >= stat_dims[1]) {
+    return ffi::Error::InvalidArgument("channel histogram kernel: inconsistent shapes or channel");
+  }
+  if ((channel == 0) != (into.element_count() == 0) ||
+      (channel > 0 && into.element_count() != histogram->element_count())) {
+    return ffi::Error::InvalidArgument(
+        "channel histogram kernel: the earlier channels' histogram must be given exactly past channel 0");
+  }
+  const int64_t mask_size = static_cast<int64_t>(row_mask.element_count());
+  if (mask_size != 0 && mask_size != n_rows) {
+    return ffi::Error::InvalidArgument("channel histogram kernel: the row mask must be empty or one flag per row");
+  }
+  ChannelProblem problem{local.codes, local.stride, node_of_row.typed_data(), statistics.typed_data(),
+                         mask_size == 0 ? nullptr : row_mask.typed_data(), n_rows, num_nodes, max_bin, stat_dims[1],
+                         channel, MakeLayout(num_nodes, out_features, max_bin, feature_major != 0, width, channel),
+                         histogram->typed_data()};
+  // Channel 0 starts the cells (all of them, the padding features' too); later channels add to
+  // the earlier ones' result, which is this buffer.
+  if (channel == 0) std::memset(problem.hist, 0, sizeof(float) * static_cast<size_t>(histogram->element_count()));
+  threads = std::max<int64_t>(1, std::min(threads, local.n_features));
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < threads; ++t) {
+    workers.emplace_back(AccumulateChannelFeatures, std::cref(problem), t * local.n_features / threads,
+                         (t + 1) * local.n_features / threads);
+  }
+  AccumulateChannelFeatures(problem, 0, local.n_features / threads);
+  for (auto& worker : workers) worker.join();
   return ffi::Error::Success();
 }
 
@@ -716,6 +810,19 @@ XLA_FFI_DEFINE_HANDLER(kRouteHistogramHandler, RouteHistogramImpl,
                            .Attr<int64_t>("feature_major")
                            .Attr<int64_t>("channel")
                            .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER(kChannelHistogramHandler, ChannelHistogramImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::U8>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::PRED>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Attr<int64_t>("threads")
+                           .Attr<int64_t>("feature_major")
+                           .Attr<int64_t>("channel")
                            .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
@@ -1248,6 +1355,10 @@ XLA_FFI_DEFINE_HANDLER(kAddPositionValuesHandler, AddPositionValuesImpl,
 
 extern "C" XLA_FFI_Error* JaxboostHistogram(XLA_FFI_CallFrame* call_frame) {
   return kHistogramHandler(call_frame);
+}
+
+extern "C" XLA_FFI_Error* JaxboostChannelHistogram(XLA_FFI_CallFrame* call_frame) {
+  return kChannelHistogramHandler(call_frame);
 }
 
 extern "C" XLA_FFI_Error* JaxboostRouteHistogram(XLA_FFI_CallFrame* call_frame) {

@@ -38,12 +38,14 @@ logger = logging.getLogger(__name__)
 
 HISTOGRAM_TARGET = "jaxboost_histogram"
 ROUTE_HISTOGRAM_TARGET = "jaxboost_route_histogram"
+CHANNEL_HISTOGRAM_TARGET = "jaxboost_channel_histogram"
 CUMULATIVE_BINS_TARGET = "jaxboost_cumulative_bins"
 FIRST_MAXIMUM_TARGET = "jaxboost_first_maximum"
 ADD_POSITION_VALUES_TARGET = "jaxboost_add_position_values"
 SORT_BY_KEY_TARGET = "jaxboost_sort_by_key"
 _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
 _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
+            CHANNEL_HISTOGRAM_TARGET: "JaxboostChannelHistogram",
             CUMULATIVE_BINS_TARGET: "JaxboostCumulativeBins", FIRST_MAXIMUM_TARGET: "JaxboostFirstMaximum",
             ADD_POSITION_VALUES_TARGET: "JaxboostAddPositionValues", SORT_BY_KEY_TARGET: "JaxboostSortByKey"}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w"]

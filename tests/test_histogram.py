@@ -541,8 +541,8 @@ def train_with_kernel(monkeypatch, X, y, settings, kernel):
     import jaxboost as jb
     from jaxboost import boosting, histogram
 
-    for name in ("build_histogram", "route_and_build_histogram"):
-        # Every histogram the grower builds goes through these two, called by the statistics
+    for name in ("build_histogram", "route_and_build_histogram", "build_channels_histogram"):
+        # Every histogram the grower builds goes through these three, called by the statistics
         # wrappers it uses: all go to the chosen kernel.
         monkeypatch.setattr(histogram, name, partial(getattr(histogram, name), kernel=kernel))
     boosting.compiled_round.cache_clear()  # the kernel is chosen when a round is traced
@@ -692,14 +692,15 @@ def route_case(seed, n_rows, n_features, num_nodes, max_bin):
     ("xla", 64, 1, False, 5)])
 def test_histograms_of_many_channels_are_built_into_one_buffer(monkeypatch, kernel, max_bin, threads, feature_major,
                                                                channels):
-    """Vector leaves' histograms, a pair of channels per kernel call, each call adding its pair
-    to the last one's buffer (the native kernel in place): the root's, a masked build's and a
-    routed level's smaller children hold every channel's sums, laid out node- or feature-major
-    and padded with zero features."""
+    """Vector leaves' histograms, the root's, a masked build's and a routed level's smaller
+    children, hold every channel's sums, laid out node- or feature-major and padded with zero
+    features: built by the native kernel of many channels (after the route kernel's first pair)
+    or a pair at a time (XLA). Built in a loop, whose buffers hold the last step's sums, so each
+    step must start its cells at zero."""
     from jaxboost import histogram
     from jaxboost.histogram import build_statistics_histogram, route_and_build_statistics_histogram
 
-    for name in ("build_histogram", "route_and_build_histogram"):
+    for name in ("build_histogram", "route_and_build_histogram", "build_channels_histogram"):
         monkeypatch.setattr(histogram, name, partial(getattr(histogram, name), kernel=kernel))
     n_rows, n_features, result_features, num_nodes = 40_000, 9, 12, 5  # two row blocks
     X_binned, node_index, _, _, level = route_case(31, n_rows, n_features, num_nodes, max_bin)
@@ -707,27 +708,40 @@ def test_histograms_of_many_channels_are_built_into_one_buffer(monkeypatch, kern
     statistics = rng.normal(size=(n_rows, channels)).astype(np.float32)
     row_mask = rng.uniform(size=n_rows) < 0.6
     options = dict(max_bin=max_bin, threads=threads, feature_major=feature_major, result_features=result_features)
-    X_T, nodes, stats = jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(statistics)
+    X_T, nodes, mask = jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(row_mask)
+    split_level = [jnp.asarray(level[k]) for k in ("split_feature", "split_threshold_bin", "split_default_left",
+                                                   "splits", "left_is_smaller")]
+    scales = np.array([1.0, -2.0], np.float32)
 
-    def naive(node_of_row, rows, nodes_summed):
+    @jax.jit
+    def every_step(stats):
+        def step(i, results):
+            scaled = stats * jnp.asarray(scales)[i]
+            root = build_statistics_histogram(X_T, jnp.zeros_like(nodes), scaled, 1, **options)
+            masked = build_statistics_histogram(X_T, nodes, scaled, num_nodes, row_mask=mask, **options)
+            child, smaller = route_and_build_statistics_histogram(X_T, nodes, scaled, *split_level, **options)
+            return tuple(jax.lax.dynamic_update_index_in_dim(whole, part, i, 0)
+                         for whole, part in zip(results, (root, masked, smaller, child)))
+
+        results = tuple(jnp.full((len(scales), n, result_features, max_bin, channels), jnp.nan, jnp.float32)
+                        for n in (1, num_nodes, num_nodes)) + (jnp.zeros((len(scales), n_rows), jnp.int32),)
+        return jax.lax.fori_loop(0, len(scales), step, results)
+
+    def naive(node_of_row, rows, nodes_summed, scale):
         out = np.zeros((nodes_summed, result_features, max_bin, channels))
         for f in range(n_features):
-            np.add.at(out, (node_of_row[rows], f, X_binned[rows, f].astype(int)), statistics[rows])
+            np.add.at(out, (node_of_row[rows], f, X_binned[rows, f].astype(int)), scale * statistics[rows])
         return out
 
-    root = jax.jit(lambda: build_statistics_histogram(X_T, jnp.zeros_like(nodes), stats, 1, **options))()
-    np.testing.assert_allclose(root, naive(np.zeros_like(node_index), np.ones(n_rows, bool), 1), rtol=1e-5, atol=1e-3)
-    masked = jax.jit(lambda: build_statistics_histogram(X_T, nodes, stats, num_nodes, row_mask=jnp.asarray(row_mask),
-                                                        **options))()
-    np.testing.assert_allclose(masked, naive(node_index, row_mask, num_nodes), rtol=1e-5, atol=1e-3)
-    child, smaller = jax.jit(lambda: route_and_build_statistics_histogram(
-        X_T, nodes, stats, *(jnp.asarray(level[k]) for k in ("split_feature", "split_threshold_bin",
-                                                             "split_default_left", "splits", "left_is_smaller")),
-        **options))()
+    roots, masked, smaller, children = every_step(jnp.asarray(statistics))
     expected_child, in_smaller = naive_route(X_binned, node_index, level, max_bin)
-    np.testing.assert_array_equal(np.asarray(child), expected_child)
-    assert_split_nodes_close(smaller, naive(node_index, in_smaller, num_nodes), level["splits"], kernel,
-                             rtol=1e-5, atol=1e-3)
+    for i, scale in enumerate(scales):
+        np.testing.assert_allclose(roots[i], naive(np.zeros_like(node_index), np.ones(n_rows, bool), 1, scale),
+                                   rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(masked[i], naive(node_index, row_mask, num_nodes, scale), rtol=1e-5, atol=1e-3)
+        np.testing.assert_array_equal(np.asarray(children[i]), expected_child)
+        assert_split_nodes_close(smaller[i], naive(node_index, in_smaller, num_nodes, scale), level["splits"], kernel,
+                                 rtol=1e-5, atol=1e-3)
 
 
 def assert_split_nodes_close(actual, expected, splits, kernel, **tolerances):
