@@ -11,11 +11,11 @@
 // The codes are a feature-major table that may be wider than the local rows: the devices of a
 // CPU share one table, each reading the columns from its first row on (a row offset operand).
 // A histogram of more channels than (g, h) (vector leaves: K gradients and the packed Hessian)
-// is written one pair of channels per call, each call into the channels [channel, channel + 2)
-// of cells `width` floats wide: the first call (channel 0) zeroes the cells it writes whole,
-// the later ones take its result as their output (an aliased operand) and add their pair. So
-// no call's result is copied into a wider histogram afterwards (a copy that interleaved the
-// pairs took a third of a 10-output round).
+// has cells `width` floats wide. The call for channel 0 (the route kernel's, while routing)
+// zeroes the cells it writes whole; later calls take the last result as their output (an
+// aliased operand) and add to it: the channel kernel all of a row's other channels at once,
+// or a pair kernel the pair [channel, channel + 2). No call's result is copied into a wider
+// histogram afterwards (a copy that interleaved the pairs took a third of a 10-output round).
 
 #include <algorithm>
 #include <cmath>
