@@ -1,12 +1,13 @@
 """Profile: where a boosting round's time goes, op by op, on JAX's default backend (CPU or GPU).
 
 Run from the repository root: ``python experiments/profile_round.py`` (``--rows``, ``--depth``,
-``--rounds``, ``--top``, ``--output FILE.md``). It needs no package beyond the benchmark's: the
-trace is JAX's own profiler's, written as a Perfetto trace (JSON).
+``--rounds``, ``--top``, ``--output FILE.md``; ``--task multiclass`` with ``--vector-leaves
+diagonal`` or ``full`` for one tree of vector leaves a round). It needs no package beyond the
+benchmark's: the trace is JAX's own profiler's, written as a Perfetto trace (JSON).
 
-It trains on the benchmark's classification data (``bench_worker.make_task``: 1M x 28, 80% for
-training, 256 bins, depth 6), compiles and warms up, then traces one fit of ``--rounds`` rounds
-and tabulates:
+It trains on the benchmark's data (``bench_worker.make_task``: classification 1M x 28, or 10
+classes on a fifth of the rows; 80% for training, 256 bins, depth 6), compiles and warms up,
+then traces one fit of ``--rounds`` rounds and tabulates:
 
 * the wall time a round, and for each device in the trace (a GPU, or the CPU's XLA threads) its
   busy time a round: the union of the intervals in which one of its ops ran. On a GPU, wall
@@ -102,16 +103,23 @@ def summarise(events: list[dict], rounds: int, top: int) -> tuple[dict, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=1_000_000, help="rows generated (80%% train)")
+    parser.add_argument("--rows", type=int, default=1_000_000,
+                        help="rows generated (80%% train; a fifth of them for multiclass)")
+    parser.add_argument("--task", choices=("classification", "multiclass"), default="classification")
+    parser.add_argument("--vector-leaves", choices=("diagonal", "full"),
+                        help="multiclass: one tree of vector leaves a round, with this Hessian")
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=10, help="rounds in the traced fit")
     parser.add_argument("--top", type=int, default=15, help="ops listed per track")
     parser.add_argument("--output", type=Path, help="write the tables to this Markdown file too")
     args = parser.parse_args()
 
-    X_train, _, y_train, _ = make_task("classification", args.rows)
+    X_train, _, y_train, _ = make_task(args.task, args.rows)
     dataset = jb.Dataset(X_train, y_train, max_bin=256)
-    settings = dict(loss="logistic", max_depth=args.depth, learning_rate=0.1, reg_lambda=1.0, min_child_weight=1.0)
+    settings = dict(loss="logistic" if args.task == "classification" else "softmax", max_depth=args.depth,
+                    learning_rate=0.1, reg_lambda=1.0, min_child_weight=1.0)
+    if args.vector_leaves:
+        settings.update(multi_strategy="multi_output_tree", multi_output_hessian=args.vector_leaves)
     jb.train(dataset, num_rounds=2, **settings)  # compiles
     start = time.perf_counter()
     jb.train(dataset, num_rounds=args.rounds, **settings)
@@ -127,13 +135,13 @@ def main() -> None:
     lines = [
         "# Where a round's time goes",
         "",
-        f"- command: `python experiments/profile_round.py --rows {args.rows} --depth {args.depth} "
-        f"--rounds {args.rounds}`",
+        f"- command: `python experiments/profile_round.py --task {args.task} --rows {args.rows} --depth {args.depth} "
+        f"--rounds {args.rounds}" + (f" --vector-leaves {args.vector_leaves}" if args.vector_leaves else "") + "`",
         f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; devices: "
         f"{', '.join(str(device) for device in jax.devices())} ({jax.devices()[0].device_kind})",
         f"- versions: jax {jax.__version__}, numpy {np.__version__}, Python {platform.python_version()}",
-        f"- data: the benchmark's classification task, {len(X_train):,} training rows x {X_train.shape[1]} "
-        f"features, 256 bins, depth {args.depth}",
+        f"- data: the benchmark's {args.task} task, {len(X_train):,} training rows x {X_train.shape[1]} "
+        f"features, 256 bins, depth {args.depth}; {settings}",
         f"- a fit of {args.rounds} rounds: {1000 * untraced_s / args.rounds:.2f} ms a round untraced, "
         f"{1000 * traced_s / args.rounds:.2f} traced (the profiler's own cost)",
         "- times are ms a round; an op's time includes the ops nested in it",
