@@ -57,22 +57,25 @@ inline void AddPair(float* cell, const float* pair) {
 #endif
 }
 
-// Where a (node, feature) histogram of `bins` cells starts: node-major (nodes, features, bins,
-// width), or feature-major (features, nodes, bins, width), in which the features divide into
-// blocks that are contiguous, so summing them over devices scattered by feature needs no
-// transpose. A cell holds `width` floats, of which this call's (g, h) are those from `channel`.
+// Where a (node, feature) histogram of `bins` cells of `width` floats starts: node-major (nodes,
+// features, bins, width), or feature-major (features, nodes, bins, width), in which the
+// features divide into blocks that are contiguous, so summing them over devices scattered by
+// feature needs no transpose. (Two fields: passed in registers to the innermost loops.)
 struct CellLayout {
   int64_t node_stride;
   int64_t feature_stride;
+};
+
+CellLayout MakeLayout(int64_t num_nodes, int64_t n_features, int64_t bins, bool feature_major, int64_t width = 2) {
+  return feature_major ? CellLayout{bins * width, num_nodes * bins * width}
+                       : CellLayout{n_features * bins * width, bins * width};
+}
+
+// A cell's floats, and the first of the (g, h) pair that a call adds to them.
+struct CellChannels {
   int64_t width = 2;
   int64_t channel = 0;
 };
-
-CellLayout MakeLayout(int64_t num_nodes, int64_t n_features, int64_t bins, bool feature_major, int64_t width = 2,
-                      int64_t channel = 0) {
-  return feature_major ? CellLayout{bins * width, num_nodes * bins * width, width, channel}
-                       : CellLayout{n_features * bins * width, bins * width, width, channel};
-}
 
 // A selected row as the histogram passes read it: its id, its node and its (g, h) in 16 bytes,
 // so each pass over a block reads one stream (three separate arrays of 64-bit ids, node offsets
@@ -87,20 +90,22 @@ struct GatheredRow {
 // read of each row's id, node and (g, h) serves the group's features. `AllRows`: the block's
 // rows are every row from `first_row` on, all in node 0 (the root), with their (g, h) in
 // `pairs`, so there are no row ids or nodes to read.
-template <int Group, bool AllRows>
+// `Pairs`: cells of exactly (g, h) (width 2, channel 0), whose offsets take a constant factor:
+// the general width's multiply in this innermost loop cost 3-8% of a call.
+template <int Group, bool AllRows, bool Pairs>
 void AccumulateGroup(const uint8_t* codes, int64_t stride, int64_t first, int64_t first_row,
                      const GatheredRow* gathered, const float* pairs, int64_t count, CellLayout layout,
-                     float* hist) {
+                     CellChannels cells, float* hist) {
   const uint8_t* group_codes = codes + first * stride + first_row;
-  float* group_hist = hist + first * layout.feature_stride + layout.channel;
+  float* group_hist = hist + first * layout.feature_stride + (Pairs ? 0 : cells.channel);
+  const int64_t width = Pairs ? 2 : cells.width;
   for (int64_t j = 0; j < count; ++j) {
     const uint8_t* row_codes = group_codes + (AllRows ? j : gathered[j].row);
     float* node_hist = group_hist + (AllRows ? 0 : static_cast<int64_t>(gathered[j].node) * layout.node_stride);
     const float* pair = AllRows ? pairs + 2 * j : gathered[j].pair;
 #pragma GCC unroll 8
     for (int k = 0; k < Group; ++k) {
-      AddPair(node_hist + k * layout.feature_stride + layout.width * static_cast<int64_t>(row_codes[k * stride]),
-              pair);
+      AddPair(node_hist + k * layout.feature_stride + width * static_cast<int64_t>(row_codes[k * stride]), pair);
     }
   }
 }
@@ -111,13 +116,14 @@ void AccumulateGroup(const uint8_t* codes, int64_t stride, int64_t first, int64_
 // ms, 16 nodes of half the rows 14 -> 6.5 ms, of a tenth 3.7 -> 3.0 ms; 2, 7, 14 and 28 slower).
 constexpr int64_t kFeatureGroup = 4;
 
-// Zeroes the cells of features [feature_begin, feature_end) of the given nodes, all their channels.
-void ZeroCells(float* hist, CellLayout layout, int64_t bins, const std::vector<int64_t>& nodes, int64_t feature_begin,
-               int64_t feature_end) {
+// Zeroes the cells (`width` floats each, all their channels) of features [feature_begin,
+// feature_end) of the given nodes.
+void ZeroCells(float* hist, CellLayout layout, int64_t bins, int64_t width, const std::vector<int64_t>& nodes,
+               int64_t feature_begin, int64_t feature_end) {
   for (const int64_t node : nodes) {
     for (int64_t f = feature_begin; f < feature_end; ++f) {
       std::memset(hist + node * layout.node_stride + f * layout.feature_stride, 0,
-                  sizeof(float) * static_cast<size_t>(bins * layout.width));
+                  sizeof(float) * static_cast<size_t>(bins * width));
     }
   }
 }
@@ -128,18 +134,33 @@ void ZeroCells(float* hist, CellLayout layout, int64_t bins, const std::vector<i
 // cache when the pass adds to them. Zeroing a level's whole histogram first had evicted them
 // by then on wide data (500 features: 16 nodes hold 16 MB of cells), so every cell came from
 // memory twice.
+template <bool AllRows, bool Pairs>
+void AccumulateFeatureGroups(const uint8_t* codes, int64_t stride, int64_t feature_begin, int64_t feature_end,
+                             int64_t first_row, const GatheredRow* gathered, const float* pairs, int64_t count,
+                             CellLayout layout, CellChannels cells, float* hist,
+                             const std::vector<int64_t>* zero_nodes) {
+  int64_t f = feature_begin;
+  for (; f + kFeatureGroup <= feature_end; f += kFeatureGroup) {
+    if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, f, f + kFeatureGroup);
+    AccumulateGroup<kFeatureGroup, AllRows, Pairs>(codes, stride, f, first_row, gathered, pairs, count, layout, cells,
+                                                   hist);
+  }
+  for (; f < feature_end; ++f) {
+    if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, f, f + 1);
+    AccumulateGroup<1, AllRows, Pairs>(codes, stride, f, first_row, gathered, pairs, count, layout, cells, hist);
+  }
+}
+
 template <bool AllRows>
 void AccumulateBlock(const uint8_t* codes, int64_t stride, int64_t feature_begin, int64_t feature_end,
                      int64_t first_row, const GatheredRow* gathered, const float* pairs, int64_t count,
-                     CellLayout layout, float* hist, const std::vector<int64_t>* zero_nodes) {
-  int64_t f = feature_begin;
-  for (; f + kFeatureGroup <= feature_end; f += kFeatureGroup) {
-    if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, *zero_nodes, f, f + kFeatureGroup);
-    AccumulateGroup<kFeatureGroup, AllRows>(codes, stride, f, first_row, gathered, pairs, count, layout, hist);
-  }
-  for (; f < feature_end; ++f) {
-    if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, *zero_nodes, f, f + 1);
-    AccumulateGroup<1, AllRows>(codes, stride, f, first_row, gathered, pairs, count, layout, hist);
+                     CellLayout layout, CellChannels cells, float* hist, const std::vector<int64_t>* zero_nodes) {
+  if (cells.width == 2) {
+    AccumulateFeatureGroups<AllRows, true>(codes, stride, feature_begin, feature_end, first_row, gathered, pairs,
+                                           count, layout, cells, hist, zero_nodes);
+  } else {
+    AccumulateFeatureGroups<AllRows, false>(codes, stride, feature_begin, feature_end, first_row, gathered, pairs,
+                                            count, layout, cells, hist, zero_nodes);
   }
 }
 
@@ -236,6 +257,7 @@ struct HistogramProblem {
   // of channel 0 only (the later ones add to its result).
   int64_t width = 2;
   int64_t channel = 0;
+  CellChannels cells;  // set by BuildHistogram: those of `hist` (the scratch buffer's are (g, h))
   bool feature_major = false;
   // Features of the result: n_features and zeroed ones after them (blocks of equal size for
   // sums over devices scattered by feature).
@@ -270,7 +292,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
     while (end_row > 0 && p.gradients[end_row - 1] == 0.0f && p.hessians[end_row - 1] == 0.0f) --end_row;
   }
   if (p.zero_nodes != nullptr && end_row == 0) {
-    ZeroCells(p.hist, p.layout, kCodeSlots, *p.zero_nodes, feature_begin, feature_end);  // no pass to do it
+    ZeroCells(p.hist, p.layout, kCodeSlots, p.cells.width, *p.zero_nodes, feature_begin, feature_end);  // no pass
   }
   if (all_rows) {
     for (int64_t start = 0; start < end_row; start += kBlockRows) {
@@ -282,7 +304,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
         pairs[2 * (i - start) + 1] = take ? p.hessians[i] : 0.0f;
       }
       AccumulateBlock<true>(p.codes, p.code_stride, feature_begin, feature_end, start, nullptr, pairs.data(),
-                            stop - start, p.layout, p.hist, start == 0 ? p.zero_nodes : nullptr);
+                            stop - start, p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr);
     }
     return;
   }
@@ -312,7 +334,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       count += static_cast<int>(take) & (static_cast<int>(g != 0.0f) | static_cast<int>(h != 0.0f));
     }
     AccumulateBlock<false>(p.codes, p.code_stride, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
-                           p.layout, p.hist, start == 0 ? p.zero_nodes : nullptr);
+                           p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr);
     start = i;
   }
 }
@@ -345,14 +367,16 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
   std::vector<float> scratch;
   if (max_bin != kCodeSlots) {
     problem.layout = MakeLayout(problem.num_nodes, problem.out_features, kCodeSlots, problem.feature_major);
+    problem.cells = CellChannels{2, 0};
     scratch.assign(cells, 0.0f);
     problem.hist = scratch.data();
   } else {
     problem.layout = MakeLayout(problem.num_nodes, problem.out_features, kCodeSlots, problem.feature_major,
-                                problem.width, problem.channel);
+                                problem.width);
+    problem.cells = CellChannels{problem.width, problem.channel};
     // The passes zero the codes' features; nothing adds to the zero features after them.
     if (first_channels) {
-      ZeroCells(out, problem.layout, kCodeSlots, written, problem.n_features, problem.out_features);
+      ZeroCells(out, problem.layout, kCodeSlots, problem.width, written, problem.n_features, problem.out_features);
       problem.zero_nodes = &written;
     }
     problem.hist = out;
@@ -371,10 +395,11 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
   }
   if (problem.hist == out) return;
   const CellLayout out_layout = MakeLayout(problem.num_nodes, problem.out_features, max_bin, problem.feature_major,
-                                           problem.width, problem.channel);
+                                           problem.width);
   // The first pair starts the cells: their other channels too (zero), which later pairs add to.
   if (first_channels) {
-    ZeroCells(out, out_layout, max_bin, written, problem.width == 2 ? problem.n_features : 0, problem.out_features);
+    ZeroCells(out, out_layout, max_bin, problem.width, written, problem.width == 2 ? problem.n_features : 0,
+              problem.out_features);
   }
   for (const int64_t node : written) {
     for (int64_t f = 0; f < problem.n_features; ++f) {
@@ -541,7 +566,8 @@ struct ChannelProblem {
   const float* statistics;  // (n_rows, columns), row-major, columns <= width
   const bool* row_mask;     // nullptr: every row
   int64_t n_rows, num_nodes, max_bin, columns, channel;
-  CellLayout layout;  // cells of `width` floats (an odd number of columns padded to pairs)
+  int64_t width;  // floats a cell (an odd number of columns padded to pairs)
+  CellLayout layout;
   float* hist;
 };
 
@@ -565,7 +591,7 @@ void AccumulateChannelFeatures(const ChannelProblem& p, int64_t feature_begin, i
         for (int64_t f = first; f < last; ++f) {
           const int64_t code = p.codes[f * p.code_stride + row];
           if (code >= p.max_bin) continue;  // no such code in valid data: never written out of bounds
-          float* __restrict cell = node_hist + f * p.layout.feature_stride + code * p.layout.width;
+          float* __restrict cell = node_hist + f * p.layout.feature_stride + code * p.width;
           for (int64_t c = 0; c < summed; ++c) cell[c] += values[c];
         }
       }
@@ -605,7 +631,7 @@ ffi::Error ChannelHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32
   }
   ChannelProblem problem{local.codes, local.stride, node_of_row.typed_data(), statistics.typed_data(),
                          mask_size == 0 ? nullptr : row_mask.typed_data(), n_rows, num_nodes, max_bin, stat_dims[1],
-                         channel, MakeLayout(num_nodes, out_features, max_bin, feature_major != 0, width, channel),
+                         channel, width, MakeLayout(num_nodes, out_features, max_bin, feature_major != 0, width),
                          histogram->typed_data()};
   // Channel 0 starts the cells (all of them, the padding features' too); later channels add to
   // the earlier ones' result, which is this buffer.
