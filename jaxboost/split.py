@@ -238,10 +238,12 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
 
     if live_nodes is None or num_nodes <= chunk or num_nodes % chunk:
         return scan_nodes(0, num_nodes)
-    empty = _empty_choice(num_nodes, histograms.shape[-1], leaves)
-    return in_steps_on_cpu(
-        lambda: update_leading_chunks(empty, lambda start: scan_nodes(start, chunk), live_nodes, chunk, active),
-        lambda: scan_nodes(0, num_nodes))
+
+    def in_steps():
+        empty = _empty_choice(num_nodes, histograms.shape[-1], leaves)
+        return update_leading_chunks(empty, lambda start: scan_nodes(start, chunk), live_nodes, chunk, active)
+
+    return in_steps_on_cpu(in_steps, lambda: scan_nodes(0, num_nodes))
 
 
 def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
