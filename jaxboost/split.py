@@ -44,7 +44,9 @@ class SplitChoice(NamedTuple):
     left_hessians: jax.Array
     right_gradients: jax.Array
     right_hessians: jax.Array
-    left_value: jax.Array  # the children's leaf values within the node's bounds (no learning rate)
+    # The children's leaf values within the node's bounds (no learning rate), for monotone
+    # constraints; zeros without them.
+    left_value: jax.Array
     right_value: jax.Array
 
 
@@ -94,11 +96,8 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     lower = upper = None
     if bounds is not None:
         lower, upper = bounds.lower[:, None, None], bounds.upper[:, None, None]
-    total_gradients, total_hessians, _ = channels(node_total)
-    if leaves is not None:
-        _, parent_score = vector_value_and_score(total_gradients, total_hessians, reg, leaves)
-    else:
-        parent_score = node_score(total_gradients, total_hessians, reg, lower, upper)  # (K, d, 1)
+    if leaves is None:
+        parent_score = node_score(*channels(node_total)[:2], reg, lower, upper)  # (K, d, 1)
     split_cost = jnp.asarray(reg.split_cost)
     split_cost = split_cost[None, :, None] if split_cost.ndim == 1 else split_cost
 
@@ -121,7 +120,9 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
                  & (left_weight > 0) & (right_weight > 0))
         if leaves is not None:
             _, scores = vector_children(left_gradients, left_hessians, right_gradients, right_hessians)
-            loss_change = scores[0] + scores[1] - parent_score
+            # The last candidate is the node itself (below): its left side's score is the parent's.
+            loss_change = scores[0] + scores[1] - scores[0][..., -1:]
+            return jnp.where(valid, loss_change - split_cost, -jnp.inf)[..., :-1]
         elif bounds is None:
             loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg,
                                             parent_score)
@@ -136,6 +137,11 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     # Direction axis: index 0 sends missing values left, index 1 sends them right.
     directions = (True, False) if missing_values else (True,)
     lefts = [value_cumsum + missing if missing_goes_left else value_cumsum for missing_goes_left in directions]
+    if leaves is not None:
+        # Vector leaves: the node's own score comes from the candidates' solve, as one more
+        # candidate that sends every row left (its empty right side makes it invalid). Each
+        # traced copy of the vector solve adds about a second of compile at K = 10.
+        lefts = [jnp.concatenate([left, node_total], axis=2) for left in lefts]
     # (K, d, dirs, B-1), or (K, d, B-1) for one direction; first_maximum reads it as it is
     # (see there: merged into one axis, the gains were not vectorised).
     if not missing_values:
@@ -156,13 +162,12 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     right_sums = node_total[nodes, feature, 0] - left_sums
     left_gradients, left_hessians, _ = channels(left_sums)
     right_gradients, right_hessians, _ = channels(right_sums)
-    if leaves is not None:
-        left_value, right_value = vector_children(left_gradients, left_hessians, right_gradients, right_hessians)[0]
-    elif bounds is not None:
+    if bounds is not None:
         left_value = leaf_value(left_gradients, left_hessians, reg, bounds.lower, bounds.upper)
         right_value = leaf_value(right_gradients, right_hessians, reg, bounds.lower, bounds.upper)
     else:
-        left_value = right_value = jnp.zeros(num_nodes)
+        # Only monotone constraints read them; the grower solves vector leaves' values itself.
+        left_value = right_value = jnp.zeros((num_nodes,) if leaves is None else (num_nodes, K))
     return SplitChoice(
         loss_change=best_value,
         feature=feature.astype(jnp.int32),
