@@ -386,12 +386,17 @@ def vector_value_and_score(sum_gradients: jax.Array, packed_hessians: jax.Array,
     _, semi_definite = _cholesky(h, PSD_TOLERANCE * scale)
     # H + lambda I is positive definite once H is PSD and lambda > 0.
     damped = [[h[i][j] + (reg.reg_lambda if i == j else 0.0) for j in range(K)] for i in range(K)]
-    damped_factor, _ = _cholesky(damped, 0.0)
-    solvable = semi_definite & (reg.reg_lambda > 0)
+    damped_factor, damped_solved = _cholesky(damped, 0.0)
+    solvable = semi_definite & damped_solved & (reg.reg_lambda > 0)
     w = _cholesky_solve(damped_factor, [-gi for gi in g])
     w = clip_leaf_value(jnp.stack(w, axis=-1), reg)
-    objective = (jnp.sum(sum_gradients * w, axis=-1)
-                 + 0.5 * sum(w[..., i] * damped[i][j] * w[..., j] for i in range(K) for j in range(K)))
+    if reg.bounds_leaves is False:
+        # Unclipped, w solves (H + lambda I) w = -G, so the objective G.w + 1/2 w'(H + lambda I)w
+        # is 1/2 G.w: 2K operations a candidate instead of 3K^2 (10% of a round at 10 classes).
+        objective = 0.5 * jnp.sum(sum_gradients * w, axis=-1)
+    else:
+        objective = (jnp.sum(sum_gradients * w, axis=-1)
+                     + 0.5 * sum(w[..., i] * damped[i][j] * w[..., j] for i in range(K) for j in range(K)))
     full_score = -2.0 * objective
     use_full = solvable & (full_score <= MAX_FULL_TO_DIAGONAL_SCORE * diagonal_score)
     return jnp.where(use_full[..., None], w, diagonal_w), jnp.where(use_full, full_score, diagonal_score)
