@@ -28,13 +28,19 @@ def _random_psd(rng, batch, K):
     return np.einsum("bij,bkj->bik", A, A)
 
 
+# The penalty as the user builds it (unbounded leaves not known when tracing: the score is the
+# objective at the value) and as training passes it (known unbounded: the score read off the solve).
+PENALTIES = [pytest.param(jb.regularizers.l2(1.0), id="bound-unknown"),
+             pytest.param(jb.regularizers.l2(1.0).with_max_delta_step(0.0), id="unbounded")]
+
+
+@pytest.mark.parametrize("reg", PENALTIES)
 @pytest.mark.parametrize("K", [1, 2, 3, 5])
-def test_full_solve_matches_dense_solve_and_minimises(K):
+def test_full_solve_matches_dense_solve_and_minimises(K, reg):
     rng = np.random.default_rng(K)
     G, H = rng.normal(size=(200, K)), _random_psd(rng, 200, K) + 0.5 * np.eye(K)
     leaves = VectorLeaves(K)
-    w, score = vector_value_and_score(jnp.asarray(G, F32), leaves.pack_hessian(jnp.asarray(H, F32)),
-                                      jb.regularizers.l2(1.0), leaves)
+    w, score = vector_value_and_score(jnp.asarray(G, F32), leaves.pack_hessian(jnp.asarray(H, F32)), reg, leaves)
     w_dense, score_dense = _dense_solution(G, H, 1.0)
     # The trust region: the full solve where it promises at most MAX_FULL_TO_DIAGONAL_SCORE x the
     # diagonal solve's decrease, the diagonal solve elsewhere.
@@ -54,13 +60,13 @@ def test_full_solve_matches_dense_solve_and_minimises(K):
     np.testing.assert_allclose(np.asarray(score), -2 * objective, rtol=1e-4, atol=1e-5)
 
 
-def test_singular_softmax_hessian_is_solved_in_full_and_indefinite_falls_back_to_diagonal():
+@pytest.mark.parametrize("reg", PENALTIES)
+def test_singular_softmax_hessian_is_solved_in_full_and_indefinite_falls_back_to_diagonal(reg):
     p = np.array([0.2, 0.3, 0.5])
     H = 50 * (np.diag(p) - np.outer(p, p))  # singular along (1, 1, 1), like a softmax leaf
     G = np.array([3.0, -1.0, -2.0])  # softmax gradients sum to 0: no component along the null direction
     leaves = VectorLeaves(3)
-    w, score = vector_value_and_score(jnp.asarray(G, F32), leaves.pack_hessian(jnp.asarray(H, F32)),
-                                      jb.regularizers.l2(1.0), leaves)
+    w, score = vector_value_and_score(jnp.asarray(G, F32), leaves.pack_hessian(jnp.asarray(H, F32)), reg, leaves)
     w_dense, score_dense = _dense_solution(G, H, 1.0)
     np.testing.assert_allclose(w, w_dense, rtol=1e-4)
     np.testing.assert_allclose(score, score_dense, rtol=1e-4)
@@ -69,7 +75,7 @@ def test_singular_softmax_hessian_is_solved_in_full_and_indefinite_falls_back_to
     G2 = np.array([1.0, -2.0])
     leaves2 = VectorLeaves(2)
     w, score = vector_value_and_score(jnp.asarray(G2, F32), leaves2.pack_hessian(jnp.asarray(indefinite, F32)),
-                                      jb.regularizers.l2(1.0), leaves2)
+                                      reg, leaves2)
     np.testing.assert_allclose(w, -G2 / 5.0, rtol=1e-6)
     np.testing.assert_allclose(score, np.sum(G2**2) / 5.0, rtol=1e-6)
 
