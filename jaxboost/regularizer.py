@@ -300,15 +300,17 @@ class VectorLeaves:
         rows, columns = np.triu_indices(self.num_outputs)
         return hessian[..., rows, columns]
 
-    def unpack_hessian(self, packed: jax.Array) -> jax.Array:
-        """``(..., hessian_channels)`` -> symmetric ``(..., K, K)``."""
+    def hessian_entries(self, packed: jax.Array) -> list[list[jax.Array]]:
+        """Full-Hessian ``(..., hessian_channels)`` -> the symmetric ``K x K`` entries, each a
+        ``(...)`` array. The channels are moved to the front first: each entry is then read
+        contiguously, where read from the packed layout (or a gathered ``(..., K, K)`` one) every
+        entry's pass over the candidates would use one float of each cache line it loads."""
         K = self.num_outputs
-        if not self.full_hessian:
-            return packed[..., :, None] * jnp.eye(K, dtype=packed.dtype)
         rows, columns = np.triu_indices(K)
         channel = np.zeros((K, K), np.int32)
         channel[rows, columns] = channel[columns, rows] = np.arange(rows.size)
-        return packed[..., channel]
+        channels_first = jnp.moveaxis(packed, -1, 0)
+        return [[channels_first[channel[i, j]] for j in range(K)] for i in range(K)]
 
     def diagonal(self, packed: jax.Array) -> jax.Array:
         """The Hessian diagonal ``(..., K)`` of packed statistics."""
@@ -379,9 +381,9 @@ def vector_value_and_score(sum_gradients: jax.Array, packed_hessians: jax.Array,
     if not leaves.full_hessian:
         return diagonal_w, diagonal_score
     K = leaves.num_outputs
-    hessian = leaves.unpack_hessian(packed_hessians)
-    h = [[hessian[..., i, j] for j in range(K)] for i in range(K)]
-    g = [sum_gradients[..., i] for i in range(K)]
+    h = leaves.hessian_entries(packed_hessians)
+    gradients_first = jnp.moveaxis(sum_gradients, -1, 0)
+    g = [gradients_first[i] for i in range(K)]
     scale = jnp.max(jnp.abs(leaves.diagonal(packed_hessians)), axis=-1)
     _, semi_definite = _cholesky(h, PSD_TOLERANCE * scale)
     # H + lambda I is positive definite once H is PSD and lambda > 0.
