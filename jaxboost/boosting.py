@@ -505,7 +505,9 @@ def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = No
     devices = shape.mesh.devices.size
     channels = 2
     if shape.vector_leaves is not None:
+        # The kernels' cells hold pairs of channels: an odd number is padded with a zero one.
         channels = shape.vector_leaves.num_outputs + shape.vector_leaves.hessian_channels
+        channels += channels % 2
     local = histogram_buffer_shape(shape.max_depth, n_features, shape.max_bin, channels, devices)
     global_shape = (devices * local[0],) + local[1:]
     if models is not None:

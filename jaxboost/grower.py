@@ -263,7 +263,7 @@ class _LevelState(NamedTuple):
     active: jax.Array  # (capacity,) the level's nodes that exist and may split
     level_gradients: jax.Array  # (capacity,), vector leaves (capacity, K)
     level_hessians: jax.Array  # (capacity,), vector leaves (capacity, Hessian channels)
-    histograms: jax.Array | None  # (capacity, d, bins, channels); None on the leaf level
+    histograms: jax.Array | None  # (capacity, d, bins, channels padded to pairs); None on the leaf level
     lower: jax.Array  # (capacity,) value bounds from monotone constraints (+-inf when free)
     upper: jax.Array
     path_features: jax.Array | None  # (capacity, d) features split on above each node
@@ -300,7 +300,8 @@ def histogram_buffer_shape(max_depth: int, n_features: int, max_bin: int, channe
     """Per device, the shape of the histogram buffer that ``grow_tree`` can take from its caller
     (``histogram_buffer``): the shallow loop's ``min(32, 2^(max_depth - 1))`` slots, or for
     deeper trees the deep levels' ``2^(max_depth - 1)``. ``channels``: 2, or the vector leaves'
-    gradient and packed Hessian channels; with rows sharded over ``devices`` each keeps a block
+    gradient and packed Hessian channels, an odd number padded with a zero one to the kernels'
+    pairs (``StatisticPairs.width``); with rows sharded over ``devices`` each keeps a block
     of the features (padded to equal blocks)."""
     slots = 2 ** (max_depth - 1) if grows_deep_levels(max_depth) else min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))
     return (slots, -(-n_features // devices), max_bin, channels)
@@ -457,7 +458,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin, split.default_left,
             histogram_splits, left_is_smaller, max_bin, feature_major=sharded, result_features=summed_features,
             row_offset=row_offset, histogram_nodes=parent_slots, live_nodes=chunk * read_chunks,
-            threads=kernel_threads)
+            threads=kernel_threads, keep_padding=True)
         histograms = children_histograms_over_parents(state.histograms, smaller, left_is_smaller, histogram_splits,
                                                       summed_nodes, axis_name)
         lower, upper = state.lower, state.upper
@@ -513,20 +514,21 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         return jax.lax.dynamic_update_slice_in_dim(histogram_buffer, root[None], 0, axis=0)
 
     if histogram_buffer is not None:
-        expected = histogram_buffer_shape(max_depth, n_features, max_bin, statistics.channels, devices)
+        expected = histogram_buffer_shape(max_depth, n_features, max_bin, statistics.width, devices)
         if histogram_buffer.shape != expected:
             raise ValueError(f"histogram_buffer must have this device's shape {expected} (histogram_buffer_shape); "
                              f"got {histogram_buffer.shape}")
     local_root = build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin, feature_major=sharded,
                                             result_features=summed_features, row_offset=row_offset,
-                                            threads=kernel_threads)
+                                            threads=kernel_threads, keep_padding=True)
     root_histogram = all_sum_scattered(local_root, axis_name, 1)[0]
     # Every row lies in one bin of each feature, so the first feature's bins sum to the root's
     # totals: no separate sums over rows. Every device sums the same feature's, so all hold
     # the same totals bit for bit.
     root_totals = all_sum(jnp.sum(local_root[0, 0], axis=0), axis_name)
     num_gradient_channels = gradients.shape[1] if gradients.ndim == 2 else 1
-    root_gradients, root_hessians = root_totals[:num_gradient_channels], root_totals[num_gradient_channels:]
+    root_gradients = root_totals[:num_gradient_channels]
+    root_hessians = root_totals[num_gradient_channels:statistics.channels]
     if leaves is None:
         root_gradients, root_hessians = root_gradients[0], root_hessians[0]
     state = _LevelState(

@@ -492,6 +492,12 @@ class StatisticPairs(NamedTuple):
     channels: int
     matrix: jax.Array | None = None
 
+    @property
+    def width(self) -> int:
+        """Channels of the kernels' cells: ``channels``, an odd number padded to pairs with a
+        zero channel."""
+        return 2 * len(self.pairs)
+
 
 def statistic_pairs(statistics) -> StatisticPairs:
     """``(n_rows, C)`` statistics as column pairs (the last padded with zeros when C is odd);
@@ -509,21 +515,24 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
                                statistics: jax.Array | StatisticPairs, num_nodes: int, max_bin: int,
                                row_mask: jax.Array | None = None, feature_major: bool = False,
                                result_features: int | None = None, row_offset: jax.Array | None = None,
-                               threads: int = 1) -> jax.Array:
+                               threads: int = 1, keep_padding: bool = False) -> jax.Array:
     """``build_histogram`` for any number of per-row channels (vector leaves: K gradients and
     the packed Hessian), two channels per kernel pass.
 
     Returns float32 ``(num_nodes, n_features, max_bin, C)`` for ``statistics`` ``(n_rows, C)``
-    (or their ``StatisticPairs``).
+    (or their ``StatisticPairs``); with ``keep_padding``, ``statistics.width`` channels, the last
+    zero when C is odd (the grower keeps it: dropping it copied a level's cells).
     """
     statistics = statistic_pairs(statistics)
     options = dict(threads=threads, feature_major=feature_major, result_features=result_features,
                    row_offset=row_offset)
     if len(statistics.pairs) == 1:
-        return _without_padding(build_histogram(X_binned_T, node_index, *statistics.pairs[0], num_nodes, max_bin,
-                                                row_mask, **options), statistics.channels)
-    return _without_padding(build_channels_histogram(X_binned_T, node_index, statistics, num_nodes, max_bin, row_mask,
-                                                     **options), statistics.channels)
+        histogram = build_histogram(X_binned_T, node_index, *statistics.pairs[0], num_nodes, max_bin, row_mask,
+                                    **options)
+    else:
+        histogram = build_channels_histogram(X_binned_T, node_index, statistics, num_nodes, max_bin, row_mask,
+                                             **options)
+    return histogram if keep_padding else _without_padding(histogram, statistics.channels)
 
 
 def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, statistics: StatisticPairs,
@@ -578,9 +587,10 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
                                          feature_major: bool = False, result_features: int | None = None,
                                          row_offset: jax.Array | None = None, histogram_nodes: int | None = None,
                                          live_nodes: jax.Array | None = None,
-                                         threads: int = 1) -> tuple[jax.Array, jax.Array]:
+                                         threads: int = 1, keep_padding: bool = False) -> tuple[jax.Array, jax.Array]:
     """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
-    while routing, the others afterwards over the rows of the smaller children only."""
+    while routing, the others afterwards over the rows of the smaller children only.
+    ``keep_padding`` as for ``build_statistics_histogram``."""
     statistics = statistic_pairs(statistics)
     pairs = statistics.pairs
     width = 2 * len(pairs)
@@ -595,4 +605,4 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
                                              in_smaller_child, threads=threads, feature_major=feature_major,
                                              result_features=result_features, row_offset=row_offset, channel=2,
                                              into=histogram)
-    return child_of_row, _without_padding(histogram, statistics.channels)
+    return child_of_row, histogram if keep_padding else _without_padding(histogram, statistics.channels)

@@ -91,7 +91,8 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         """(gradients, hessians, weight for min_child_weight) of ``(..., C)`` sums."""
         if leaves is None:
             return sums[..., 0], sums[..., 1], sums[..., 1]
-        return sums[..., :K], sums[..., K:], jnp.min(leaves.diagonal(sums[..., K:]), axis=-1)
+        hessians = sums[..., K:K + leaves.hessian_channels]  # past them: a zero channel padding to pairs
+        return sums[..., :K], hessians, jnp.min(leaves.diagonal(hessians), axis=-1)
 
     lower = upper = None
     if bounds is not None:
@@ -182,14 +183,14 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     )
 
 
-def _empty_choice(num_nodes: int, channels: int, leaves: VectorLeaves | None) -> SplitChoice:
+def _empty_choice(num_nodes: int, leaves: VectorLeaves | None) -> SplitChoice:
     """A zeroed ``SplitChoice`` with ``find_best_splits``'s shapes (spelled out: tracing the scan
     once more just for its shapes cost a tenth of a second at every first fit)."""
     def floats(width):
         return jnp.zeros((num_nodes,) if leaves is None else (num_nodes, width), jnp.float32)
 
     K = None if leaves is None else leaves.num_outputs
-    hessian_width = None if leaves is None else channels - K
+    hessian_width = None if leaves is None else leaves.hessian_channels
     return SplitChoice(
         loss_change=jnp.zeros(num_nodes, jnp.float32), feature=jnp.zeros(num_nodes, jnp.int32),
         threshold_bin=jnp.zeros(num_nodes, jnp.int32), default_left=jnp.zeros(num_nodes, bool),
@@ -245,7 +246,7 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
         return scan_nodes(0, num_nodes)
 
     def in_steps():
-        empty = _empty_choice(num_nodes, histograms.shape[-1], leaves)
+        empty = _empty_choice(num_nodes, leaves)
         return update_leading_chunks(empty, lambda start: scan_nodes(start, chunk), live_nodes, chunk, active)
 
     return in_steps_on_cpu(in_steps, lambda: scan_nodes(0, num_nodes))
