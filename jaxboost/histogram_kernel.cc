@@ -683,16 +683,19 @@ ffi::Error CumulativeBinsImpl(ffi::Buffer<ffi::F32> histogram, ffi::ResultBuffer
     }
     return ffi::Error::Success();
   }
-  // Other channel counts (vector leaves): every (run, channel) pair is its own chain.
+  // Other channel counts (vector leaves): as for pairs, a bin's cells of the runs side by side,
+  // each read whole. A pass per channel read one float of each cell it loaded: at 66 channels
+  // a node's running sums took 0.55 ms.
+  std::vector<float> running(static_cast<size_t>(kRunsAtOnce * channels));
+  const int64_t run_stride = bins * channels;
   for (int64_t run = 0; run < runs; run += kRunsAtOnce) {
     const int64_t count = std::min(kRunsAtOnce, runs - run);
-    for (int64_t c = 0; c < channels; ++c) {
-      float running[kRunsAtOnce] = {};
-      for (int64_t bin = 0; bin < bins; ++bin) {
-        for (int64_t r = 0; r < count; ++r) {
-          const int64_t at = ((run + r) * bins + bin) * channels + c;
-          out[at] = running[r] += in[at];
-        }
+    std::fill(running.begin(), running.end(), 0.0f);
+    for (int64_t bin = 0; bin < bins; ++bin) {
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t at = (run + r) * run_stride + bin * channels;
+        float* __restrict sums = running.data() + r * channels;
+        for (int64_t c = 0; c < channels; ++c) out[at + c] = sums[c] += in[at + c];
       }
     }
   }

@@ -937,6 +937,10 @@ def test_cumulative_over_bins_matches_numpy(kernel):
                                rtol=1e-5, atol=1e-5)
     batched = jax.vmap(jax.vmap(cumulative))(jnp.asarray(histograms))
     np.testing.assert_allclose(np.asarray(batched), expected, rtol=1e-5, atol=1e-5)
+    # Many channels (full-Hessian vector leaves: 10 classes fill 65, padded to 66), 11 runs.
+    wide = rng.normal(size=(11, 9, 66)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(cumulative(jnp.asarray(wide))), np.cumsum(wide.astype(np.float64), axis=-2),
+                               rtol=1e-5, atol=1e-5)
     # Two channels (the scalar-leaf layout, summed eight runs at a time): 15 runs, not a multiple.
     pairs = rng.normal(size=(3, 5, 9, 2)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(cumulative(jnp.asarray(pairs))), np.cumsum(pairs.astype(np.float64), axis=-2),
