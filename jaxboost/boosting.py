@@ -416,7 +416,9 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
         identity = jnp.eye(K, dtype=bool)
         weighted = jnp.where(identity, split_diagonal[..., :, None],
                              jnp.where(counted[:, None, None], hessian * row_weight[:, None, None], 0.0))
-        return (_marked_gradients(counted, values, g, hessian, row_weight), split_diagonal,
+        # Marked by the Hessian entries the tree reads (the diagonal, or the upper triangle):
+        # marks from all K^2 made XLA compute every entry for them alone.
+        return (_marked_gradients(counted, values, g, leaves.pack_hessian(hessian), row_weight), split_diagonal,
                 leaves.pack_hessian(weighted))
 
     gradients, split_diagonal, packed_hessians = in_row_chunks(tree_statistics, (raw_prediction, y, row_weight))

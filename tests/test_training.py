@@ -557,6 +557,44 @@ def test_round_health_is_read_from_the_marked_gradients_and_hessians():
     assert health(**{**fine, "g": [3e38, 3e38, 0.0], "weight": [1.0, 1.0, 1.0]})[:2] == (True, False)  # overflow
 
 
+@pytest.mark.parametrize("hessian", ["diagonal", "full"])
+def test_vector_leaves_reject_a_custom_loss_whose_hessian_is_not_finite(hessian):
+    """A vector loss whose value and gradient are finite but whose Hessian diagonal is NaN for
+    some rows (here those whose first raw output passes 1, which later rounds reach) fails the
+    round with the loss's name, whichever Hessian entries the trees read."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(N_ROWS, N_FEATURES)).astype(np.float32)
+    y = np.argmax(X[:, :2] + 0.3 * rng.normal(size=(N_ROWS, 2)), axis=1)
+
+    @jax.custom_jvp
+    def one(x):
+        return jnp.ones_like(x)
+
+    @one.defjvp
+    def _one_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return one(x), jnp.where(x > 1.0, jnp.nan, 0.0) * t
+
+    @jax.custom_jvp
+    def identity(x):
+        return x
+
+    @identity.defjvp
+    def _identity_jvp(primals, tangents):
+        # The derivative is one(x) = 1, whose own derivative is NaN past 1: finite gradients,
+        # a NaN second derivative.
+        (x,), (t,) = primals, tangents
+        return identity(x), one(x) * t
+
+    def kinked_softmax(raw_prediction, y):
+        raw_prediction = raw_prediction.at[0].set(identity(raw_prediction[0]))
+        return jax.nn.logsumexp(raw_prediction) - raw_prediction[y.astype(jnp.int32)]
+
+    with pytest.raises(FloatingPointError, match=r"kinked_softmax.*round [0-9]"):
+        jb.train(X, y, loss=kinked_softmax, num_outputs=2, link="softmax", multi_strategy="multi_output_tree",
+                 multi_output_hessian=hessian, **{**COMMON, "learning_rate": 1.0, "num_rounds": 20})
+
+
 def test_custom_vector_loss_with_num_outputs():
     rng = np.random.default_rng(0)
     X = rng.normal(size=(N_ROWS, N_FEATURES)).astype(np.float32)
