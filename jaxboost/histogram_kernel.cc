@@ -571,29 +571,34 @@ struct ChannelProblem {
   float* hist;
 };
 
+// Tiles of the channel kernel: a feature at a time over blocks of rows. A feature's cells of a
+// level (32 nodes x 256 bins x 20-66 channels: 0.65-2.2 MB) are then the ones in play, and a
+// block's statistics (4096 rows x 20-66 channels) are read again from the cache for the next
+// feature. Four features over blocks of 32768 rows, the pair kernel's tiles, put the cells of
+// four features in play: 10 classes, diagonal, 160k rows took 89-94 ms a round, against 80-84.
+constexpr int64_t kChannelBlockRows = 4096;
+
 void AccumulateChannelFeatures(const ChannelProblem& p, int64_t feature_begin, int64_t feature_end) {
-  std::vector<int32_t> rows(kBlockRows), nodes(kBlockRows);
+  std::vector<int32_t> rows(kChannelBlockRows), nodes(kChannelBlockRows);
   const int64_t summed = p.columns - p.channel;
   for (int64_t start = 0; start < p.n_rows;) {
     int64_t count = 0, i = start;
-    for (; i < p.n_rows && count < kBlockRows; ++i) {
+    for (; i < p.n_rows && count < kChannelBlockRows; ++i) {
       const int32_t node = p.node_of_row[i];
       rows[count] = static_cast<int32_t>(i);
       nodes[count] = node;
       count += static_cast<int>((p.row_mask == nullptr || p.row_mask[i]) && node >= 0 && node < p.num_nodes);
     }
-    for (int64_t first = feature_begin; first < feature_end; first += kFeatureGroup) {
-      const int64_t last = std::min(feature_end, first + kFeatureGroup);
+    for (int64_t f = feature_begin; f < feature_end; ++f) {
+      const uint8_t* feature_codes = p.codes + f * p.code_stride;
+      float* feature_hist = p.hist + f * p.layout.feature_stride + p.channel;
       for (int64_t j = 0; j < count; ++j) {
         const int64_t row = rows[j];
+        const int64_t code = feature_codes[row];
+        if (code >= p.max_bin) continue;  // no such code in valid data: never written out of bounds
         const float* __restrict values = p.statistics + row * p.columns + p.channel;
-        float* node_hist = p.hist + static_cast<int64_t>(nodes[j]) * p.layout.node_stride + p.channel;
-        for (int64_t f = first; f < last; ++f) {
-          const int64_t code = p.codes[f * p.code_stride + row];
-          if (code >= p.max_bin) continue;  // no such code in valid data: never written out of bounds
-          float* __restrict cell = node_hist + f * p.layout.feature_stride + code * p.width;
-          for (int64_t c = 0; c < summed; ++c) cell[c] += values[c];
-        }
+        float* __restrict cell = feature_hist + static_cast<int64_t>(nodes[j]) * p.layout.node_stride + code * p.width;
+        for (int64_t c = 0; c < summed; ++c) cell[c] += values[c];
       }
     }
     start = i;
