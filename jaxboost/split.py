@@ -70,7 +70,8 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
 
     Args:
       histograms: float32 ``(num_nodes, n_features, max_bin, channels)``: gradient and Hessian
-        sums (2 channels, or the ``leaves`` layout); the last bin holds the missing values.
+        sums (2 channels, or the ``leaves`` layout, which may be followed by a zero channel
+        padding it to the kernels' pairs); the last bin holds the missing values.
       feature_allowed: bool ``(num_nodes, n_features)`` (column sampling, interaction
         constraints).
       bounds: monotone constraints, or None when there are none (scalar leaves only).
