@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
 from .devices import ROW_AXIS, all_sum, compiler_options, mesh_platform, row_sharding
 from .grower import GrowthParams, grow_tree, histogram_buffer_shape, sample_features
+from .histogram import paired_width
 from .line_search import minimise_segment_offsets, segment_sums
 from .predictor import add_position_values, predict_round
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
@@ -507,9 +508,7 @@ def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = No
     devices = shape.mesh.devices.size
     channels = 2
     if shape.vector_leaves is not None:
-        # The kernels' cells hold pairs of channels: an odd number is padded with a zero one.
-        channels = shape.vector_leaves.num_outputs + shape.vector_leaves.hessian_channels
-        channels += channels % 2
+        channels = paired_width(shape.vector_leaves.num_outputs + shape.vector_leaves.hessian_channels)
     local = histogram_buffer_shape(shape.max_depth, n_features, shape.max_bin, channels, devices)
     global_shape = (devices * local[0],) + local[1:]
     if models is not None:

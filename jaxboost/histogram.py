@@ -482,6 +482,12 @@ def _pair_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mas
     return per_feature.transpose(1, 0, 2, 3)
 
 
+def paired_width(channels: int) -> int:
+    """Channels of the kernels' cells for ``channels`` statistics: the kernels add pairs of
+    channels, so an odd number is padded with a zero channel."""
+    return channels + channels % 2
+
+
 class StatisticPairs(NamedTuple):
     """Per-row statistics as the ``(first, second)`` float32 ``(n_rows,)`` column pairs the
     kernels read, two channels per pass, and (``matrix``) as the ``(n_rows, C)`` array they came
@@ -494,9 +500,8 @@ class StatisticPairs(NamedTuple):
 
     @property
     def width(self) -> int:
-        """Channels of the kernels' cells: ``channels``, an odd number padded to pairs with a
-        zero channel."""
-        return 2 * len(self.pairs)
+        """Channels of the kernels' cells (``paired_width``)."""
+        return paired_width(self.channels)
 
 
 def statistic_pairs(statistics) -> StatisticPairs:
@@ -544,13 +549,13 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
     of the channels before it; None for channel 0, the others then start at zero). Arguments as
     for ``build_histogram``.
 
-    Returns float32 ``(num_nodes, result_features, max_bin, 2 * len(statistics.pairs))`` (an odd
-    number of channels padded with a zero one). On CPU one native pass adds all of a row's
+    Returns float32 ``(num_nodes, result_features, max_bin, statistics.width)`` (an odd number
+    of channels padded with a zero one). On CPU one native pass adds all of a row's
     channels to its cell; elsewhere, and with ``kernel="xla"``, a pair of channels per
     ``build_histogram``, each into the last one's result.
     """
     result_features = X_binned_T.shape[0] if result_features is None else result_features
-    width = 2 * len(statistics.pairs)
+    width = statistics.width
 
     def by_pairs(*_):
         histogram = into
@@ -593,7 +598,7 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
     ``keep_padding`` as for ``build_statistics_histogram``."""
     statistics = statistic_pairs(statistics)
     pairs = statistics.pairs
-    width = 2 * len(pairs)
+    width = statistics.width
     child_of_row, histogram = route_and_build_histogram(
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
         left_is_smaller, max_bin, threads=threads, feature_major=feature_major, result_features=result_features,
