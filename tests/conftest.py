@@ -2,6 +2,7 @@
 explain and export, trained once per session (test files with their own ``data`` fixture
 override it)."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -45,3 +46,13 @@ def models(data):
     return {task: jb.train(X, labels(task, signal, rng), loss=task, num_rounds=6, max_depth=4, max_bin=32,
                            learning_rate=0.3)
             for task in TASKS}
+
+
+def assert_same_training(actual, desired, err_msg=""):
+    """Two trainings that must grow the same model: bit for bit on CPU. A GPU's histograms are
+    sums of float atomic adds in a varying order, so there two fits of the same data differ in the
+    last bits (XLA_FLAGS=--xla_gpu_deterministic_ops=true makes them repeatable)."""
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(actual, desired, err_msg=err_msg)
+    else:
+        np.testing.assert_allclose(actual, desired, rtol=1e-5, atol=1e-6, err_msg=err_msg)
