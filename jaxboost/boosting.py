@@ -116,7 +116,7 @@ def minimise_offsets(objective: Objective, raw_prediction: jax.Array, y: jax.Arr
     def weighted_derivative(offset_per_row):
         shifted = raw_prediction + offset_per_row[:, None] * selector
         if objective.vector_output:
-            derivative = output_gradient(loss, shifted, y, None) @ selector
+            derivative = jnp.sum(output_gradient(loss, shifted, y, None) * selector, axis=-1)
         else:
             derivative = output_gradient(loss, shifted[:, 0], y, None)
         return jnp.where(weights > 0, weights * derivative, 0.0)
@@ -257,9 +257,11 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
         # stepped along by its magnitude, so every step goes down.
         curvatures = jnp.abs(curvatures)
         usable = curvatures > MIN_RELATIVE_CURVATURE * jnp.max(curvatures)
-        along = directions.T @ total_gradient
-        direction = -directions @ jnp.where(usable, along / jnp.where(usable, curvatures, 1.0), 0.0)
-        slope = total_gradient @ direction  # <= 0
+        # Full float32 products: a GPU's default for float32 matrix products is TF32 (10-bit mantissas).
+        along = jnp.matmul(directions.T, total_gradient, precision=jax.lax.Precision.HIGHEST)
+        direction = -jnp.matmul(directions, jnp.where(usable, along / jnp.where(usable, curvatures, 1.0), 0.0),
+                                precision=jax.lax.Precision.HIGHEST)
+        slope = jnp.dot(total_gradient, direction, precision=jax.lax.Precision.HIGHEST)  # <= 0
         losses_before = row_losses(constant)
         loss_scale = weighted_sum(jnp.abs(losses_before))
 

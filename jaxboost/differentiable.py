@@ -322,7 +322,8 @@ def _soft_tree(feature, default_left, is_leaf, thresholds, values, X_filled, mis
         children = jnp.stack([left, reach - left], axis=-1)
         reach_levels.append(children.reshape(X_filled.shape[0], 2 * (last - first)))
     reach = jnp.concatenate(reach_levels, axis=1)
-    return (reach * is_leaf) @ values
+    # HIGHEST: on a GPU a float32 product defaults to TF32 (10-bit mantissas).
+    return jnp.matmul(reach * is_leaf, values, precision=lax.Precision.HIGHEST)
 
 
 @jax.jit
