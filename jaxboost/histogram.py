@@ -432,13 +432,18 @@ def _complex_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_
 
 
 # Atomic adds into few cells wait on one another: the root's rows all land in 256 bins of a
-# feature. Row i adds into copy i % copies of the histogram instead, and the copies are summed
-# after: up to 8 copies, fewer as the nodes (and so the cells) grow.
-_SCATTER_CELLS_PER_COPY = 64
-_MAX_SCATTER_COPIES = 8
-# Bounds on one scatter: its flat index is int32, and its index and update arrays (one entry per
-# row and feature) are materialised, so features go in groups of at most this many entries.
+# feature, and a level's loop runs in buffers of its widest level while the first levels' rows
+# fill a few of those nodes. Row i adds into copy i % copies of the histogram instead, and the
+# copies are summed after: up to 32 copies, fewer as the nodes (and so the cells) grow. Whole
+# trees on an H200, 1M x 28 (experiments/results/gpu_level_copies.md): 2 copies a level (64
+# cells a copy, at most 8) 4.7 ms a tree, 16 (512, at most 16) 2.6, 32 (1024, at most 32) 2.3.
+_SCATTER_CELLS_PER_COPY = 1024
+_MAX_SCATTER_COPIES = 32
+# Bounds on one scatter: its flat index is int32; its index and update arrays (one entry per
+# row and feature) are materialised; its copies take at most this many cells (two float32
+# each: 128 MB). Features go in groups that keep within all three.
 _MAX_SCATTER_ENTRIES = 2 ** 26
+_MAX_SCATTER_CELLS = 2 ** 24
 
 
 def scatter_copies(num_nodes: int) -> int:
@@ -446,20 +451,28 @@ def scatter_copies(num_nodes: int) -> int:
     return int(np.clip(_SCATTER_CELLS_PER_COPY // num_nodes, 1, _MAX_SCATTER_COPIES))
 
 
-def _pair_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
-                            features_per_scatter: int | None = None):
-    """float32 ``(g, h)`` pairs scattered over all features at once into ``scatter_copies``
-    copies of the histogram; rows outside the mask or the nodes get an index past the end, which
-    the scatter drops before any add. Measured on an H100 at 800k rows x 28 features against
-    the complex kernel (``experiments/results/gpu_histogram_study.md``): the root 1280 -> 1.26
-    ms, 16 nodes on 45% of the rows 6.37 -> 0.28 ms."""
-    n_features, n_rows = X_binned_T.shape
+def scatter_layout(n_features: int, n_rows: int, num_nodes: int, max_bin: int) -> tuple[int, int]:
+    """``(copies, features a scatter)`` of the accelerators' kernel: ``scatter_copies`` copies,
+    and the most features one scatter takes within its bounds (at least one)."""
     copies = scatter_copies(num_nodes)
     cells = num_nodes * max_bin
-    if features_per_scatter is None:
-        # Masked rows' indices lie up to one group's cells past the end: still an int32.
-        features_per_scatter = max(1, min(n_features, (2 ** 31 - 1) // ((copies + 1) * cells + 1),
-                                          _MAX_SCATTER_ENTRIES // max(n_rows, 1)))
+    # Masked rows' indices lie up to one group's cells past the end: still an int32.
+    features = min(n_features, (2 ** 31 - 1) // ((copies + 1) * cells + 1), _MAX_SCATTER_ENTRIES // max(n_rows, 1),
+                   _MAX_SCATTER_CELLS // (copies * cells))
+    return copies, max(1, features)
+
+
+def _pair_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
+                            features_per_scatter: int | None = None):
+    """float32 ``(g, h)`` pairs scattered over all features at once (or in groups,
+    ``scatter_layout``) into ``scatter_copies`` copies of the histogram; rows outside the mask or the nodes get an index past the end, which
+    the scatter drops before any add. Measured on an H100 at 800k rows x 28 features against
+    the complex kernel (``experiments/results/gpu_histogram_study.md``, with at most 8 copies):
+    the root 1280 -> 1.26 ms, 16 nodes on 45% of the rows 6.37 -> 0.28 ms."""
+    n_features, n_rows = X_binned_T.shape
+    copies, most_features = scatter_layout(n_features, n_rows, num_nodes, max_bin)
+    cells = num_nodes * max_bin
+    features_per_scatter = most_features if features_per_scatter is None else features_per_scatter
     groups = -(-n_features // features_per_scatter)
     codes = jnp.pad(X_binned_T, ((0, groups * features_per_scatter - n_features), (0, 0)))
     size = copies * features_per_scatter * cells

@@ -645,10 +645,10 @@ def test_levels_split_at_once_as_on_an_accelerator_grow_the_cpus_trees(monkeypat
 
 
 @pytest.mark.parametrize("num_nodes,max_bin,n_features,features_per_scatter", [
-    (1, 256, 3, None),   # 8 copies (the root)
-    (5, 16, 4, None),    # 8 copies, several nodes
-    (12, 32, 3, None),   # 5 copies
-    (70, 8, 2, None),    # one copy
+    (1, 256, 3, None),   # 32 copies (the root)
+    (5, 16, 4, None),    # 32 copies, several nodes
+    (40, 32, 3, None),   # 25 copies
+    (1100, 4, 2, None),  # one copy
     (3, 7, 5, 2),        # features in groups of 2, the last padded
 ])
 @pytest.mark.parametrize("with_mask", [False, True])
@@ -664,7 +664,24 @@ def test_pair_scatter_histogram_matches_numpy(num_nodes, max_bin, n_features, fe
                     jnp.asarray(row_mask if with_mask else np.zeros(0, bool)))
     assert actual.shape == expected.shape and actual.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-4)
-    assert scatter_copies(num_nodes) == min(8, max(1, 64 // num_nodes))
+    assert scatter_copies(num_nodes) == min(32, max(1, 1024 // num_nodes))
+
+
+def test_pair_scatter_histogram_keeps_its_copies_within_the_cell_bound(monkeypatch):
+    """Wide data: the copies of all features would pass the bound on a scatter's cells, so the
+    features go in groups (the last padded) that keep the copies, and the sums stay exact."""
+    from jaxboost import histogram
+
+    num_nodes, max_bin, n_features = 3, 7, 5
+    copies = histogram.scatter_copies(num_nodes)
+    monkeypatch.setattr(histogram, "_MAX_SCATTER_CELLS", 2 * copies * num_nodes * max_bin + 1)
+    assert histogram.scatter_layout(n_features, 3001, num_nodes, max_bin) == (32, 2)
+    X_binned, node_index, gradients, hessians, row_mask = histogram_case(6, 3001, n_features, num_nodes, max_bin)
+    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, row_mask, num_nodes, max_bin)
+    kernel = jax.jit(partial(histogram._pair_scatter_histogram, num_nodes=num_nodes, max_bin=max_bin))
+    actual = kernel(jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians),
+                    jnp.asarray(row_mask))
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------

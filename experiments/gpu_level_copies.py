@@ -1,0 +1,146 @@
+"""Study: how many copies of the histogram the accelerators' scatter should spread its atomic adds
+over, measured as whole trees on a GPU; and whether XLA's command buffers (CUDA graphs) help.
+
+Run from the repository root on a machine with a GPU: ``python experiments/gpu_level_copies.py``
+(``--rows``, ``--repeats``, ``--output``). On a CPU it runs too (the copies do not matter there:
+the CPU kernels are native), to check the script.
+
+The float32 scatter (``histogram._pair_scatter_histogram``) sends row ``i`` into copy
+``i % copies`` of the histogram, so that fewer atomic adds wait on one address, and sums the
+copies after. ``histogram.scatter_copies(nodes)`` picks ``CELLS_PER_COPY // nodes`` copies, at
+least 1 and at most ``MAX_COPIES``. A tree's levels run in a loop over buffers of the widest
+level's size (32 parents at depth 6), so with the 64 cells a copy that the library had before this
+study every level below the root got 2 copies, even the first, whose smaller child holds up to
+half the rows in one node.
+
+Each configuration runs in its own process (fresh compile), the configurations alternating,
+``--repeats`` turns. In a process: the benchmark's task, ``jb.Dataset`` once, a 1-round fit (the
+compile), then ms a tree by the benchmark's difference method, ``(t(41 rounds) - t(1 round)) / 40``,
+the median of 3 such pairs; and the test metric of the 41-round model (the copies change the
+order of float additions, so the models may differ in the last bits, not more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "experiments"))
+
+# name -> (CELLS_PER_COPY, MAX_COPIES, XLA_FLAGS added); the first is the library's setting.
+# An earlier run also timed "--xla_gpu_enable_command_buffer=" (no command buffers) with the
+# (64, 8) setting: the same ms a tree (see the results file).
+CONFIGS = {
+    "library (1024, 32)": (1024, 32, ""),
+    "before (64, 8)": (64, 8, ""),
+    "cells 512, max 16": (512, 16, ""),
+    "cells 2048, max 64": (2048, 64, ""),
+}
+
+ROUNDS = 41
+
+
+def child(config: str, task: str, rows: int, data_file: Path) -> dict:
+    import numpy as np
+
+    import jaxboost as jb
+    from bench_worker import LEARNING_RATE, MIN_HESSIAN, REG_LAMBDA, score
+
+    cells_per_copy, max_copies, _ = CONFIGS[config]
+    jb.histogram._SCATTER_CELLS_PER_COPY = cells_per_copy
+    jb.histogram._MAX_SCATTER_COPIES = max_copies
+    data = np.load(data_file)
+    X_train, X_test, y_train, y_test = (data[name] for name in ("X_train", "X_test", "y_train", "y_test"))
+    params = dict(loss="logistic" if task == "classification" else "squared_error", max_depth=6,
+                  learning_rate=LEARNING_RATE, reg_lambda=REG_LAMBDA, min_child_weight=MIN_HESSIAN, max_bin=256)
+    dataset = jb.Dataset(X_train, y_train, max_bin=256)
+
+    def fit(rounds):
+        start = time.perf_counter()
+        model = jb.train(dataset, num_rounds=rounds, **{k: v for k, v in params.items() if k != "max_bin"})
+        return time.perf_counter() - start, model
+
+    compile_s = fit(1)[0]
+    per_tree = []
+    for _ in range(3):
+        one = fit(1)[0]
+        many, model = fit(ROUNDS)
+        per_tree.append(1000 * (many - one) / (ROUNDS - 1))
+    return dict(config=config, task=task, ms_per_tree=statistics.median(per_tree), first_fit_s=compile_s,
+                metric=score(task, y_test, model.predict(X_test)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1_000_000, help="the benchmark's --rows")
+    parser.add_argument("--tasks", default="classification,regression")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        config, task, rows, data_file = args.child
+        print("RESULT " + json.dumps(child(config, task, int(rows), Path(data_file))))
+        return
+
+    import numpy as np
+
+    from bench_worker import make_task, task_samples
+
+    results = []
+    for task in args.tasks.split(","):
+        data_file = Path(f"/tmp/jaxboost_gpu_level_copies_{task}_{args.rows}.npz")
+        if not data_file.exists():
+            X_train, X_test, y_train, y_test = make_task(task, args.rows)
+            np.savez(data_file, X_train=X_train, X_test=X_test, y_train=y_train, y_test=y_test)
+        for turn in range(args.repeats):
+            names = list(CONFIGS)
+            names = names[turn % len(names):] + names[:turn % len(names)]
+            for config in names:
+                env = dict(os.environ, JAXBOOST_CACHE_DIR="")  # first fit = compile
+                extra = CONFIGS[config][2]
+                if extra:
+                    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + extra).strip()
+                out = subprocess.run([sys.executable, __file__, "--child", config, task, str(args.rows), str(data_file)],
+                                     env=env, capture_output=True, text=True, timeout=300)
+                lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+                if out.returncode or not lines:
+                    print(f"{task} {config}: failed\n{out.stderr[-2000:]}", flush=True)
+                    continue
+                result = json.loads(lines[-1][len("RESULT "):])
+                print(f"{task} {config} turn {turn + 1}: {result['ms_per_tree']:.2f} ms a tree, "
+                      f"first fit {result['first_fit_s']:.2f} s, metric {result['metric']:.5f}", flush=True)
+                results.append(result)
+
+    import jax
+    lines = [f"# GPU study: copies of the histogram in the accelerators' scatter, and command buffers",
+             "", f"- command: `python experiments/gpu_level_copies.py --rows {args.rows} --repeats {args.repeats}`",
+             f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; devices: {jax.devices()}",
+             f"- JAX {jax.__version__}; every cell the median of {args.repeats} processes (each the median of 3 "
+             f"difference-method measurements of {ROUNDS - 1} trees)", "",
+             "| task | configuration | ms a tree | first fit s | test metric | ms a tree, by turn |", "|---|---|---|---|---|---|"]
+    for task in args.tasks.split(","):
+        for config in CONFIGS:
+            mine = [r for r in results if r["task"] == task and r["config"] == config]
+            if not mine:
+                continue
+            lines.append(f"| {task} | {config} | {statistics.median(r['ms_per_tree'] for r in mine):.2f} | "
+                         f"{statistics.median(r['first_fit_s'] for r in mine):.2f} | "
+                         f"{statistics.median(r['metric'] for r in mine):.5f} | "
+                         f"{', '.join('%.2f' % r['ms_per_tree'] for r in mine)} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.output:
+        args.output.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
