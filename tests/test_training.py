@@ -1019,11 +1019,31 @@ def test_identity_link_is_returned_without_compiling(monkeypatch):
         link.apply_link(link.sigmoid, model.predict_raw(X))
 
 
+def test_the_link_runs_on_the_host_cpu_when_the_default_backend_is_another(monkeypatch):
+    """Raw predictions of host rows are host arrays whatever JAX's default backend: with another
+    default (a GPU's), each chunk is committed to the CPU device before the link runs on it, and
+    the predictions are the same."""
+    from jaxboost import link as links
+
+    X, y = _regression_data()
+    model = jb.train(X, (y > 0).astype(np.float32), loss="logistic", num_rounds=3, max_depth=DEPTH)
+    expected = model.predict(X)
+    placed = []
+    put = jax.device_put
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_put", lambda x, device=None: placed.append(device) or put(x, device))
+    np.testing.assert_array_equal(model.predict(X), expected)
+    assert placed == [jax.devices("cpu")[0]], placed
+    # Committed inputs are another entry of the compiled link's cache: leave none to other tests.
+    links._compiled_link.cache_clear()
+
+
 def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
     """The link is applied to chunks of one size (the last zero-padded), so new batch sizes do
     not compile it again; the result is the link of the raw predictions, row for row, for one
     output and for a row-wise link over several (softmax). On CPU a chunk's rows go through the
-    link in steps; the layout for GPUs and TPUs (whole, larger chunks) gives the same values."""
+    link in steps; the layout for accelerators (whole, larger chunks, where JAX runs without its
+    CPU backend) gives the same values."""
     from jaxboost import link as links
 
     rng = np.random.default_rng(5)
@@ -1031,13 +1051,13 @@ def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
     X = rng.normal(size=(n_rows, 4)).astype(np.float32)
     labels = np.digitize(X[:, 0] + 0.3 * rng.normal(size=n_rows), [-0.5, 0.5]).astype(np.float32)
     accelerator_layout = (links.ACCELERATOR_LINK_CHUNK_ROWS, False)
-    assert links.link_layout() == ((links.LINK_CHUNK_ROWS, True) if jax.default_backend() == "cpu"
-                                   else accelerator_layout)
+    # Links run on the host's CPU, which holds the raw predictions, whatever the default backend.
+    assert links.link_platform() == "cpu" and links.link_layout() == (links.LINK_CHUNK_ROWS, True)
     for loss, y in [("logistic", (labels > 0).astype(np.float32)), ("softmax", labels)]:
         model = jb.train(X[:3000], y[:3000], loss=loss, num_rounds=3, max_depth=3)
         for layout in [links.link_layout(), accelerator_layout]:
             monkeypatch.setattr(links, "link_layout", lambda layout=layout: layout)
-            compiled = links._compiled_link(model.link, layout[1], jax.default_backend())
+            compiled = links._compiled_link(model.link, layout[1], "cpu")
             for rows in (1, 7, 3000, n_rows):
                 raw = model.predict_raw(X[:rows])
                 np.testing.assert_allclose(model.predict(X[:rows]), np.asarray(model.link(jnp.asarray(raw))),
