@@ -189,7 +189,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     histograms = histogram_buffer(shape, dataset.n_features, models=M)
 
     history = [[] for _ in eval_rows]
-    round_trees = RoundTrees()
+    round_trees = RoundTrees(mesh)
     for round_index in range(num_rounds):
         eval_data = tuple((r.X_binned_device, r.y_device, r.sample_weight_device, raw)
                           for r, raw in zip(eval_rows, eval_raw))
