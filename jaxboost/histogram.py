@@ -465,10 +465,11 @@ def scatter_layout(n_features: int, n_rows: int, num_nodes: int, max_bin: int) -
 def _pair_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
                             features_per_scatter: int | None = None):
     """float32 ``(g, h)`` pairs scattered over all features at once (or in groups,
-    ``scatter_layout``) into ``scatter_copies`` copies of the histogram; rows outside the mask or the nodes get an index past the end, which
-    the scatter drops before any add. Measured on an H100 at 800k rows x 28 features against
-    the complex kernel (``experiments/results/gpu_histogram_study.md``, with at most 8 copies):
-    the root 1280 -> 1.26 ms, 16 nodes on 45% of the rows 6.37 -> 0.28 ms."""
+    ``scatter_layout``) into ``scatter_copies`` copies of the histogram; rows outside the mask
+    or the nodes get an index past the end, which the scatter drops before any add. Measured
+    on an H100 at 800k rows x 28 features against the complex kernel
+    (``experiments/results/gpu_histogram_study.md``, with at most 8 copies): the root 1280 ->
+    1.26 ms, 16 nodes on 45% of the rows 6.37 -> 0.28 ms."""
     n_features, n_rows = X_binned_T.shape
     copies, most_features = scatter_layout(n_features, n_rows, num_nodes, max_bin)
     cells = num_nodes * max_bin
