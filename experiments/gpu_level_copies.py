@@ -1,5 +1,6 @@
 """Study: how many copies of the histogram the accelerators' scatter should spread its atomic adds
-over, measured as whole trees on a GPU; and whether XLA's command buffers (CUDA graphs) help.
+over, and other forms of that scatter, measured as whole trees on a GPU; and whether XLA's
+command buffers (CUDA graphs) help.
 
 Run from the repository root on a machine with a GPU: ``python experiments/gpu_level_copies.py``
 (``--rows``, ``--repeats``, ``--output``). On a CPU it runs too (the copies do not matter there:
@@ -12,6 +13,11 @@ least 1 and at most ``MAX_COPIES``. A tree's levels run in a loop over buffers o
 level's size (32 parents at depth 6), so with the 64 cells a copy that the library had before this
 study every level below the root got 2 copies, even the first, whose smaller child holds up to
 half the rows in one node.
+
+Configurations (``--configs``, by name): the copies above, and the kernels of
+``scatter_variants.py`` in place of the library's (copies that follow a level's live nodes, a
+scatter skipped when no row is summed, order-independent fixed-point sums); by default the
+library against those variants.
 
 Each configuration runs in its own process (fresh compile), the configurations alternating,
 ``--repeats`` turns. In a process: the benchmark's task, ``jb.Dataset`` once, a 1-round fit (the
@@ -28,6 +34,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,15 +42,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
-# name -> (CELLS_PER_COPY, MAX_COPIES, XLA_FLAGS added); the first is the library's setting.
-# An earlier run also timed "--xla_gpu_enable_command_buffer=" (no command buffers) with the
-# (64, 8) setting: the same ms a tree (see the results file).
+# name (cells a copy / most copies) -> (CELLS_PER_COPY, MAX_COPIES, XLA_FLAGS added, kernel: None for the library's, else a
+# name in scatter_variants.VARIANTS); the first is the library's setting. An earlier run also
+# timed "--xla_gpu_enable_command_buffer=" (no command buffers) with the (64, 8) setting: the
+# same ms a tree (see the results file).
 CONFIGS = {
-    "library (1024, 32)": (1024, 32, ""),
-    "before (64, 8)": (64, 8, ""),
-    "cells 512, max 16": (512, 16, ""),
-    "cells 2048, max 64": (2048, 64, ""),
+    "library 1024/32": (1024, 32, "", None),
+    "before 64/8": (64, 8, "", None),
+    "cells 512/16": (512, 16, "", None),
+    "cells 2048/64": (2048, 64, "", None),
+    "live copies 256": (1024, 32, "", "live copies 256"),
+    "live copies 1024": (1024, 32, "", "live copies 1024"),
+    "skip empty": (1024, 32, "", "skip empty"),
+    "fixed point": (1024, 32, "", "fixed point"),
 }
+# The next run's: the library against the kernels of scatter_variants.py.
+DEFAULT_CONFIGS = ("library 1024/32", "live copies 256", "live copies 1024", "skip empty", "fixed point")
 
 ROUNDS = 41
 
@@ -54,9 +68,12 @@ def child(config: str, task: str, rows: int, data_file: Path) -> dict:
     import jaxboost as jb
     from bench_worker import LEARNING_RATE, MIN_HESSIAN, REG_LAMBDA, score
 
-    cells_per_copy, max_copies, _ = CONFIGS[config]
+    cells_per_copy, max_copies, _, kernel = CONFIGS[config]
     jb.histogram._SCATTER_CELLS_PER_COPY = cells_per_copy
     jb.histogram._MAX_SCATTER_COPIES = max_copies
+    if kernel is not None:
+        import scatter_variants
+        jb.histogram._pair_scatter_histogram = scatter_variants.VARIANTS[kernel]
     data = np.load(data_file)
     X_train, X_test, y_train, y_test = (data[name] for name in ("X_train", "X_test", "y_train", "y_test"))
     params = dict(loss="logistic" if task == "classification" else "squared_error", max_depth=6,
@@ -83,9 +100,14 @@ def main():
     parser.add_argument("--rows", type=int, default=1_000_000, help="the benchmark's --rows")
     parser.add_argument("--tasks", default="classification,regression")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated names among: {', '.join(CONFIGS)}")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    unknown = sorted(set(args.configs.split(",")) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
     if args.child:
         config, task, rows, data_file = args.child
         print("RESULT " + json.dumps(child(config, task, int(rows), Path(data_file))))
@@ -97,12 +119,12 @@ def main():
 
     results = []
     for task in args.tasks.split(","):
-        data_file = Path(f"/tmp/jaxboost_gpu_level_copies_{task}_{args.rows}.npz")
+        data_file = Path(tempfile.gettempdir()) / f"jaxboost_gpu_level_copies_{task}_{args.rows}.npz"
         if not data_file.exists():
             X_train, X_test, y_train, y_test = make_task(task, args.rows)
             np.savez(data_file, X_train=X_train, X_test=X_test, y_train=y_train, y_test=y_test)
         for turn in range(args.repeats):
-            names = list(CONFIGS)
+            names = args.configs.split(",")
             names = names[turn % len(names):] + names[:turn % len(names)]
             for config in names:
                 env = dict(os.environ, JAXBOOST_CACHE_DIR="")  # first fit = compile
@@ -121,14 +143,15 @@ def main():
                 results.append(result)
 
     import jax
-    lines = [f"# GPU study: copies of the histogram in the accelerators' scatter, and command buffers",
-             "", f"- command: `python experiments/gpu_level_copies.py --rows {args.rows} --repeats {args.repeats}`",
+    lines = [f"# GPU study: the accelerators' histogram scatter (its copies, its variants), whole trees",
+             "", f"- command: `python experiments/gpu_level_copies.py --rows {args.rows} --repeats {args.repeats} "
+             f"--configs '{args.configs}'`",
              f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; devices: {jax.devices()}",
              f"- JAX {jax.__version__}; every cell the median of {args.repeats} processes (each the median of 3 "
              f"difference-method measurements of {ROUNDS - 1} trees)", "",
              "| task | configuration | ms a tree | first fit s | test metric | ms a tree, by turn |", "|---|---|---|---|---|---|"]
     for task in args.tasks.split(","):
-        for config in CONFIGS:
+        for config in args.configs.split(","):
             mine = [r for r in results if r["task"] == task and r["config"] == config]
             if not mine:
                 continue

@@ -1,0 +1,153 @@
+"""Variants of the accelerators' histogram scatter (``histogram._pair_scatter_histogram``), for
+``gpu_level_copies.py`` to time as whole trees on a GPU. Each takes the library kernel's
+arguments and returns the same ``(nodes, features, bins, 2)`` float32 sums; the study swaps one in
+for the library's in a child process.
+
+* ``live_copies(node_copies)``: the copies follow the level's live nodes. A level's loop runs in
+  buffers of its widest level (32 slots at depth 6), so with ``L`` nodes in use the buffer's
+  ``node_copies`` node slots give each ``node_copies // L`` copies: the first level's 2 nodes get
+  128 copies each from 256 slots, the last level's 32 nodes 8. The library gives every level the
+  same copies of every slot (32 x 32 = 1024 node slots), most of which the first levels leave
+  zero, and clears and sums them all.
+* ``skip_empty``: the library's kernel behind a ``lax.cond`` on whether any row is summed: the
+  last level of a tree's loop sums none, yet its scatter reads every row.
+* ``fixed_point``: sums that do not depend on the order of the adds (repeatable runs, as
+  XGBoost's GPU histograms): each row's ``g`` and ``h`` become int32 multiples of ``1 / scale``,
+  with ``scale = 2^30 / (rows x max |value|)`` so that no sum passes 2^31, are scattered as
+  integers into the library's copies, and turned back into float32.
+
+``python experiments/scatter_variants.py`` checks every variant against a NumPy histogram (on any
+backend).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jaxboost import histogram  # noqa: E402
+
+
+def _kept_rows(node_index, row_mask, num_nodes):
+    kept = (node_index >= 0) & (node_index < num_nodes)
+    return kept & row_mask if row_mask.shape[0] else kept
+
+
+def live_copies(node_copies: int):
+    """The scatter with ``node_copies`` node slots shared out among the level's live nodes."""
+
+    def kernel(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
+               features_per_scatter=None):
+        del features_per_scatter  # one scatter over all features (the study's shapes fit)
+        n_features, n_rows = X_binned_T.shape
+        slots = max(node_copies, num_nodes)
+        kept = _kept_rows(node_index, row_mask, num_nodes)
+        live = jnp.maximum(jnp.max(jnp.where(kept, node_index, -1)) + 1, 1)
+        per_node = jnp.maximum(slots // live, 1)
+        slot = node_index + live * (jnp.arange(n_rows, dtype=jnp.int32) % per_node)
+        size = n_features * slots * max_bin
+        if size + slots * max_bin >= 2 ** 31:
+            raise ValueError("live_copies: the study's variant scatters all features at once")
+        row_cell = jnp.where(kept, slot * max_bin, size)
+        index = (jnp.arange(n_features, dtype=jnp.int32)[:, None] * (slots * max_bin) + row_cell
+                 + X_binned_T.astype(jnp.int32))
+        pairs = jnp.broadcast_to(jnp.stack([gradients, hessians], axis=-1), (n_features, n_rows, 2))
+        sums = jnp.zeros((size, 2), jnp.float32).at[index.reshape(-1)].add(pairs.reshape(-1, 2), mode="drop")
+        sums = sums.reshape(n_features, slots, max_bin, 2)
+        owner = jnp.arange(slots, dtype=jnp.int32)
+        owner = jnp.where(owner < live * per_node, owner % live, num_nodes)  # past the end: dropped
+        folded = jnp.zeros((n_features, num_nodes, max_bin, 2), jnp.float32).at[:, owner].add(sums, mode="drop")
+        return folded.transpose(1, 0, 2, 3)
+
+    return kernel
+
+
+def skip_empty(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
+               features_per_scatter=None):
+    """The library's kernel, skipped (zeros) when no row is summed."""
+    kept = _kept_rows(node_index, row_mask, num_nodes)
+    n_features = X_binned_T.shape[0]
+    return jax.lax.cond(
+        jnp.any(kept),
+        lambda: LIBRARY_KERNEL(X_binned_T, node_index, gradients, hessians, row_mask, num_nodes=num_nodes,
+                               max_bin=max_bin, features_per_scatter=features_per_scatter),
+        lambda: jnp.zeros((num_nodes, n_features, max_bin, 2), jnp.float32))
+
+
+def fixed_point(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
+                features_per_scatter=None):
+    """Order-independent sums: int32 fixed point scattered into the library's copies."""
+    n_features, n_rows = X_binned_T.shape
+    kept = _kept_rows(node_index, row_mask, num_nodes)
+    copies, most_features = histogram.scatter_layout(n_features, n_rows, num_nodes, max_bin)
+    features_per_scatter = most_features if features_per_scatter is None else features_per_scatter
+    if features_per_scatter < n_features:
+        raise ValueError("fixed_point: the study's variant scatters all features at once")
+    # max, not a sum, sets the scale: a maximum does not depend on the order it is taken in.
+    scales = [2.0 ** 30 / (n_rows * jnp.maximum(jnp.max(jnp.where(kept, jnp.abs(v), 0.0)), 1e-30))
+              for v in (gradients, hessians)]
+    quantised = jnp.stack([jnp.round(jnp.where(kept, v, 0.0) * s).astype(jnp.int32)
+                           for v, s in zip((gradients, hessians), scales)], axis=-1)
+    cells = num_nodes * max_bin
+    size = copies * n_features * cells
+    row_cell = node_index.astype(jnp.int32) * max_bin + (jnp.arange(n_rows, dtype=jnp.int32) % copies) * (
+        n_features * cells)
+    row_cell = jnp.where(kept, row_cell, size)
+    index = jnp.arange(n_features, dtype=jnp.int32)[:, None] * cells + row_cell + X_binned_T.astype(jnp.int32)
+    pairs = jnp.broadcast_to(quantised, (n_features, n_rows, 2))
+    sums = jnp.zeros((size, 2), jnp.int32).at[index.reshape(-1)].add(pairs.reshape(-1, 2), mode="drop")
+    sums = sums.reshape(copies, n_features, num_nodes, max_bin, 2).sum(axis=0)
+    sums = sums.astype(jnp.float32) / jnp.stack(scales)
+    return sums.transpose(1, 0, 2, 3)
+
+
+LIBRARY_KERNEL = histogram._pair_scatter_histogram
+VARIANTS = {
+    "live copies 256": live_copies(256),
+    "live copies 1024": live_copies(1024),
+    "skip empty": skip_empty,
+    "fixed point": fixed_point,
+}
+
+
+def _numpy_histogram(X_binned, node_index, gradients, hessians, row_mask, num_nodes, max_bin):
+    out = np.zeros((num_nodes, X_binned.shape[1], max_bin, 2))
+    for i in range(X_binned.shape[0]):
+        if row_mask[i] and 0 <= node_index[i] < num_nodes:
+            for f in range(X_binned.shape[1]):
+                out[node_index[i], f, X_binned[i, f]] += (gradients[i], hessians[i])
+    return out
+
+
+def check() -> None:
+    """Every variant against NumPy: a root, a level of 5 live nodes in 32 slots, an empty level."""
+    rng = np.random.default_rng(0)
+    n_rows, n_features, max_bin = 3001, 4, 16
+    X_binned = rng.integers(0, max_bin, (n_rows, n_features)).astype(np.uint8)
+    gradients = rng.normal(size=n_rows).astype(np.float32)
+    hessians = rng.uniform(0.1, 1.0, n_rows).astype(np.float32)
+    for num_nodes, live, mask_share in [(1, 1, 1.0), (32, 5, 0.5), (32, 5, 0.0)]:
+        node_index = rng.integers(0, live, n_rows).astype(np.int32)
+        row_mask = rng.uniform(size=n_rows) < mask_share
+        expected = _numpy_histogram(X_binned, node_index, gradients, hessians, row_mask, num_nodes, max_bin)
+        scale = max(np.abs(expected).max(), 1.0)
+        for name, kernel in VARIANTS.items():
+            actual = jax.jit(lambda *a, kernel=kernel: kernel(*a, num_nodes=num_nodes, max_bin=max_bin))(
+                jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians),
+                jnp.asarray(row_mask))
+            error = float(np.abs(np.asarray(actual) - expected).max()) / scale
+            tolerance = 1e-4 if name == "fixed point" else 1e-5
+            status = "ok" if error <= tolerance else "WRONG"
+            print(f"{num_nodes:3d} slots, {live} live, {mask_share:.0%} of rows: {name:18s} error/max {error:.1e} {status}")
+            if status != "ok":
+                raise SystemExit(f"{name} does not match NumPy")
+
+
+if __name__ == "__main__":
+    check()
