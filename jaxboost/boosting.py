@@ -25,12 +25,12 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
 from .devices import ROW_AXIS, all_sum, compiler_options, mesh_platform, row_sharding
-from .grower import GrowthParams, grow_tree, histogram_buffer_shape, sample_features
+from .grower import GrowthParams, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
 from .line_search import minimise_segment_offsets, segment_sums
 from .predictor import add_position_values, predict_round
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
-from .tree import Tree, num_heap_nodes
+from .tree import Tree, num_heap_nodes, pack_fields
 
 # Hessians below this are reported as negative rather than taken as rounding noise.
 NEGATIVE_HESSIAN_TOLERANCE = 1e-6
@@ -541,8 +541,19 @@ def uniform_of_rows(key: jax.Array, row_index: jax.Array) -> jax.Array:
     return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 
+def round_tree_template(shape: RoundShape) -> Tree:
+    """The shapes and dtypes (``ShapeDtypeStruct``) of one round's trees, ``(K, nodes)`` a
+    field (vector leaves too: their tree as K trees of one structure); the round returns them
+    packed (``pack_fields``)."""
+    K = shape.objective.num_outputs
+    return jax.eval_shape(lambda: jax.tree_util.tree_map(lambda field: jnp.broadcast_to(field, (K,) + field.shape),
+                                                         empty_tree(num_heap_nodes(shape.max_depth))))
+
+
 def round_function(shape: RoundShape) -> Callable:
-    """The (unjitted) boosting round for one static shape."""
+    """The (unjitted) boosting round for one static shape. It returns the round's trees packed
+    into one array (``tree.pack_fields``; ``round_tree_template`` unpacks them) and its
+    ``RoundHealth`` flags stacked along a last axis: the host reads one array of each a round."""
     rows = PartitionSpec(ROW_AXIS)
     codes = PartitionSpec() if shape.shared_codes else PartitionSpec(None, ROW_AXIS)
     grow = jax.shard_map(
@@ -575,7 +586,12 @@ def round_function(shape: RoundShape) -> Callable:
             eval_raw_predictions.append(raw_eval)
             metric_values.append(jnp.stack([metric(y_eval, raw_eval, weight_eval, params.loss_params)
                                             for metric in metrics]))
-        return raw_prediction, trees, health, tuple(eval_raw_predictions), tuple(metric_values), histogram_buffer
+        template = round_tree_template(shape)
+        if [(f.shape, f.dtype) for f in trees] != [(f.shape, f.dtype) for f in template]:
+            raise AssertionError(f"the round grew trees of other shapes than round_tree_template's: {trees}")
+        # The health flags as one array too (RoundHealth's fields along the last axis).
+        return (raw_prediction, pack_fields(trees), jnp.stack(health, axis=-1), tuple(eval_raw_predictions),
+                tuple(metric_values), histogram_buffer)
 
     return boosting_round
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, histogram_buffer,
-                       seed_key_data, starting_value)
+                       round_tree_template, seed_key_data, starting_value)
 from .dataset import Dataset
 from .devices import kernel_threads, replicated, row_mesh, row_sharding
 from .grower import GrowthParams
@@ -189,7 +189,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     histograms = histogram_buffer(shape, dataset.n_features, models=M)
 
     history = [[] for _ in eval_rows]
-    round_trees = RoundTrees(mesh)
+    round_trees = RoundTrees(mesh, round_tree_template(shape))
     for round_index in range(num_rounds):
         eval_data = tuple((r.X_binned_device, r.y_device, r.sample_weight_device, raw)
                           for r, raw in zip(eval_rows, eval_raw))

@@ -1064,3 +1064,31 @@ def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
                                            rtol=1e-6, atol=1e-7, err_msg=f"{loss}, {rows} rows, layout {layout}")
             assert compiled._cache_size() == 1, f"{loss}: the link compiled {compiled._cache_size()} times"
             monkeypatch.undo()
+
+
+def test_packed_round_trees_unpack_to_the_same_fields_bit_for_bit():
+    """A round returns its trees packed into one array (the host reads one array a round, not
+    seven); unpacking them, with leading round and model axes, gives back every field exactly:
+    negative ints, -0.0, inf and NaN float bit patterns, bools."""
+    from jaxboost.tree import Tree, pack_fields, unpack_fields
+
+    rng = np.random.default_rng(3)
+    shape = (3, 15)  # K outputs x nodes
+    floats = lambda: rng.normal(size=shape).astype(np.float32)
+    rounds = []
+    for _ in range(4):
+        models = []
+        for _ in range(2):
+            value = floats()
+            value[0, :3] = [-0.0, np.inf, np.nan]
+            models.append(Tree(rng.integers(-5, 30, shape).astype(np.int32), rng.integers(0, 255, shape).astype(np.int32),
+                               rng.random(shape) < 0.5, rng.random(shape) < 0.5, value, floats(), floats()))
+        rounds.append(models)
+    template = jax.eval_shape(lambda: jax.tree_util.tree_map(jnp.asarray, rounds[0][0]))
+    packed = np.stack([np.stack([np.asarray(jax.jit(pack_fields)(tree)) for tree in models]) for models in rounds])
+    assert packed.shape == (4, 2, 7 * 45) and packed.dtype == np.uint32
+    unpacked = unpack_fields(packed, template)
+    for name, field in zip(Tree._fields, unpacked):
+        expected = np.stack([np.stack([getattr(tree, name) for tree in models]) for models in rounds])
+        assert field.dtype == expected.dtype and field.shape == expected.shape, name
+        np.testing.assert_array_equal(field.view(np.uint8), expected.view(np.uint8), err_msg=name)
