@@ -541,6 +541,7 @@ def uniform_of_rows(key: jax.Array, row_index: jax.Array) -> jax.Array:
     return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 
+@lru_cache(maxsize=64)
 def round_tree_template(shape: RoundShape) -> Tree:
     """The shapes and dtypes (``ShapeDtypeStruct``) of one round's trees, ``(K, nodes)`` a
     field (vector leaves too: their tree as K trees of one structure); the round returns them

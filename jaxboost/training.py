@@ -29,7 +29,7 @@ from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_r
                       replicated, row_mesh, row_sharding, shared_codes_on_mesh)
 from .grower import GrowthParams, empty_tree
 from .histogram import HISTOGRAM_TARGET
-from .host_memory import release_free_memory
+from .host_memory import release_free_memory_after
 from .model import Model
 from .native import native_target
 from .objective import ResolvedLoss, higher_is_better, resolve_loss, resolve_metrics
@@ -200,11 +200,12 @@ class RoundTrees:
         return unpack_fields(np.stack([np.asarray(packed) for packed in self.rounds]), self.template)
 
 
-def release_memory_now_and_then(round_index: int) -> None:
-    """After every ``RELEASE_MEMORY_EVERY_ROUNDS``-th round, hand the free pages of the malloc
-    arenas back, before the rounds' freed buffers pile up in them."""
+def release_memory_now_and_then(round_index: int, n_rows: int) -> None:
+    """After every ``RELEASE_MEMORY_EVERY_ROUNDS``-th round of training on ``n_rows`` rows, hand
+    the free pages of the malloc arenas back, before the rounds' freed buffers pile up in them
+    (``release_free_memory_after``: not for small data)."""
     if round_index % RELEASE_MEMORY_EVERY_ROUNDS == RELEASE_MEMORY_EVERY_ROUNDS - 1:
-        release_free_memory()
+        release_free_memory_after(n_rows)
 
 
 MULTI_STRATEGIES = ("one_output_per_tree", "multi_output_tree")
@@ -537,7 +538,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
             _raise_if_unhealthy(*unchecked)
             unchecked = None
         round_trees.append(trees)
-        release_memory_now_and_then(round_index)
+        release_memory_now_and_then(round_index, dataset.n_rows)
         for name, set_values in zip(eval_names, metric_values):
             for metric, value in zip(metrics, np.asarray(set_values)):
                 history[name][metric.name].append(float(value))
@@ -551,5 +552,5 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     # The rounds' device buffers go now, and their pages back to the system with the arenas'
     # other free pages, rather than sitting in XLA's threads' arenas while the caller predicts.
     train_rows = eval_rows = eval_data = raw_prediction = eval_raw = histograms = None
-    release_free_memory()
+    release_free_memory_after(dataset.n_rows)
     return model

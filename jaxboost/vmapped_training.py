@@ -199,7 +199,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
             np.int32(round_index), eval_data, histograms)
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)
-        release_memory_now_and_then(round_index)
+        release_memory_now_and_then(round_index, dataset.n_rows)
         for per_set, values in zip(history, metric_values):
             per_set.append(np.asarray(values))  # (M, metrics)
 
