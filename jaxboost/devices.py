@@ -231,6 +231,15 @@ def kernel_threads(mesh: Mesh, n_features: int, max_bin: int) -> int:
     return 1
 
 
+def solve_threads(mesh: Mesh) -> int:
+    """Threads of the native CPU solve of full-Hessian vector leaves for training on ``mesh``:
+    one per core the process may use when the rows are on one CPU device (XLA's own code would
+    use its thread pool there), else 1 (sharded rows' devices each solve their features)."""
+    if mesh.devices.size == 1 and mesh_platform(mesh) == "cpu":
+        return min(len(jax.local_devices()), available_cpu_cores())
+    return 1
+
+
 def axis_devices(axis_name: str | None) -> int:
     """How many devices hold shards of the rows along ``axis_name`` (1 outside a mapped axis)."""
     return 1 if axis_name is None else jax.lax.axis_size(axis_name)

@@ -36,9 +36,7 @@ import numpy as np
 from jax import lax
 
 from .native import (CHANNEL_HISTOGRAM_TARGET, CUMULATIVE_BINS_TARGET, FIRST_MAXIMUM_TARGET, HISTOGRAM_TARGET,
-                     ROUTE_HISTOGRAM_TARGET, native_target)
-
-KERNELS = ("auto", "xla", "native")
+                     KERNELS, ROUTE_HISTOGRAM_TARGET, as_varying_as, available_native_target)
 
 
 def _choose_native_target(name: str, what: str, kernel: str, threads: int, X_binned_T: jax.Array,
@@ -54,17 +52,7 @@ def _choose_native_target(name: str, what: str, kernel: str, threads: int, X_bin
             raise ValueError(f"the native {what} kernel needs uint8 codes and max_bin <= 256; got "
                              f"{X_binned_T.dtype} codes and max_bin={max_bin}")
         return None
-    return _available_native_target(name, what, kernel)
-
-
-def _available_native_target(name: str, what: str, kernel: str) -> str | None:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
-    target = None if kernel == "xla" else native_target(name)
-    if kernel == "native" and target is None:
-        raise RuntimeError(f"the native {what} kernel is unavailable (turned off by JAXBOOST_NATIVE=0, or it "
-                           "could not be built: enable debug logging for jaxboost.native to see why)")
-    return target
+    return available_native_target(name, what, kernel)
 
 
 def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax.Array,
@@ -232,7 +220,7 @@ def cumulative_over_bins(histograms: jax.Array, kernel: str = "auto") -> jax.Arr
     histograms = jnp.asarray(histograms, jnp.float32)
     if histograms.ndim < 2:
         raise ValueError(f"histograms must have a bin and a channel axis; got shape {histograms.shape}")
-    target = _available_native_target(CUMULATIVE_BINS_TARGET, "cumulative-bins", kernel)
+    target = available_native_target(CUMULATIVE_BINS_TARGET, "cumulative-bins", kernel)
 
     def xla(values):
         return jnp.cumsum(values, axis=-2)
@@ -262,7 +250,7 @@ def first_maximum(values: jax.Array, kernel: str = "auto") -> tuple[jax.Array, j
     values = jnp.asarray(values, jnp.float32)
     if values.ndim < 2 or math.prod(values.shape[1:]) == 0:
         raise ValueError(f"values must be (rows, ...) with a non-empty row; got shape {values.shape}")
-    target = _available_native_target(FIRST_MAXIMUM_TARGET, "first-maximum", kernel)
+    target = available_native_target(FIRST_MAXIMUM_TARGET, "first-maximum", kernel)
 
     def xla(v):
         # The barrier makes both reductions read one computed array: fused separately, the values
@@ -374,14 +362,6 @@ def _native_channel_histogram(X_binned_T, row_offset, node_index, statistics, ro
     return as_varying_as(histogram, (X_binned_T, row_offset, node_index, statistics, row_mask, into))
 
 
-def as_varying_as(result, inputs):
-    """Inside shard_map a custom call's result is typed as replicated, but it varies with the
-    local rows like the XLA kernel's: say so, or the two platform branches disagree in type."""
-    varying = frozenset().union(*(_varying_axes(x) for x in inputs))
-    missing = tuple(sorted(varying - _varying_axes(result)))
-    return lax.pcast(result, missing, to="varying") if missing else result
-
-
 def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, *, target, num_nodes,
                       max_bin, threads, feature_major, result_features, channels, channel):
     result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, channels), jnp.float32)
@@ -394,13 +374,6 @@ def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, r
         X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, threads=np.int64(threads),
         feature_major=np.int64(feature_major), channel=np.int64(channel))
     return as_varying_as(histogram, (X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into))
-
-
-def _varying_axes(x) -> frozenset:
-    """Mesh axes along which ``x`` varies inside shard_map (empty outside it)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
 
 
 def _xla_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin):

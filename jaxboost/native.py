@@ -33,6 +33,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax import lax
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +44,14 @@ CUMULATIVE_BINS_TARGET = "jaxboost_cumulative_bins"
 FIRST_MAXIMUM_TARGET = "jaxboost_first_maximum"
 ADD_POSITION_VALUES_TARGET = "jaxboost_add_position_values"
 SORT_BY_KEY_TARGET = "jaxboost_sort_by_key"
+DAMPED_SOLVE_TARGET = "jaxboost_damped_solve"
 _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
 _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
             CHANNEL_HISTOGRAM_TARGET: "JaxboostChannelHistogram",
             CUMULATIVE_BINS_TARGET: "JaxboostCumulativeBins", FIRST_MAXIMUM_TARGET: "JaxboostFirstMaximum",
-            ADD_POSITION_VALUES_TARGET: "JaxboostAddPositionValues", SORT_BY_KEY_TARGET: "JaxboostSortByKey"}
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w"]
+            ADD_POSITION_VALUES_TARGET: "JaxboostAddPositionValues", SORT_BY_KEY_TARGET: "JaxboostSortByKey",
+            DAMPED_SOLVE_TARGET: "JaxboostDampedSolve"}
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w", "-fno-math-errno"]
 _COMPILE_TIMEOUT_S = 300
 
 
@@ -126,6 +129,37 @@ def native_target(name: str) -> str | None:
     if not native_enabled():
         return None
     return name if name in _registered_targets() else None
+
+
+# Which kernel a caller asks for: the native one where it is built ("auto"), or either one.
+KERNELS = ("auto", "xla", "native")
+
+
+def available_native_target(name: str, what: str, kernel: str) -> str | None:
+    """The FFI target for ``kernel`` ("auto": native where built, "xla": None, "native": the
+    target or an error saying why there is none)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
+    target = None if kernel == "xla" else native_target(name)
+    if kernel == "native" and target is None:
+        raise RuntimeError(f"the native {what} kernel is unavailable (turned off by JAXBOOST_NATIVE=0, or it "
+                           "could not be built: enable debug logging for jaxboost.native to see why)")
+    return target
+
+
+def as_varying_as(result, inputs):
+    """Inside shard_map a custom call's result is typed as replicated, but it varies with the
+    local rows like the XLA kernel's: say so, or the two platform branches disagree in type."""
+    varying = frozenset().union(*(_varying_axes(x) for x in inputs))
+    missing = tuple(sorted(varying - _varying_axes(result)))
+    return lax.pcast(result, missing, to="varying") if missing else result
+
+
+def _varying_axes(x) -> frozenset:
+    """Mesh axes along which ``x`` varies inside shard_map (empty outside it)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
 
 
 @functools.cache

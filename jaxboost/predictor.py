@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from .histogram import as_varying_as
-from .native import ADD_POSITION_VALUES_TARGET, native_target
+from .native import ADD_POSITION_VALUES_TARGET, as_varying_as, native_target
 from .tree import Tree, depth_of_heap
 
 

@@ -103,12 +103,12 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     split_cost = jnp.asarray(reg.split_cost)
     split_cost = split_cost[None, :, None] if split_cost.ndim == 1 else split_cost
 
-    def vector_children(left_gradients, left_hessians, right_gradients, right_hessians):
+    def vector_children(left_gradients, left_hessians, right_gradients, right_hessians, active=None):
         """Both children's vector leaf values and scores, stacked (left first): one call, as each
         step of the element-wise solve is a fused loop of its own (half the loops of a tree, and
-        half the code to compile)."""
+        half the code to compile). ``active``: the (left, right) candidates whose scores are read."""
         return vector_value_and_score(jnp.stack([left_gradients, right_gradients]),
-                                      jnp.stack([left_hessians, right_hessians]), reg, leaves)
+                                      jnp.stack([left_hessians, right_hessians]), reg, leaves, active)
 
     def gains(left: jax.Array) -> jax.Array:
         """``loss_chg`` of every threshold ``(K, d, B-1)`` (-inf where the candidate is not
@@ -121,7 +121,10 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
                  & (left_weight >= min_child_weight) & (right_weight >= min_child_weight)
                  & (left_weight > 0) & (right_weight > 0))
         if leaves is not None:
-            _, scores = vector_children(left_gradients, left_hessians, right_gradients, right_hessians)
+            # Only valid candidates' scores are read, and the last left side's (the node's own).
+            node_itself = jnp.arange(valid.shape[-1]) == valid.shape[-1] - 1
+            _, scores = vector_children(left_gradients, left_hessians, right_gradients, right_hessians,
+                                        jnp.stack([valid | node_itself, valid]))
             # The last candidate is the node itself (below): its left side's score is the parent's.
             loss_change = scores[0] + scores[1] - scores[0][..., -1:]
             return jnp.where(valid, loss_change - split_cost, -jnp.inf)[..., :-1]

@@ -13,6 +13,7 @@ stopping and the evaluation log are callbacks. Training can continue from a mode
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from typing import Callable, NamedTuple
@@ -26,7 +27,7 @@ from .boosting import (HESSIAN_MODES, RoundHealth, RoundParams, RoundShape, comp
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
-                      replicated, row_mesh, row_sharding, shared_codes_on_mesh)
+                      replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
 from .grower import GrowthParams, empty_tree
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import release_free_memory_after
@@ -406,6 +407,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         raise ValueError(f"init_model was trained with multi_strategy="
                          f"{init_model.params.get('multi_strategy', 'one_output_per_tree')!r}; continue it with the same")
     mesh = row_mesh(dataset.n_rows, dataset.n_features, dataset.max_bin)
+    if leaves is not None:
+        leaves = dataclasses.replace(leaves, solve_threads=solve_threads(mesh))
     margin = check_base_margin(dataset.base_margin, dataset.n_rows, K)
     train_rows = _DeviceRows(dataset, resolved, mesh, margin=margin, base_score=None,
                              sample_weight=positives_weighted(dataset, scale_pos_weight))

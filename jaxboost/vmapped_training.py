@@ -10,6 +10,8 @@ the model ``jb.train`` grows alone with the same settings and the same edges.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ import numpy as np
 from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, histogram_buffer,
                        round_tree_template, seed_key_data, starting_value)
 from .dataset import Dataset
-from .devices import kernel_threads, replicated, row_mesh, row_sharding
+from .devices import kernel_threads, replicated, row_mesh, row_sharding, solve_threads
 from .grower import GrowthParams
 from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
@@ -144,6 +146,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         check_regularization(reg, dataset.n_features)
         leaves = vector_leaves(multi_strategy, multi_output_hessian, K, reg, monotone)
         regularizers.append(reg)
+    if leaves is not None:
+        leaves = dataclasses.replace(leaves, solve_threads=solve_threads(mesh))
     # Models stacked into one program share its static fields: the scores' form is fixed only
     # when every model's max_delta_step is on the same side of 0.
     bounded = {float(values["max_delta_step"]) > 0 for values in per_model}
