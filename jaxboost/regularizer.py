@@ -372,6 +372,13 @@ def _cholesky_solve(factor: list, rhs: list) -> list:
     return x
 
 
+# Outputs from which the CPU solves full Hessians natively ("auto"). 20k x 28 rows, depth 6, a
+# round / its compile, element-wise XLA code against the native kernel: 3 outputs 16-17 ms /
+# 1.6 s against 28-29 / 1.4; 4: 26 / 1.8 against 37 / 1.5; 5: 55 / 2.0 against 52 / 1.6;
+# 7: 85 / 2.7 against 91 / 1.9; 10: 165-182 / 3.8-3.9 against 157 / 2.1-2.3.
+NATIVE_SOLVE_MIN_OUTPUTS = 5
+
+
 def _damped_solve_xla(sum_gradients, packed_hessians, reg_lambda, tolerance, *, leaves: VectorLeaves):
     """``damped_solve`` as element-wise XLA code: every candidate is one lane of the same
     arithmetic (the accelerators' form, and the CPU's without the native kernel)."""
@@ -396,9 +403,11 @@ def damped_solve(sum_gradients: jax.Array, packed_hessians: jax.Array, reg_lambd
     candidates whose results are read (None: all); the others' are unspecified. ``kernel`` as
     for ``histogram.build_histogram``.
 
-    On CPU a native kernel runs the same arithmetic, skipping inactive candidates: as XLA code
-    for 10 outputs it was 1.7 of a round's 3.9 s compile and half of its run time."""
-    target = available_native_target(DAMPED_SOLVE_TARGET, "damped-solve", kernel)
+    On CPU, from ``NATIVE_SOLVE_MIN_OUTPUTS`` outputs on ("auto"), a native kernel runs the same
+    arithmetic, skipping inactive candidates: as XLA code for 10 outputs it was 1.7 of a round's
+    3.9 s compile and half of its run time."""
+    small = kernel == "auto" and leaves.num_outputs < NATIVE_SOLVE_MIN_OUTPUTS
+    target = None if small else available_native_target(DAMPED_SOLVE_TARGET, "damped-solve", kernel)
     reg_lambda = jnp.broadcast_to(jnp.asarray(reg_lambda, jnp.float32), tolerance.shape)
     active = jnp.ones(tolerance.shape, bool) if active is None else jnp.broadcast_to(active, tolerance.shape)
     args = (sum_gradients.astype(jnp.float32), packed_hessians.astype(jnp.float32), reg_lambda,
