@@ -16,6 +16,10 @@
 // aliased operand) and add to it: the channel kernel all of a row's other channels at once,
 // or a pair kernel the pair [channel, channel + 2). No call's result is copied into a wider
 // histogram afterwards (a copy that interleaved the pairs took a third of a 10-output round).
+//
+// The other native CPU kernels live here too, with their reasons beside them: the split scan's
+// running sums over bins and first maximum, the sort by key, the full-Hessian vector-leaf solve,
+// a round's update of the raw predictions, and the predictor.
 
 #include <algorithm>
 #include <cmath>
