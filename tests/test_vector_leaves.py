@@ -288,9 +288,10 @@ def test_vector_leaf_settings_are_checked(data):
         jb.train(X, y, num_rounds=1, multi_strategy="vector")
 
 
-def test_train_many_vector_trees_equal_models_trained_alone(data):
+@pytest.mark.parametrize("thresholds", [[-0.5, 1.0], [-1.0, -0.3, 0.4, 1.2]])  # 3 classes; 5: the native solve
+def test_train_many_vector_trees_equal_models_trained_alone(data, thresholds):
     X, signal, rng, _ = data
-    y = np.digitize(signal + 0.3 * rng.normal(size=signal.shape), [-0.5, 1.0])
+    y = np.digitize(signal + 0.3 * rng.normal(size=signal.shape), thresholds)
     settings = dict(loss="softmax", num_rounds=3, max_depth=3, multi_strategy="multi_output_tree")
     models = jb.train_many(X, y, batch={"reg_lambda": np.array([0.5, 4.0])}, **settings)
     for model, reg_lambda in zip(models, [0.5, 4.0]):
