@@ -231,6 +231,19 @@ def kernel_threads(mesh: Mesh, n_features: int, max_bin: int) -> int:
     return 1
 
 
+def float32_jax(function):
+    """``function`` run with JAX's 64-bit mode off, whatever the caller's ``jax_enable_x64``:
+    jaxboost computes in float32 and int32 (its kernels, trees and models), and with 64-bit
+    mode on, JAX's default dtypes had made some of a round's arrays float64 (training failed with
+    vector leaves and leaf refits)."""
+    @functools.wraps(function)
+    def in_32_bits(*args, **kwargs):
+        with jax.enable_x64(False):
+            return function(*args, **kwargs)
+
+    return in_32_bits
+
+
 def solve_threads(mesh: Mesh) -> int:
     """Threads of the native CPU solve of full-Hessian vector leaves for training on ``mesh``:
     one per core the process may use when the rows are on one CPU device (XLA's own code would

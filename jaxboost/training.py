@@ -27,7 +27,7 @@ from .boosting import (HESSIAN_MODES, RoundHealth, RoundParams, RoundShape, comp
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
-                      replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
+                      float32_jax, replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
 from .grower import GrowthParams, empty_tree
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import release_free_memory_after
@@ -306,6 +306,7 @@ def _add_tree_predictions(trees: Tree, rows: _DeviceRows, missing_bin: int) -> N
     rows.raw_prediction = rows.put_rows(raw)
 
 
+@float32_jax
 def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None, num_rounds: int = 100,
           max_depth: int = 6, learning_rate: float | Callable = 0.1, reg_lambda: float = 1.0, reg_alpha: float = 0.0,
           gamma: float = 0.0, min_child_weight: float = 1.0, max_bin: int = 256, subsample: float = 1.0,

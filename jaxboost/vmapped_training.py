@@ -19,7 +19,7 @@ import numpy as np
 from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, histogram_buffer,
                        round_tree_template, seed_key_data, starting_value)
 from .dataset import Dataset
-from .devices import kernel_threads, replicated, row_mesh, row_sharding, solve_threads
+from .devices import float32_jax, kernel_threads, replicated, row_mesh, row_sharding, solve_threads
 from .grower import GrowthParams
 from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
@@ -46,6 +46,7 @@ def _number_of_models(batch: dict, seeds, sample_weights) -> int:
     return next(iter(sizes.values()))
 
 
+@float32_jax
 def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_weights=None, loss="squared_error",
                loss_params: dict | None = None, num_rounds: int = 100, max_depth: int = 6, max_bin: int = 256,
                scale_pos_weight: float = 1.0, hessian: str = "exact", hessian_floor: float = 1e-3,

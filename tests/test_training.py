@@ -1094,3 +1094,29 @@ def test_packed_round_trees_unpack_to_the_same_fields_bit_for_bit():
         expected = np.stack([np.stack([getattr(tree, name) for tree in models]) for models in rounds])
         assert field.dtype == expected.dtype and field.shape == expected.shape, name
         np.testing.assert_array_equal(field.view(np.uint8), expected.view(np.uint8), err_msg=name)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(loss="quantile"),  # a leaf refit
+    dict(loss="softmax", multi_strategy="multi_output_tree"),  # vector leaves, 5 classes: the native solve
+    dict(loss="logistic", subsample=0.7, colsample_bytree=0.8),  # sampled rows and features
+])
+def test_training_with_jax_64_bit_mode_on_grows_the_same_model(settings):
+    """Research code often turns JAX's 64-bit mode on; training then still computes in float32
+    (with it on, default dtypes had made some of a round's arrays float64, and training with
+    vector leaves or a leaf refit failed) and grows the model it grows without it."""
+    X, y = _regression_data()
+    if settings["loss"] == "softmax":
+        y = np.digitize(y, [-2.0, -0.7, 0.7, 2.0]).astype(np.float32)
+    elif settings["loss"] == "logistic":
+        y = (y > 0).astype(np.float32)
+    common = dict(num_rounds=4, max_depth=DEPTH, **settings)
+    expected = jb.train(X, y, **common)
+    with jax.enable_x64(True):
+        model = jb.train(X, y, **common)
+        many = jb.train_many(X, y, batch={"reg_lambda": np.array([1.0, 2.0])}, **common)
+        predicted = model.predict(X)
+    np.testing.assert_array_equal(predicted, expected.predict(X))
+    np.testing.assert_array_equal(many[0].predict_raw(X), expected.predict_raw(X))
+    for name, field in zip(model.trees._fields, model.trees):
+        assert np.asarray(field).dtype == np.asarray(getattr(expected.trees, name)).dtype, name
