@@ -28,6 +28,7 @@ from .devices import ROW_AXIS, all_sum, compiler_options, mesh_platform, row_sha
 from .grower import GrowthParams, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
 from .line_search import minimise_segment_offsets, segment_sums
+from .native import lowering_for
 from .predictor import add_position_values, predict_round
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
 from .tree import Tree, num_heap_nodes, pack_fields
@@ -568,6 +569,13 @@ def round_function(shape: RoundShape) -> Callable:
 
     def boosting_round(params: RoundParams, X_binned_T, row_offsets, y, sample_weight, row_index, raw_prediction,
                        seed_key, round_index, eval_sets, histogram_buffer):
+        # The round is lowered for its mesh's platform alone: only that platform's kernels are traced.
+        with lowering_for(mesh_platform(shape.mesh)):
+            return round_body(params, X_binned_T, row_offsets, y, sample_weight, row_index, raw_prediction,
+                              seed_key, round_index, eval_sets, histogram_buffer)
+
+    def round_body(params: RoundParams, X_binned_T, row_offsets, y, sample_weight, row_index, raw_prediction,
+                   seed_key, round_index, eval_sets, histogram_buffer):
         round_key = jax.random.fold_in(seed_key, round_index)
         row_key, column_key, tree_key = jax.random.split(round_key, 3)
         row_weight = sample_weight

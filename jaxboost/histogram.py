@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from .native import (CHANNEL_HISTOGRAM_TARGET, CUMULATIVE_BINS_TARGET, FIRST_MAXIMUM_TARGET, HISTOGRAM_TARGET,
-                     KERNELS, ROUTE_HISTOGRAM_TARGET, as_varying_as, available_native_target)
+                     KERNELS, ROUTE_HISTOGRAM_TARGET, as_varying_as, available_native_target, per_platform)
 
 
 def _choose_native_target(name: str, what: str, kernel: str, threads: int, X_binned_T: jax.Array,
@@ -111,7 +111,7 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
                      feature_major=feature_major, result_features=result_features, channels=channels,
                      channel=channel)
     # Chosen when lowering: the FFI target exists only on CPU.
-    return lax.platform_dependent(*args, cpu=native, default=xla)
+    return per_platform(*args, cpu=native, default=xla)
 
 
 def _earlier_channels(into, cells: tuple, channels: int, channel: int) -> jax.Array:
@@ -208,7 +208,7 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
                      threads=threads, feature_major=feature_major, result_features=result_features,
                      channels=channels)
     # Chosen when lowering: the FFI target exists only on CPU.
-    return lax.platform_dependent(*args, cpu=native, default=xla)
+    return per_platform(*args, cpu=native, default=xla)
 
 
 def cumulative_over_bins(histograms: jax.Array, kernel: str = "auto") -> jax.Array:
@@ -233,7 +233,7 @@ def cumulative_over_bins(histograms: jax.Array, kernel: str = "auto") -> jax.Arr
         # Leading axes are batch axes to the kernel, so a vmapped call is one call.
         return as_varying_as(jax.ffi.ffi_call(target, result, vmap_method="expand_dims")(values), (values,))
 
-    return lax.platform_dependent(histograms, cpu=native, default=xla)
+    return per_platform(histograms, cpu=native, default=xla)
 
 
 def first_maximum(values: jax.Array, kernel: str = "auto") -> tuple[jax.Array, jax.Array]:
@@ -268,7 +268,7 @@ def first_maximum(values: jax.Array, kernel: str = "auto") -> tuple[jax.Array, j
         outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(v)
         return tuple(as_varying_as(output, (v,)) for output in outputs)
 
-    return lax.platform_dependent(values, cpu=native, default=xla)
+    return per_platform(values, cpu=native, default=xla)
 
 
 def _offset_operand(X_binned_T, row_offset, rows: jax.Array) -> jax.Array:
@@ -382,7 +382,7 @@ def _xla_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_
     sizes = dict(num_nodes=num_nodes, max_bin=max_bin)
     # Chosen when lowering: complex64 scatters are the faster XLA kernel on CPU, and on a GPU
     # 20 to 1000 times slower than the float32 kernel (an atomic compare-and-swap loop per add).
-    return lax.platform_dependent(*args, cpu=partial(_complex_scatter_histogram, **sizes),
+    return per_platform(*args, cpu=partial(_complex_scatter_histogram, **sizes),
                                   default=partial(_pair_scatter_histogram, **sizes))
 
 
@@ -563,7 +563,7 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
     native = partial(_native_channel_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
                      feature_major=feature_major, result_features=result_features, width=width, channel=channel)
     # Chosen when lowering: the FFI target exists only on CPU.
-    return lax.platform_dependent(*args, cpu=native, default=by_pairs)
+    return per_platform(*args, cpu=native, default=by_pairs)
 
 
 def _without_padding(histogram: jax.Array, channels: int) -> jax.Array:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .native import SORT_BY_KEY_TARGET, native_target
+from .native import SORT_BY_KEY_TARGET, native_target, per_platform
 
 __all__ = [
     "EPS",
@@ -152,7 +152,7 @@ def sort_by_key(keys: jnp.ndarray, *payloads: jnp.ndarray) -> tuple[jnp.ndarray,
         return tuple(jax.ffi.ffi_call(target, results, vmap_method="sequential")(*arrays))
 
     # Chosen when lowering: the FFI target exists only on CPU.
-    return lax.platform_dependent(*arrays, cpu=native, default=xla)
+    return per_platform(*arrays, cpu=native, default=xla)
 
 
 def auc(y, y_pred, sample_weight=None) -> jnp.ndarray:

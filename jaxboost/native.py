@@ -17,6 +17,7 @@ sets alone and chosen at run time by what the CPU has. ``JAXBOOST_PREDICT_SIMD=a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -28,8 +29,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import weakref
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -129,6 +132,31 @@ def native_target(name: str) -> str | None:
     if not native_enabled():
         return None
     return name if name in _registered_targets() else None
+
+
+_lowering = threading.local()
+
+
+@contextlib.contextmanager
+def lowering_for(backend: str):
+    """Code traced inside will be lowered for the platform ``backend`` alone (a round compiled
+    for its mesh's devices): ``per_platform`` then traces only that platform's branch."""
+    previous = getattr(_lowering, "platform", None)
+    _lowering.platform = backend
+    try:
+        yield
+    finally:
+        _lowering.platform = previous
+
+
+def per_platform(*args, cpu: Callable, default: Callable):
+    """``lax.platform_dependent(*args, cpu=cpu, default=default)``, but tracing only one branch
+    where the platform is known (``lowering_for``). Tracing the accelerators' XLA kernels for a
+    branch that a CPU round drops took 0.7 s of a first fit with 10-output vector leaves."""
+    known = getattr(_lowering, "platform", None)
+    if known is None:
+        return lax.platform_dependent(*args, cpu=cpu, default=default)
+    return (cpu if known == "cpu" else default)(*args)
 
 
 # Which kernel a caller asks for: the native one where it is built ("auto"), or either one.

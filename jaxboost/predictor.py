@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from .native import ADD_POSITION_VALUES_TARGET, as_varying_as, native_target
+from .native import ADD_POSITION_VALUES_TARGET, as_varying_as, native_target, per_platform
 from .tree import Tree, depth_of_heap
 
 
@@ -73,7 +73,7 @@ def add_position_values(raw_prediction: jax.Array, values: jax.Array, positions:
         return as_varying_as(call(raw, table, at), (raw, table, at))
 
     # Chosen when lowering: the FFI target exists only on CPU.
-    return lax.platform_dependent(raw_prediction, values, positions.astype(jnp.int32), cpu=native,
+    return per_platform(raw_prediction, values, positions.astype(jnp.int32), cpu=native,
                                   default=gathered)
 
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .native import DAMPED_SOLVE_TARGET, as_varying_as, available_native_target
+from .native import DAMPED_SOLVE_TARGET, as_varying_as, available_native_target, per_platform
 
 # Safeguarded Newton steps for a custom penalty: exact in one step for a quadratic penalty,
 # quadratic convergence for smooth ones, and never worse than bisection of the bracket.
@@ -427,7 +427,7 @@ def damped_solve(sum_gradients: jax.Array, packed_hessians: jax.Array, reg_lambd
             operands[1], operands[0], *operands[2:], threads=np.int64(leaves.solve_threads))
         return tuple(as_varying_as(output, operands) for output in outputs)
 
-    return jax.lax.platform_dependent(*args, cpu=native, default=xla)
+    return per_platform(*args, cpu=native, default=xla)
 
 
 def vector_value_and_score(sum_gradients: jax.Array, packed_hessians: jax.Array, reg: Regularization,
