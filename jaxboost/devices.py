@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .cores import available_cpu_cores
 from .host_memory import HOST_ALIGNMENT, aligned_empty
+from .native import per_platform
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -300,11 +301,9 @@ def in_steps_on_cpu(in_steps: Callable[[], T], all_at_once: Callable[[], T]) -> 
     loop's condition back before it launches the next step: a depth-6 tree of 28 features and
     256 bins took some 60 such steps. There the whole level goes in one step of masked work.
 
-    Where JAX's default backend is the CPU (training's devices are the default backend's) only
-    ``in_steps`` is traced: tracing the other too added 60-80 ms to a first fit's compile."""
-    if jax.default_backend() == "cpu":
-        return in_steps()
-    return jax.lax.platform_dependent(cpu=in_steps, default=all_at_once)
+    In a round only its platform's form is traced (``native.per_platform``): tracing the other
+    too added 60-80 ms to a first fit's compile."""
+    return per_platform(cpu=in_steps, default=all_at_once)
 
 
 def update_leading_chunks(whole, chunk_result, count: jax.Array, chunk: int, in_use: jax.Array | None = None):

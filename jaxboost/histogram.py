@@ -383,7 +383,7 @@ def _xla_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_
     # Chosen when lowering: complex64 scatters are the faster XLA kernel on CPU, and on a GPU
     # 20 to 1000 times slower than the float32 kernel (an atomic compare-and-swap loop per add).
     return per_platform(*args, cpu=partial(_complex_scatter_histogram, **sizes),
-                                  default=partial(_pair_scatter_histogram, **sizes))
+                        default=partial(_pair_scatter_histogram, **sizes))
 
 
 def _complex_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin):

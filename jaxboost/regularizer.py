@@ -410,21 +410,22 @@ def damped_solve(sum_gradients: jax.Array, packed_hessians: jax.Array, reg_lambd
     target = None if small else available_native_target(DAMPED_SOLVE_TARGET, "damped-solve", kernel)
     reg_lambda = jnp.broadcast_to(jnp.asarray(reg_lambda, jnp.float32), tolerance.shape)
     active = jnp.ones(tolerance.shape, bool) if active is None else jnp.broadcast_to(active, tolerance.shape)
-    args = (sum_gradients.astype(jnp.float32), packed_hessians.astype(jnp.float32), reg_lambda,
+    # The kernel's operand order.
+    args = (packed_hessians.astype(jnp.float32), sum_gradients.astype(jnp.float32), reg_lambda,
             tolerance.astype(jnp.float32), active)
 
-    def xla(gradients, packed, lam, tol, _):
+    def xla(packed, gradients, lam, tol, _):
         return _damped_solve_xla(gradients, packed, lam, tol, leaves=leaves)
 
     if target is None:
         return xla(*args)
 
     def native(*operands):
-        gradients, _, _, tol, _ = operands
+        gradients, tol = operands[1], operands[3]
         results = (jax.ShapeDtypeStruct(gradients.shape, jnp.float32), jax.ShapeDtypeStruct(tol.shape, jnp.bool_))
         # Leading axes are candidates to the kernel, so a vmapped call is one call.
         outputs = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")(
-            operands[1], operands[0], *operands[2:], threads=np.int64(leaves.solve_threads))
+            *operands, threads=np.int64(leaves.solve_threads))
         return tuple(as_varying_as(output, operands) for output in outputs)
 
     return per_platform(*args, cpu=native, default=xla)
