@@ -11,8 +11,9 @@ a deep level (16 parents, the smaller children's rows, about 45% of them, are su
 Variants:
 
 * ``library``: what ``build_histogram(kernel="xla")`` runs on the platform (on CPU the complex
-  scatter below; elsewhere, since this study, ``flat_pair_copies`` with ``scatter_copies(nodes)``
-  copies: 8 for 1 to 8 nodes, 4 for 16);
+  scatter below; elsewhere, since this study, a flat float32 scatter into copies of the histogram:
+  at first ``flat_pair_copies`` with 8 copies for 1 to 8 nodes and 4 for 16, now 256 node slots
+  shared out among the live nodes, ``gpu_level_copies.py``);
 * ``complex_per_feature``: the CPU's XLA kernel, and before this study every platform's: a
   ``segment_sum`` of complex64 (g, h) per feature (``lax.map``), rows outside the mask adding zeros;
 * ``flat_complex_drop``: one complex64 ``segment_sum`` over all features at once; rows outside

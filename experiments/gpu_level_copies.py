@@ -6,18 +6,18 @@ Run from the repository root on a machine with a GPU: ``python experiments/gpu_l
 (``--rows``, ``--repeats``, ``--output``). On a CPU it runs too (the copies do not matter there:
 the CPU kernels are native), to check the script.
 
-The float32 scatter (``histogram._pair_scatter_histogram``) sends row ``i`` into copy
-``i % copies`` of the histogram, so that fewer atomic adds wait on one address, and sums the
-copies after. ``histogram.scatter_copies(nodes)`` picks ``CELLS_PER_COPY // nodes`` copies, at
-least 1 and at most ``MAX_COPIES``. A tree's levels run in a loop over buffers of the widest
-level's size (32 parents at depth 6), so with the 64 cells a copy that the library had before this
-study every level below the root got 2 copies, even the first, whose smaller child holds up to
-half the rows in one node.
+The float32 scatter (``histogram._pair_scatter_histogram``) spreads each node's atomic adds over
+copies of its histogram, so that fewer of them wait on one address, and folds the copies after.
+A tree's levels run in a loop over buffers of the widest level's size (32 node slots at depth 6).
+The library's kernel scatters into ``histogram.scatter_slots(nodes)`` node slots (256 at depth 6)
+shared out among the level's live nodes (the root gets 256 copies, the last level's 32 nodes 8).
+Before, every node slot of every level got the same copies (``CELLS_PER_COPY // nodes``, at most
+``MAX_COPIES``): with the 64 cells a copy of the first such kernel every level below the root got
+2 copies, even the first, whose smaller child holds up to half the rows in one node.
 
-Configurations (``--configs``, by name): the copies above, and the kernels of
-``scatter_variants.py`` in place of the library's (copies that follow a level's live nodes, a
-scatter skipped when no row is summed, order-independent fixed-point sums); by default the
-library against those variants.
+Configurations (``--configs``, by name): the library's kernel and the kernels of
+``scatter_variants.py`` in place of it (other slot counts, the fixed copies it replaced, a scatter
+skipped when no row is summed, order-independent fixed-point sums).
 
 Each configuration runs in its own process (fresh compile), the configurations alternating,
 ``--repeats`` turns. In a process: the benchmark's task, ``jb.Dataset`` once, a 1-round fit (the
@@ -42,22 +42,20 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
-# name (cells a copy / most copies) -> (CELLS_PER_COPY, MAX_COPIES, XLA_FLAGS added, kernel: None for the library's, else a
-# name in scatter_variants.VARIANTS); the first is the library's setting. An earlier run also
-# timed "--xla_gpu_enable_command_buffer=" (no command buffers) with the (64, 8) setting: the
-# same ms a tree (see the results file).
+# name -> (XLA_FLAGS added, kernel: None for the library's, else a name in
+# scatter_variants.VARIANTS); the first is the library's. Earlier runs (see the results file)
+# timed the fixed copies at other sizes (64/8, 512/16, 2048/64), and "--xla_gpu_enable_command_buffer="
+# (no command buffers) with 64/8: the same ms a tree as with command buffers.
 CONFIGS = {
-    "library 1024/32": (1024, 32, "", None),
-    "before 64/8": (64, 8, "", None),
-    "cells 512/16": (512, 16, "", None),
-    "cells 2048/64": (2048, 64, "", None),
-    "live copies 256": (1024, 32, "", "live copies 256"),
-    "live copies 1024": (1024, 32, "", "live copies 1024"),
-    "skip empty": (1024, 32, "", "skip empty"),
-    "fixed point": (1024, 32, "", "fixed point"),
+    "library (256 slots)": ("", None),
+    "live copies 128": ("", "live copies 128"),
+    "live copies 512": ("", "live copies 512"),
+    "fixed copies 1024/32": ("", "fixed copies 1024/32"),
+    "skip empty": ("", "skip empty"),
+    "fixed point": ("", "fixed point"),
 }
-# The next run's: the library against the kernels of scatter_variants.py.
-DEFAULT_CONFIGS = ("library 1024/32", "live copies 256", "live copies 1024", "skip empty", "fixed point")
+# The next run's: the library's slots against fewer, more, and the kernel it replaced.
+DEFAULT_CONFIGS = ("library (256 slots)", "live copies 128", "live copies 512", "fixed copies 1024/32")
 
 ROUNDS = 41
 
@@ -68,9 +66,7 @@ def child(config: str, task: str, rows: int, data_file: Path) -> dict:
     import jaxboost as jb
     from bench_worker import LEARNING_RATE, MIN_HESSIAN, REG_LAMBDA, score
 
-    cells_per_copy, max_copies, _, kernel = CONFIGS[config]
-    jb.histogram._SCATTER_CELLS_PER_COPY = cells_per_copy
-    jb.histogram._MAX_SCATTER_COPIES = max_copies
+    kernel = CONFIGS[config][1]
     if kernel is not None:
         import scatter_variants
         jb.histogram._pair_scatter_histogram = scatter_variants.VARIANTS[kernel]
@@ -128,7 +124,7 @@ def main():
             names = names[turn % len(names):] + names[:turn % len(names)]
             for config in names:
                 env = dict(os.environ, JAXBOOST_CACHE_DIR="")  # first fit = compile
-                extra = CONFIGS[config][2]
+                extra = CONFIGS[config][0]
                 if extra:
                     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + extra).strip()
                 out = subprocess.run([sys.executable, __file__, "--child", config, task, str(args.rows), str(data_file)],

@@ -3,18 +3,19 @@
 arguments and returns the same ``(nodes, features, bins, 2)`` float32 sums; the study swaps one in
 for the library's in a child process.
 
-* ``live_copies(node_copies)``: the copies follow the level's live nodes. A level's loop runs in
-  buffers of its widest level (32 slots at depth 6), so with ``L`` nodes in use the buffer's
-  ``node_copies`` node slots give each ``node_copies // L`` copies: the first level's 2 nodes get
-  128 copies each from 256 slots, the last level's 32 nodes 8. The library gives every level the
-  same copies of every slot (32 x 32 = 1024 node slots), most of which the first levels leave
-  zero, and clears and sums them all.
+* ``live_copies(node_slots)``: the library's kernel with another number of node slots. A level's
+  loop runs in buffers of its widest level (32 slots at depth 6); with ``L`` nodes in use the
+  kernel's ``node_slots`` slots give each ``node_slots // L`` copies.
+* ``fixed_copies(cells_per_copy, max_copies)``: the kernel the library had before it shared its
+  slots out, the same copies for every level: ``cells_per_copy // nodes`` copies of every node
+  slot, at least 1, at most ``max_copies`` (1024 and 32: 32 x 32 = 1024 node slots at depth 6,
+  most of which the first levels leave zero, and clear and sum all the same).
 * ``skip_empty``: the library's kernel behind a ``lax.cond`` on whether any row is summed: the
   last level of a tree's loop sums none, yet its scatter reads every row.
 * ``fixed_point``: sums that do not depend on the order of the adds (repeatable runs, as
   XGBoost's GPU histograms): each row's ``g`` and ``h`` become int32 multiples of ``1 / scale``,
   with ``scale = 2^30 / (rows x max |value|)`` so that no sum passes 2^31, are scattered as
-  integers into the library's copies, and turned back into float32.
+  integers into fixed copies (1024 cells a copy, at most 32), and turned back into float32.
 
 ``python experiments/scatter_variants.py`` checks every variant against a NumPy histogram (on any
 backend).
@@ -39,31 +40,43 @@ def _kept_rows(node_index, row_mask, num_nodes):
     return kept & row_mask if row_mask.shape[0] else kept
 
 
-def live_copies(node_copies: int):
-    """The scatter with ``node_copies`` node slots shared out among the level's live nodes."""
+def live_copies(node_slots: int):
+    """The library's kernel with ``node_slots`` node slots shared out among a level's live nodes."""
+
+    def kernel(*args, **sizes):
+        saved = histogram._SCATTER_NODE_SLOTS
+        histogram._SCATTER_NODE_SLOTS = node_slots  # read while tracing only
+        try:
+            return LIBRARY_KERNEL(*args, **sizes)
+        finally:
+            histogram._SCATTER_NODE_SLOTS = saved
+
+    return kernel
+
+
+def _fixed_copies_count(num_nodes, cells_per_copy, max_copies):
+    return int(np.clip(cells_per_copy // num_nodes, 1, max_copies))
+
+
+def fixed_copies(cells_per_copy: int, max_copies: int):
+    """Every node slot of every level in the same number of copies (the library's kernel before)."""
 
     def kernel(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
                features_per_scatter=None):
         del features_per_scatter  # one scatter over all features (the study's shapes fit)
         n_features, n_rows = X_binned_T.shape
-        slots = max(node_copies, num_nodes)
+        copies = _fixed_copies_count(num_nodes, cells_per_copy, max_copies)
+        cells = num_nodes * max_bin
+        size = copies * n_features * cells
         kept = _kept_rows(node_index, row_mask, num_nodes)
-        live = jnp.maximum(jnp.max(jnp.where(kept, node_index, -1)) + 1, 1)
-        per_node = jnp.maximum(slots // live, 1)
-        slot = node_index + live * (jnp.arange(n_rows, dtype=jnp.int32) % per_node)
-        size = n_features * slots * max_bin
-        if size + slots * max_bin >= 2 ** 31:
-            raise ValueError("live_copies: the study's variant scatters all features at once")
-        row_cell = jnp.where(kept, slot * max_bin, size)
-        index = (jnp.arange(n_features, dtype=jnp.int32)[:, None] * (slots * max_bin) + row_cell
-                 + X_binned_T.astype(jnp.int32))
+        row_cell = node_index.astype(jnp.int32) * max_bin + (
+            jnp.arange(n_rows, dtype=jnp.int32) % copies) * (n_features * cells)
+        row_cell = jnp.where(kept, row_cell, size)
+        index = jnp.arange(n_features, dtype=jnp.int32)[:, None] * cells + row_cell + X_binned_T.astype(jnp.int32)
         pairs = jnp.broadcast_to(jnp.stack([gradients, hessians], axis=-1), (n_features, n_rows, 2))
         sums = jnp.zeros((size, 2), jnp.float32).at[index.reshape(-1)].add(pairs.reshape(-1, 2), mode="drop")
-        sums = sums.reshape(n_features, slots, max_bin, 2)
-        owner = jnp.arange(slots, dtype=jnp.int32)
-        owner = jnp.where(owner < live * per_node, owner % live, num_nodes)  # past the end: dropped
-        folded = jnp.zeros((n_features, num_nodes, max_bin, 2), jnp.float32).at[:, owner].add(sums, mode="drop")
-        return folded.transpose(1, 0, 2, 3)
+        sums = sums.reshape(copies, n_features, num_nodes, max_bin, 2).sum(axis=0)
+        return sums.transpose(1, 0, 2, 3)
 
     return kernel
 
@@ -85,10 +98,8 @@ def fixed_point(X_binned_T, node_index, gradients, hessians, row_mask, *, num_no
     """Order-independent sums: int32 fixed point scattered into the library's copies."""
     n_features, n_rows = X_binned_T.shape
     kept = _kept_rows(node_index, row_mask, num_nodes)
-    copies, most_features = histogram.scatter_layout(n_features, n_rows, num_nodes, max_bin)
-    features_per_scatter = most_features if features_per_scatter is None else features_per_scatter
-    if features_per_scatter < n_features:
-        raise ValueError("fixed_point: the study's variant scatters all features at once")
+    del features_per_scatter  # one scatter over all features (the study's shapes fit)
+    copies = _fixed_copies_count(num_nodes, 1024, 32)
     # max, not a sum, sets the scale: a maximum does not depend on the order it is taken in.
     scales = [2.0 ** 30 / (n_rows * jnp.maximum(jnp.max(jnp.where(kept, jnp.abs(v), 0.0)), 1e-30))
               for v in (gradients, hessians)]
@@ -109,8 +120,9 @@ def fixed_point(X_binned_T, node_index, gradients, hessians, row_mask, *, num_no
 
 LIBRARY_KERNEL = histogram._pair_scatter_histogram
 VARIANTS = {
-    "live copies 256": live_copies(256),
-    "live copies 1024": live_copies(1024),
+    "live copies 128": live_copies(128),
+    "live copies 512": live_copies(512),
+    "fixed copies 1024/32": fixed_copies(1024, 32),
     "skip empty": skip_empty,
     "fixed point": fixed_point,
 }

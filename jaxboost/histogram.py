@@ -10,8 +10,8 @@ cache; a scatter per feature into a small ``(nodes * bins)`` target (``lax.map``
 is about twice as fast, and carrying ``(g, h)`` as one complex64 value halves the scatters
 (measurements in the project's kernel notes). On a GPU the opposite holds: a complex64 add is an
 atomic compare-and-swap loop there, so the kernel scatters float32 pairs instead, for all features
-in one scatter, into a few copies of the histogram so that fewer atomic adds contend for one cell
-(``experiments/gpu_histogram_study.py``).
+in one scatter, into copies of the live nodes' histograms so that fewer atomic adds contend for
+one cell (``experiments/gpu_histogram_study.py``, ``experiments/gpu_level_copies.py``).
 
 On CPU a native kernel (``histogram_kernel.cc``, an XLA FFI custom call built on first use; see
 ``jaxboost.native``) replaces the scatter: it skips the rows outside ``row_mask`` instead of
@@ -405,64 +405,69 @@ def _complex_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_
 
 
 # Atomic adds into few cells wait on one another: the root's rows all land in 256 bins of a
-# feature, and a level's loop runs in buffers of its widest level while the first levels' rows
-# fill a few of those nodes. Row i adds into copy i % copies of the histogram instead, and the
-# copies are summed after: up to 32 copies, fewer as the nodes (and so the cells) grow. Whole
-# trees on an H200, 1M x 28 (experiments/results/gpu_level_copies.md): 2 copies a level (64
-# cells a copy, at most 8) 4.7 ms a tree, 16 (512, at most 16) 2.6, 32 (1024, at most 32) 2.3.
-_SCATTER_CELLS_PER_COPY = 1024
-_MAX_SCATTER_COPIES = 32
+# feature, and a level's loop runs in buffers of its widest level (32 node slots at depth 6) while
+# the first levels' rows fill a few of those nodes. The kernel therefore scatters into a fixed
+# number of node slots shared out among the level's live nodes: with L nodes in use each gets
+# slots // L copies (the root 256, the last level of a depth-6 tree 8), row i adding into its
+# node's copy i % (slots // L), and the copies are folded back after. Whole trees on an H200, 1M x
+# 28 (experiments/results/gpu_level_copies.md): the same copies for every level, 2 a node (64
+# cells a copy, at most 8) 4.7 ms a tree, 32 (1024, at most 32) 2.2; 256 slots shared out 1.7.
+_SCATTER_NODE_SLOTS = 256
 # Bounds on one scatter: its flat index is int32; its index and update arrays (one entry per
-# row and feature) are materialised; its copies take at most this many cells (two float32
+# row and feature) are materialised; its slots take at most this many cells (two float32
 # each: 128 MB). Features go in groups that keep within all three.
 _MAX_SCATTER_ENTRIES = 2 ** 26
 _MAX_SCATTER_CELLS = 2 ** 24
 
 
-def scatter_copies(num_nodes: int) -> int:
-    """Copies of the histogram that the accelerators' kernel scatters into, for ``num_nodes``."""
-    return int(np.clip(_SCATTER_CELLS_PER_COPY // num_nodes, 1, _MAX_SCATTER_COPIES))
+def scatter_slots(num_nodes: int) -> int:
+    """Node slots the accelerators' kernel scatters into for ``num_nodes`` nodes: copies of the
+    live nodes' histograms, shared out when the level's rows are summed."""
+    return max(_SCATTER_NODE_SLOTS, num_nodes)
 
 
 def scatter_layout(n_features: int, n_rows: int, num_nodes: int, max_bin: int) -> tuple[int, int]:
-    """``(copies, features a scatter)`` of the accelerators' kernel: ``scatter_copies`` copies,
-    and the most features one scatter takes within its bounds (at least one)."""
-    copies = scatter_copies(num_nodes)
-    cells = num_nodes * max_bin
-    # Masked rows' indices lie up to one group's cells past the end: still an int32.
-    features = min(n_features, (2 ** 31 - 1) // ((copies + 1) * cells + 1), _MAX_SCATTER_ENTRIES // max(n_rows, 1),
-                   _MAX_SCATTER_CELLS // (copies * cells))
-    return copies, max(1, features)
+    """``(slots, features a scatter)`` of the accelerators' kernel: ``scatter_slots`` node
+    slots, and the most features one scatter takes within its bounds (at least one)."""
+    slots = scatter_slots(num_nodes)
+    cells = slots * max_bin
+    # Dropped rows' indices lie up to one group's cells past the end: still an int32.
+    features = min(n_features, (2 ** 31 - 1) // (2 * cells), _MAX_SCATTER_ENTRIES // max(n_rows, 1),
+                   _MAX_SCATTER_CELLS // cells)
+    return slots, max(1, features)
 
 
 def _pair_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
                             features_per_scatter: int | None = None):
     """float32 ``(g, h)`` pairs scattered over all features at once (or in groups,
-    ``scatter_layout``) into ``scatter_copies`` copies of the histogram; rows outside the mask
-    or the nodes get an index past the end, which the scatter drops before any add. Measured
-    on an H100 at 800k rows x 28 features against the complex kernel
-    (``experiments/results/gpu_histogram_study.md``, with at most 8 copies): the root 1280 ->
-    1.26 ms, 16 nodes on 45% of the rows 6.37 -> 0.28 ms."""
+    ``scatter_layout``) into ``scatter_slots`` node slots, each live node's rows spread over an
+    equal share of them, then folded back to ``num_nodes`` nodes. Rows outside the mask or the
+    nodes get an index past the end, which the scatter drops before any add."""
     n_features, n_rows = X_binned_T.shape
-    copies, most_features = scatter_layout(n_features, n_rows, num_nodes, max_bin)
-    cells = num_nodes * max_bin
+    slots, most_features = scatter_layout(n_features, n_rows, num_nodes, max_bin)
+    cells = slots * max_bin
     features_per_scatter = most_features if features_per_scatter is None else features_per_scatter
     groups = -(-n_features // features_per_scatter)
     codes = jnp.pad(X_binned_T, ((0, groups * features_per_scatter - n_features), (0, 0)))
-    size = copies * features_per_scatter * cells
-    row_cell = node_index.astype(jnp.int32) * max_bin + (
-        jnp.arange(n_rows, dtype=jnp.int32) % copies) * (features_per_scatter * cells)
+    size = features_per_scatter * cells
     # Rows outside the mask, and rows of nodes outside [0, num_nodes) (which a segment sum
     # drops too), go past the end.
     kept = (node_index >= 0) & (node_index < num_nodes)
-    row_cell = jnp.where(kept & row_mask if row_mask.shape[0] else kept, row_cell, size)
+    kept = kept & row_mask if row_mask.shape[0] else kept
+    live = jnp.maximum(jnp.max(jnp.where(kept, node_index, -1)) + 1, 1)
+    copies = jnp.maximum(slots // live, 1)
+    slot = node_index.astype(jnp.int32) + live * (jnp.arange(n_rows, dtype=jnp.int32) % copies)
+    row_cell = jnp.where(kept, slot * max_bin, size)
     feature_cell = jnp.arange(features_per_scatter, dtype=jnp.int32)[:, None] * cells
     pairs = jnp.broadcast_to(jnp.stack([gradients, hessians], axis=-1), (features_per_scatter, n_rows, 2))
+    # Slot s holds a copy of node s % live (the slots past live * copies stay zero).
+    owner = jnp.arange(slots, dtype=jnp.int32) % live
 
     def one_group(group_codes):
         index = row_cell + feature_cell + group_codes.astype(jnp.int32)
         sums = jnp.zeros((size, 2), jnp.float32).at[index.reshape(-1)].add(pairs.reshape(-1, 2), mode="drop")
-        return sums.reshape(copies, features_per_scatter, num_nodes, max_bin, 2).sum(axis=0)
+        sums = sums.reshape(features_per_scatter, slots, max_bin, 2)
+        return jnp.zeros((features_per_scatter, num_nodes, max_bin, 2), jnp.float32).at[:, owner].add(sums)
 
     per_group = lax.map(one_group, codes.reshape(groups, features_per_scatter, n_rows))
     per_feature = per_group.reshape(groups * features_per_scatter, num_nodes, max_bin, 2)[:n_features]

@@ -615,9 +615,14 @@ def test_training_with_the_accelerators_kernel_matches_the_cpus_xla_kernel(monke
     monkeypatch.setattr(histogram, "_complex_scatter_histogram", histogram._pair_scatter_histogram)
     with_pairs = train_with_kernel(monkeypatch, X, y, settings, "xla")
     if settings["loss"] == "logistic":
-        # A near tie at depth 9 may go the other way (2 rows of 3000 swapped leaves with the
-        # split scan's XLA kernels, JAXBOOST_NATIVE=0).
-        assert_same_models(with_pairs, with_complex, X, settings, agreeing_predictions=0.995)
+        # A tie at depth 9 may go the other way: the pair kernel folds its copies in another
+        # order, and the first tree's node 100 has two splits of the same loss change (0.0279)
+        # to float32's last bit; the later trees then differ (40 rows of 3000 in other leaves,
+        # the log loss 0.39210 against 0.39206: measured).
+        assert_same_models(with_pairs, with_complex, X, settings, agreeing_predictions=0.98)
+        log_loss = [-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+                    for p in (with_pairs.predict(X), with_complex.predict(X))]
+        np.testing.assert_allclose(log_loss[0], log_loss[1], rtol=1e-3)
         return
     # Full-Hessian vector leaves are a chain of near ties: 1e-7 relative noise on the complex
     # kernel's histograms moves 8% of these splits and the log loss by up to 0.2% (measured), and
@@ -644,38 +649,47 @@ def test_levels_split_at_once_as_on_an_accelerator_grow_the_cpus_trees(monkeypat
     assert_same_models(at_once, in_steps, X, settings)
 
 
-@pytest.mark.parametrize("num_nodes,max_bin,n_features,features_per_scatter", [
-    (1, 256, 3, None),   # 32 copies (the root)
-    (5, 16, 4, None),    # 32 copies, several nodes
-    (40, 32, 3, None),   # 25 copies
-    (1100, 4, 2, None),  # one copy
-    (3, 7, 5, 2),        # features in groups of 2, the last padded
+@pytest.mark.parametrize("num_nodes,live_nodes,max_bin,n_features,features_per_scatter", [
+    (1, 1, 256, 3, None),     # the root: 256 copies
+    (32, 5, 16, 4, None),     # 5 live nodes of 32 slots: 51 copies each, one slot left over
+    (32, 32, 32, 3, None),    # every slot live: 8 copies each
+    (300, 299, 4, 2, None),   # more nodes than the default slots: one copy each
+    (3, 2, 7, 5, 2),          # features in groups of 2, the last padded
 ])
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_pair_scatter_histogram_matches_numpy(num_nodes, max_bin, n_features, features_per_scatter, with_mask):
-    from jaxboost.histogram import _pair_scatter_histogram, scatter_copies
+def test_pair_scatter_histogram_matches_numpy(num_nodes, live_nodes, max_bin, n_features, features_per_scatter,
+                                              with_mask):
+    """The accelerators' scatter shares its node slots out among the live nodes (those below the
+    highest node index summed) and folds the copies back; rows of nodes outside [0, num_nodes)
+    are dropped like masked rows."""
+    from jaxboost.histogram import _pair_scatter_histogram, scatter_slots
 
     X_binned, node_index, gradients, hessians, row_mask = histogram_case(5, 3001, n_features, num_nodes, max_bin)
-    mask = row_mask if with_mask else None
-    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, mask, num_nodes, max_bin)
+    node_index = node_index % live_nodes
+    node_index[::97] = -1
+    node_index[1::101] = num_nodes + 3
+    mask = row_mask if with_mask else np.ones(len(node_index), bool)
+    mask = mask & (node_index >= 0) & (node_index < num_nodes)
+    expected = masked_naive_histogram(X_binned, np.clip(node_index, 0, num_nodes - 1), gradients, hessians, mask,
+                                      num_nodes, max_bin)
     kernel = jax.jit(partial(_pair_scatter_histogram, num_nodes=num_nodes, max_bin=max_bin,
                              features_per_scatter=features_per_scatter))
     actual = kernel(jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians),
                     jnp.asarray(row_mask if with_mask else np.zeros(0, bool)))
     assert actual.shape == expected.shape and actual.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-4)
-    assert scatter_copies(num_nodes) == min(32, max(1, 1024 // num_nodes))
+    assert scatter_slots(num_nodes) == max(256, num_nodes)
 
 
-def test_pair_scatter_histogram_keeps_its_copies_within_the_cell_bound(monkeypatch):
-    """Wide data: the copies of all features would pass the bound on a scatter's cells, so the
-    features go in groups (the last padded) that keep the copies, and the sums stay exact."""
+def test_pair_scatter_histogram_keeps_its_slots_within_the_cell_bound(monkeypatch):
+    """Wide data: the slots of all features would pass the bound on a scatter's cells, so the
+    features go in groups (the last padded) that keep the slots, and the sums stay exact."""
     from jaxboost import histogram
 
     num_nodes, max_bin, n_features = 3, 7, 5
-    copies = histogram.scatter_copies(num_nodes)
-    monkeypatch.setattr(histogram, "_MAX_SCATTER_CELLS", 2 * copies * num_nodes * max_bin + 1)
-    assert histogram.scatter_layout(n_features, 3001, num_nodes, max_bin) == (32, 2)
+    slots = histogram.scatter_slots(num_nodes)
+    monkeypatch.setattr(histogram, "_MAX_SCATTER_CELLS", 2 * slots * max_bin + 1)
+    assert histogram.scatter_layout(n_features, 3001, num_nodes, max_bin) == (256, 2)
     X_binned, node_index, gradients, hessians, row_mask = histogram_case(6, 3001, n_features, num_nodes, max_bin)
     expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, row_mask, num_nodes, max_bin)
     kernel = jax.jit(partial(histogram._pair_scatter_histogram, num_nodes=num_nodes, max_bin=max_bin))
