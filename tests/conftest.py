@@ -2,6 +2,8 @@
 explain and export, trained once per session (test files with their own ``data`` fixture
 override it)."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -52,7 +54,15 @@ def assert_same_training(actual, desired, err_msg=""):
     """Two trainings that must grow the same model: bit for bit on CPU. A GPU's histograms are
     sums of float atomic adds in a varying order, so there two fits of the same data differ in the
     last bits (XLA_FLAGS=--xla_gpu_deterministic_ops=true makes them repeatable)."""
-    if jax.default_backend() == "cpu":
+    if repeatable_sums():
         np.testing.assert_array_equal(actual, desired, err_msg=err_msg)
     else:
-        np.testing.assert_allclose(actual, desired, rtol=1e-5, atol=1e-6, err_msg=err_msg)
+        # A split's loss change is a difference of gains, so the sums' last bits show up larger.
+        np.testing.assert_allclose(actual, desired, rtol=1e-4, atol=1e-5, err_msg=err_msg)
+
+
+def repeatable_sums() -> bool:
+    """Whether two runs on this backend add a histogram's rows in the same order: always on CPU;
+    on a GPU only with XLA's deterministic ops."""
+    return (jax.default_backend() == "cpu"
+            or "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", ""))

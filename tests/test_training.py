@@ -17,7 +17,7 @@ import jaxboost as jb
 from jaxboost import boosting
 from jaxboost.derivatives import gradients_and_hessians
 
-from conftest import assert_same_training
+from conftest import assert_same_training, repeatable_sums
 
 # Most tests share one shape (1000 rows -> one padded bucket, 5 features, depth 4) so the
 # compiled round is reused across them.
@@ -251,6 +251,9 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
         boosting.compiled_round.cache_clear()
 
 
+@pytest.mark.skipif(not repeatable_sums(), reason="a GPU's float atomic adds sum the rows in a varying order, "
+                    "so near ties may split differently between runs; XLA_FLAGS=--xla_gpu_deterministic_ops=true "
+                    "makes them repeatable")
 def test_same_seed_identical_and_other_seed_different():
     X, y = _regression_data()
     sampled = dict(COMMON, subsample=0.7, colsample_bytree=0.8, colsample_bylevel=0.8, colsample_bynode=0.8)
@@ -1116,8 +1119,8 @@ def test_training_with_jax_64_bit_mode_on_grows_the_same_model(settings):
         model = jb.train(X, y, **common)
         many = jb.train_many(X, y, batch={"reg_lambda": np.array([1.0, 2.0])}, **common)
         predicted = model.predict(X)
-    np.testing.assert_array_equal(predicted, expected.predict(X))
-    np.testing.assert_array_equal(many[0].predict_raw(X), expected.predict_raw(X))
+    assert_same_training(predicted, expected.predict(X))
+    assert_same_training(many[0].predict_raw(X), expected.predict_raw(X))
     for name, field in zip(model.trees._fields, model.trees):
         assert np.asarray(field).dtype == np.asarray(getattr(expected.trees, name)).dtype, name
 
