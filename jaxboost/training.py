@@ -30,7 +30,7 @@ from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_r
                       float32_jax, replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
 from .grower import GrowthParams, empty_tree
 from .histogram import HISTOGRAM_TARGET
-from .host_memory import release_free_memory_after
+from .host_memory import collection_paused, release_free_memory_after
 from .model import Model
 from .native import native_target
 from .objective import ResolvedLoss, higher_is_better, resolve_loss, resolve_metrics
@@ -417,8 +417,9 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         base_score = np.asarray(init_model.base_score, np.float32)
     elif margin is None:
         zeros = train_rows.put_rows(np.zeros((train_rows.y.shape[0], K), np.float32))
-        base_score = np.asarray(starting_value(objective, zeros, train_rows.y_device, train_rows.sample_weight_device,
-                                               resolved.loss_params))
+        with collection_paused():
+            base_score = np.asarray(starting_value(objective, zeros, train_rows.y_device,
+                                                   train_rows.sample_weight_device, resolved.loss_params))
     else:
         base_score = np.zeros(K, np.float32)
     num_nodes = num_heap_nodes(max_depth)
@@ -526,10 +527,11 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                 learning_rate=jax.device_put(f32(schedule(round_index)), replicated(mesh))))
         eval_data = tuple((rows.X_binned_device, rows.y_device, rows.sample_weight_device, raw)
                           for rows, raw in zip(eval_rows, eval_raw))
-        raw_prediction, trees, health, eval_raw, metric_values, histograms = boosting_round(
-            params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
-            train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
-            raw_prediction, seed_key, np.int32(round_index), eval_data, histograms)
+        with collection_paused(round_index == first_round):  # the round compiles in its first call
+            raw_prediction, trees, health, eval_raw, metric_values, histograms = boosting_round(
+                params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
+                train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
+                raw_prediction, seed_key, np.int32(round_index), eval_data, histograms)
         # Ask an accelerator for the flags now: a copy requested only when they are read would
         # queue behind the next round, and the host would wait for that round before dispatching
         # another.

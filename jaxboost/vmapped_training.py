@@ -21,6 +21,7 @@ from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rou
 from .dataset import Dataset
 from .devices import float32_jax, kernel_threads, replicated, row_mesh, row_sharding, solve_threads
 from .grower import GrowthParams
+from .host_memory import collection_paused
 from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .regularizer import Regularization, check_regularization
@@ -121,8 +122,9 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     padded_weights = np.ascontiguousarray(rows.pad(model_weights.T.astype(np.float32), 0.0).T)
     weights_device = jax.device_put(padded_weights, row_sharding(mesh, 2, row_axis=1))
     zeros = rows.put_rows(np.zeros((padded, K), np.float32))
-    base_scores = np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, rows.y_device, w, params))(
-        weights_device, stacked_loss_params))  # (M, K)
+    with collection_paused():
+        base_scores = np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, rows.y_device, w, params))(
+            weights_device, stacked_loss_params))  # (M, K)
     raw_prediction = jax.device_put(np.ascontiguousarray(np.broadcast_to(base_scores[:, None, :], (M, padded, K))),
                                     row_sharding(mesh, 3, row_axis=1))
     if leaf_refit is None:
@@ -198,10 +200,11 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     for round_index in range(num_rounds):
         eval_data = tuple((r.X_binned_device, r.y_device, r.sample_weight_device, raw)
                           for r, raw in zip(eval_rows, eval_raw))
-        raw_prediction, trees, health, eval_raw, metric_values, histograms = boosting_rounds(
-            params, rows.X_binned_T_device, rows.row_offsets_device, rows.y_device, weights_device,
-            rows.row_index_device if shape.sample_rows else None, raw_prediction, seed_keys,
-            np.int32(round_index), eval_data, histograms)
+        with collection_paused(round_index == 0):  # the rounds compile in their first call
+            raw_prediction, trees, health, eval_raw, metric_values, histograms = boosting_rounds(
+                params, rows.X_binned_T_device, rows.row_offsets_device, rows.y_device, weights_device,
+                rows.row_index_device if shape.sample_rows else None, raw_prediction, seed_keys,
+                np.int32(round_index), eval_data, histograms)
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)
         release_memory_now_and_then(round_index, dataset.n_rows)

@@ -1,8 +1,10 @@
 """Host memory (``jaxboost.host_memory``): the malloc-arena cap set at import (who chooses it,
-and bad input) and the hand-back of the arenas' free pages."""
+and bad input), the hand-back of the arenas' free pages, and the garbage collector's pause
+while training compiles."""
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 
@@ -71,3 +73,41 @@ def test_small_work_does_not_hand_pages_back(monkeypatch):
     assert calls == []
     assert host_memory.release_free_memory_after(host_memory.RELEASE_MIN_ROWS)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_collection_paused_pauses_and_restores_the_collector(enabled_before):
+    collection_paused = host_memory.collection_paused
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        with collection_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() == enabled_before
+        with collection_paused(False):
+            assert gc.isenabled() == enabled_before
+        with pytest.raises(RuntimeError), collection_paused():
+            raise RuntimeError("a loss that fails while tracing")
+        assert gc.isenabled() == enabled_before
+    finally:
+        gc.enable()
+
+
+def test_training_leaves_the_collector_on_also_when_a_loss_fails_to_trace():
+    """Training pauses the collector while its programs compile; neither a finished fit nor one
+    whose loss raises while traced leaves it off."""
+    import jaxboost as jb
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(200, 3)).astype(np.float32)
+    y = X[:, 0].astype(np.float32)
+    jb.train(X, y, num_rounds=2, max_depth=2)
+    assert gc.isenabled()
+
+    def broken(y_true, raw_prediction):
+        raise ValueError("this loss cannot be traced")
+
+    with pytest.raises(ValueError, match="cannot be traced"):
+        jb.train(X, y, loss=broken, num_rounds=2, max_depth=2)
+    assert gc.isenabled()
+    jb.train_many(X, y, batch={"reg_lambda": np.array([1.0, 2.0])}, num_rounds=2, max_depth=2)
+    assert gc.isenabled()
