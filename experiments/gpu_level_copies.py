@@ -17,7 +17,8 @@ Before, every node slot of every level got the same copies (``CELLS_PER_COPY // 
 
 Configurations (``--configs``, by name): the library's kernel and the kernels of
 ``scatter_variants.py`` in place of it (other slot counts, the fixed copies it replaced, a scatter
-skipped when no row is summed, order-independent fixed-point sums).
+skipped when no row is summed, order-independent fixed-point sums), and the library under XLA
+flags: deterministic (repeatable) scatters, and two that may shorten the first fit's compile.
 
 Each configuration runs in its own process (fresh compile), the configurations alternating,
 ``--repeats`` turns. In a process: the benchmark's task, ``jb.Dataset`` once, a 1-round fit (the
@@ -53,6 +54,10 @@ CONFIGS = {
     "fixed copies 1024/32": ("", "fixed copies 1024/32"),
     "skip empty": ("", "skip empty"),
     "fixed point": ("", "fixed point"),
+    # XLA's flags: repeatable scatters (their cost in ms a tree), and the compile.
+    "deterministic ops": ("--xla_gpu_deterministic_ops=true", None),
+    "compile parallelism 16": ("--xla_gpu_force_compilation_parallelism=16", None),
+    "autotune off": ("--xla_gpu_autotune_level=0", None),
 }
 # The next run's: the library's slots against fewer, more, and the kernel it replaced.
 DEFAULT_CONFIGS = ("library (256 slots)", "live copies 128", "live copies 512", "fixed copies 1024/32")
