@@ -681,6 +681,25 @@ def test_pair_scatter_histogram_matches_numpy(num_nodes, live_nodes, max_bin, n_
     assert scatter_slots(num_nodes) == max(256, num_nodes)
 
 
+def test_pair_scatter_histogram_under_vmap_shares_each_models_slots_by_its_own_live_nodes():
+    """``train_many`` vmaps the kernel over models: each model's rows fill their own number of
+    live nodes (here 2 and 7 of 8), so each shares the slots out its own way."""
+    from jaxboost.histogram import _pair_scatter_histogram
+
+    num_nodes, max_bin, n_features = 8, 16, 3
+    X_binned, node_index, gradients, hessians, row_mask = histogram_case(7, 2001, n_features, num_nodes, max_bin)
+    node_indices = np.stack([node_index % 2, node_index % 7])
+    gradient_sets = np.stack([gradients, -2.0 * gradients])
+    kernel = jax.jit(jax.vmap(partial(_pair_scatter_histogram, num_nodes=num_nodes, max_bin=max_bin),
+                              in_axes=(None, 0, 0, None, None)))
+    actual = kernel(jnp.asarray(X_binned.T), jnp.asarray(node_indices), jnp.asarray(gradient_sets),
+                    jnp.asarray(hessians), jnp.asarray(row_mask))
+    for model in range(2):
+        expected = masked_naive_histogram(X_binned, node_indices[model], gradient_sets[model], hessians, row_mask,
+                                          num_nodes, max_bin)
+        np.testing.assert_allclose(np.asarray(actual[model]), expected, rtol=1e-5, atol=1e-4)
+
+
 def test_pair_scatter_histogram_keeps_its_slots_within_the_cell_bound(monkeypatch):
     """Wide data: the slots of all features would pass the bound on a scatter's cells, so the
     features go in groups (the last padded) that keep the slots, and the sums stay exact."""
