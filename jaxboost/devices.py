@@ -227,9 +227,7 @@ def kernel_threads(mesh: Mesh, n_features: int, max_bin: int) -> int:
     (the cores jaxboost was given), at most one per core the process may use, when wide data
     (``is_wide``) trains on one device, else 1 (sharded rows already use every core, one
     device each)."""
-    if mesh.devices.size == 1 and mesh_platform(mesh) == "cpu" and is_wide(n_features, max_bin):
-        return min(len(jax.local_devices()), available_cpu_cores())
-    return 1
+    return solve_threads(mesh) if is_wide(n_features, max_bin) else 1
 
 
 def float32_jax(function):
