@@ -570,6 +570,18 @@ def round_function(shape: RoundShape) -> Callable:
         out_specs=(PartitionSpec(ROW_AXIS, None), PartitionSpec(), PartitionSpec(), rows),
         check_vma=False,
     )
+    # Each device predicts its own share of an eval set's rows with the round's trees. Left to
+    # the partitioner, each level's lookup of codes in row-sharded data became a masked gather
+    # summed over the devices (two collectives a level): on two CPU devices an eval set cost
+    # 0.8-1.0 ms a round whatever its size (40k training and 10k eval rows: 2.5 ms a round
+    # without it, 3.3-3.5 with it, 2.7-2.8 now; 800k and 200k rows: +5.2-5.6 ms, now +2.5-3.2).
+    predict_eval = jax.shard_map(
+        lambda trees, X_binned, raw_eval: raw_eval + predict_round(trees, X_binned, shape.max_bin - 1),
+        mesh=shape.mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(ROW_AXIS, None), PartitionSpec(ROW_AXIS, None)),
+        out_specs=PartitionSpec(ROW_AXIS, None),
+        check_vma=False,
+    )
 
     def boosting_round(params: RoundParams, X_binned_T, row_offsets, y, sample_weight, row_index, raw_prediction,
                        seed_key, round_index, eval_sets, histogram_buffer):
@@ -595,7 +607,7 @@ def round_function(shape: RoundShape) -> Callable:
 
         eval_raw_predictions, metric_values = [], []
         for (X_binned, y_eval, weight_eval, raw_eval), metrics in zip(eval_sets, shape.metrics):
-            raw_eval = raw_eval + predict_round(trees, X_binned, shape.max_bin - 1)
+            raw_eval = predict_eval(trees, X_binned, raw_eval)
             eval_raw_predictions.append(raw_eval)
             metric_values.append(jnp.stack([metric(y_eval, raw_eval, weight_eval, params.loss_params)
                                             for metric in metrics]))

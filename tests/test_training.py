@@ -651,6 +651,37 @@ def test_rows_sharded_over_devices_match_one_device(monkeypatch):
         assert close.mean() > 0.98, (case, close.mean())
 
 
+@cpu_devices_only
+def test_eval_metrics_of_rows_sharded_over_devices_match_the_model(monkeypatch):
+    """With the training and eval rows sharded over two devices (each predicting its share of
+    an eval set whose 301 rows do not divide evenly), every round's eval metrics are those of
+    the model's own predictions after that round, in ``train`` and in ``train_many``."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two CPU devices")
+    monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+    X, y = _binary_data()
+    X_eval, y_eval = _binary_data(seed=3, n=301)
+    settings = dict(loss="logistic", num_rounds=6, max_depth=DEPTH, learning_rate=0.3,
+                    eval_set=[(X_eval, y_eval)], eval_metric=["logloss", "auc"])
+
+    def check(model, case):
+        history = model.evals_result["validation_0"]
+        for round_index in range(model.num_rounds):
+            p = np.clip(model.predict(X_eval, iteration_range=(0, round_index + 1)).astype(np.float64), 1e-7, 1 - 1e-7)
+            logloss = -np.mean(y_eval * np.log(p) + (1 - y_eval) * np.log(1 - p))
+            np.testing.assert_allclose(history["logloss"][round_index], logloss, rtol=1e-4, err_msg=case)
+            positives, negatives = p[y_eval == 1], p[y_eval == 0]
+            auc = (np.mean(positives[:, None] > negatives[None, :])
+                   + 0.5 * np.mean(positives[:, None] == negatives[None, :]))
+            np.testing.assert_allclose(history["auc"][round_index], auc, rtol=1e-4, err_msg=case)
+
+    model = jb.train(X, y, **settings)
+    assert model.evals_result["validation_0"]["logloss"][-1] < model.evals_result["validation_0"]["logloss"][0]
+    check(model, "train")
+    for index, member in enumerate(jb.train_many(X, y, batch={"reg_lambda": [0.5, 4.0]}, **settings)):
+        check(member, f"train_many member {index}")
+
+
 def test_wide_data_trains_on_one_device_with_kernel_threads(monkeypatch):
     """Data whose node histograms are over ``WIDE_NODE_BYTES`` trains on one CPU device whose
     histogram kernel takes the features in threads (one per core), not sharded by rows; the
