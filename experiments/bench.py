@@ -19,6 +19,8 @@ Every library gets the same settings: ``--rounds`` trees of depth ``--depth`` (L
 sklearn: at most 2^depth leaves), learning rate 0.1, L2 lambda 1, minimum leaf Hessian 1
 (sklearn has none; it gets min_samples_leaf=1), ``--max-bin`` bins (LightGBM and sklearn count
 the missing-value bin separately, so they get max_bin - 1), all cores, no early stopping.
+``--eval-set`` makes every library evaluate the test split every round (its loss: log loss or
+RMSE), as training with early stopping does; sklearn, which has no such option, is left out.
 
 How it is measured (``bench_worker.py`` does one run):
 
@@ -197,8 +199,8 @@ class Runner:
     """Runs (library, task, size) configurations ``repeats`` times each, remembering results so a
     configuration shared by several tables runs once."""
 
-    def __init__(self, repeats: int, rounds: int, device: str = "cpu"):
-        self.repeats, self.rounds, self.device = repeats, rounds, device
+    def __init__(self, repeats: int, rounds: int, device: str = "cpu", eval_set: bool = False):
+        self.repeats, self.rounds, self.device, self.eval_set = repeats, rounds, device, eval_set
         self.meter = OtherCpuMeter()
         self.results: dict[tuple, list[dict]] = {}
 
@@ -215,6 +217,7 @@ class Runner:
         while len(runs) < repeats:
             worker_args = ["--library", library, "--task", task, "--rows", str(rows), "--rounds", str(self.rounds),
                            "--depth", str(depth), "--max-bin", str(max_bin)] + ([] if predict else ["--no-predict"])
+            worker_args += ["--eval-set"] if self.eval_set else []
             started = time.perf_counter()
             result = run_worker(worker_args, self.meter, self.device)
             print(f"  {library:<9} {task:<14} rows={rows:<9} depth={depth:<3} bins={max_bin:<4} "
@@ -357,6 +360,8 @@ def run_tasks(args, runner: Runner) -> list[str]:
                  f"{args.rounds} rounds, depth {args.depth}, {args.max_bin} bins")
         if task in MULTICLASS_TASKS:
             title += f", {NUM_CLASSES} classes (a round grows {NUM_CLASSES} trees: ms/tree is ms a round)"
+        if args.eval_set:
+            title += ", the test split as an eval set scored every round"
         config = (task, args.rows, args.depth, args.max_bin)
         ratios = {library: turn_ratios(runner, library, config) for library in args.libraries}
         section = (f"{title}\n\n{task_table(task, summaries, args.device, ratios)}\n\nMemory (MB, medians):\n\n"
@@ -483,6 +488,9 @@ def method_notes(args) -> str:
            "XLA_PYTHON_CLIENT_PREALLOCATE=false.",
            "- On the GPU: jaxboost on JAX's GPU backend (its XLA kernels; the native kernels are CPU-only), XGBoost "
            "with device='cuda'; inputs are NumPy arrays in host memory for both."] if args.device == "gpu" else []),
+        *([f"- Eval set (--eval-set): every train, the timed ones included, evaluates the test split every round "
+            f"with the task's loss (log loss, RMSE or multiclass log loss), without early stopping; ms/tree then "
+            f"includes a round's prediction of the eval rows and its metric."] if args.eval_set else []),
         f"- Settings: learning rate 0.1, lambda 1, depth {args.depth} (LightGBM/sklearn: at most "
         f"{2 ** args.depth} leaves), min leaf Hessian 1 (XGBoost min_child_weight, LightGBM "
         f"min_sum_hessian_in_leaf + min_data_in_leaf=1, sklearn min_samples_leaf=1), bins: jaxboost/XGBoost "
@@ -525,9 +533,14 @@ def parse_args(argv=None):
     parser.add_argument("--output", type=Path, default=EXPERIMENTS / "results" / "bench.md",
                         help="markdown results file (default: experiments/results/bench.md)")
     parser.add_argument("--scaling", action="store_true", help="add jaxboost ms/tree vs rows, depth and bins")
+    parser.add_argument("--eval-set", action="store_true",
+                        help="train with the test split as an eval set whose loss every round computes (sklearn "
+                             "has none: left out by default)")
     args = parser.parse_args(argv)
     if args.libraries is None:
         args.libraries = GPU_LIBRARIES if args.device == "gpu" else LIBRARIES
+        if args.eval_set:
+            args.libraries = [library for library in args.libraries if library != "sklearn"]
     for name, chosen, allowed in [("--tasks", args.tasks, TASKS + OPTIONAL_TASKS),
                                   ("--libraries", args.libraries, LIBRARIES + OPTIONAL_LIBRARIES)]:
         unknown = sorted(set(chosen) - set(allowed))
@@ -549,7 +562,7 @@ def main(argv=None):
     if warning:
         print(warning.replace("**", ""), file=sys.stderr)
 
-    runner = Runner(args.repeats, args.rounds, args.device)
+    runner = Runner(args.repeats, args.rounds, args.device, args.eval_set)
     sections = run_tasks(args, runner)
     if args.scaling:
         sections.append(run_scaling(args, runner))

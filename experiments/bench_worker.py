@@ -56,6 +56,14 @@ TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500, "multiclas
 TASK_ROWS_DIVISOR = {"classification": 1, "regression": 2, "wide": 1, "multiclass": 5}
 
 
+# The metric each library computes on the eval set every round with ``--eval-set``: the task's
+# loss (jaxboost / XGBoost / LightGBM names).
+EVAL_METRIC = {"classification": ("logloss", "logloss", "binary_logloss"),
+               "wide": ("logloss", "logloss", "binary_logloss"),
+               "regression": ("rmse", "rmse", "rmse"),
+               "multiclass": ("mlogloss", "mlogloss", "multi_logloss")}
+
+
 def task_samples(task: str, rows: int) -> int:
     return rows // TASK_ROWS_DIVISOR[task]
 
@@ -197,12 +205,19 @@ class JaxboostRunner:
                 else "squared_error")
         self.params = dict(loss=loss, max_depth=depth, learning_rate=LEARNING_RATE, reg_lambda=REG_LAMBDA,
                            min_child_weight=MIN_HESSIAN)
+        self.eval_metric = EVAL_METRIC[task][0]
 
     def build(self, X, y):
         return self.jb.Dataset(X, y, max_bin=self.max_bin)
 
-    def train(self, dataset, rounds):
-        return self.jb.train(dataset, num_rounds=rounds, **self.params)
+    def build_eval(self, X, y, dataset):
+        return self.jb.Dataset(X, y, reference=dataset)
+
+    def train(self, dataset, rounds, eval_set=None):
+        if eval_set is None:
+            return self.jb.train(dataset, num_rounds=rounds, **self.params)
+        return self.jb.train(dataset, num_rounds=rounds, eval_set=[eval_set], eval_metric=self.eval_metric,
+                             **self.params)
 
     def predict(self, model, X):
         return model.predict(X)
@@ -244,12 +259,20 @@ class XGBoostRunner:
                            device="cuda" if device == "gpu" else "cpu")
         if task in MULTICLASS_TASKS:
             self.params.update(objective="multi:softprob", num_class=NUM_CLASSES)
+        self.eval_metric = EVAL_METRIC[task][1]
 
     def build(self, X, y):
         return self.xgb.QuantileDMatrix(X, y, max_bin=self.max_bin, nthread=self.params["nthread"])
 
-    def train(self, dataset, rounds):
-        booster = self.xgb.train(self.params, dataset, num_boost_round=rounds)
+    def build_eval(self, X, y, dataset):
+        return self.xgb.QuantileDMatrix(X, y, ref=dataset, nthread=self.params["nthread"])
+
+    def train(self, dataset, rounds, eval_set=None):
+        if eval_set is None:
+            booster = self.xgb.train(self.params, dataset, num_boost_round=rounds)
+        else:
+            booster = self.xgb.train(dict(self.params, eval_metric=self.eval_metric), dataset, num_boost_round=rounds,
+                                     evals=[(eval_set, "eval")], verbose_eval=False)
         if self.params["device"] == "cuda":
             # Without a visible GPU XGBoost falls back to the CPU with only a log line.
             used = json.loads(booster.save_config())["learner"]["generic_param"]["device"]
@@ -274,12 +297,19 @@ class LightGBMRunner:
                            min_data_in_leaf=1, num_threads=threads, verbose=-1, seed=SEED)
         if task in MULTICLASS_TASKS:
             self.params.update(objective="multiclass", num_class=NUM_CLASSES)
+        self.eval_metric = EVAL_METRIC[task][2]
 
     def build(self, X, y):
         return self.lgb.Dataset(X, y, params=self.params, free_raw_data=False).construct()
 
-    def train(self, dataset, rounds):
-        return self.lgb.train(self.params, dataset, num_boost_round=rounds)
+    def build_eval(self, X, y, dataset):
+        return self.lgb.Dataset(X, y, reference=dataset, params=self.params, free_raw_data=False).construct()
+
+    def train(self, dataset, rounds, eval_set=None):
+        if eval_set is None:
+            return self.lgb.train(self.params, dataset, num_boost_round=rounds)
+        return self.lgb.train(dict(self.params, metric=self.eval_metric), dataset, num_boost_round=rounds,
+                              valid_sets=[eval_set])
 
     def predict(self, model, X):
         return model.predict(X, num_threads=self.params["num_threads"])
@@ -368,9 +398,15 @@ def measure(args) -> dict:
     anonymous_memory = anonymous_memory_sampler()
 
     dataset, binning_s = timed(runner.build, X_train, y_train)
-    _, first_round_s = timed(runner.train, dataset, 1)
-    _, warm_round_s = timed(runner.train, dataset, 1)
-    model, boosting_s = timed(runner.train, dataset, args.rounds)
+    train = runner.train
+    if args.eval_set:
+        if not hasattr(runner, "build_eval"):
+            return {"status": "no eval sets", "detail": f"the {args.library} runner has no per-round eval set"}
+        eval_set = runner.build_eval(X_test, y_test, dataset)
+        train = lambda data, rounds: runner.train(data, rounds, eval_set)  # noqa: E731
+    _, first_round_s = timed(train, dataset, 1)
+    _, warm_round_s = timed(train, dataset, 1)
+    model, boosting_s = timed(train, dataset, args.rounds)
     result = {
         "status": "ok",
         "binning_s": None if args.library == "sklearn" else binning_s,
@@ -439,6 +475,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-bin", type=int, default=256)
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--no-predict", action="store_true", help="skip predict and scoring (scaling runs)")
+    parser.add_argument("--eval-set", action="store_true",
+                        help="train with the test split as an eval set, its loss computed every round")
     args = parser.parse_args(argv)
     if not args.info and (args.library is None or args.task is None):
         parser.error("--library and --task are required")
