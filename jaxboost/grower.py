@@ -458,7 +458,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin, split.default_left,
             histogram_splits, left_is_smaller, max_bin, feature_major=sharded, result_features=summed_features,
             row_offset=row_offset, histogram_nodes=parent_slots, live_nodes=chunk * read_chunks,
-            threads=kernel_threads, keep_padding=True)
+            threads=kernel_threads, keep_padding=True, features_used=feature_allowed)
         histograms = children_histograms_over_parents(state.histograms, smaller, left_is_smaller, histogram_splits,
                                                       summed_nodes, axis_name)
         lower, upper = state.lower, state.upper
@@ -518,14 +518,19 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         if histogram_buffer.shape != expected:
             raise ValueError(f"histogram_buffer must have this device's shape {expected} (histogram_buffer_shape); "
                              f"got {histogram_buffer.shape}")
+    # Only the tree's sampled features are summed, at every level: the level and node samples
+    # draw from them, so no other feature's cells are read (colsample_bytree=0.5 halves the
+    # kernels' work).
     local_root = build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin, feature_major=sharded,
                                             result_features=summed_features, row_offset=row_offset,
-                                            threads=kernel_threads, keep_padding=True)
+                                            threads=kernel_threads, keep_padding=True, features_used=feature_allowed)
     root_histogram = all_sum_scattered(local_root, axis_name, 1)[0]
-    # Every row lies in one bin of each feature, so the first feature's bins sum to the root's
-    # totals: no separate sums over rows. Every device sums the same feature's, so all hold
-    # the same totals bit for bit.
-    root_totals = all_sum(jnp.sum(local_root[0, 0], axis=0), axis_name)
+    # Every row lies in one bin of each feature, so the first sampled feature's bins sum to the
+    # root's totals: no separate sums over rows. Every device sums the same feature's, so all
+    # hold the same totals bit for bit.
+    first_sampled = jnp.argmax(feature_allowed)
+    root_totals = all_sum(jnp.sum(jax.lax.dynamic_index_in_dim(local_root[0], first_sampled, keepdims=False), axis=0),
+                          axis_name)
     num_gradient_channels = gradients.shape[1] if gradients.ndim == 2 else 1
     root_gradients = root_totals[:num_gradient_channels]
     root_hessians = root_totals[num_gradient_channels:statistics.channels]

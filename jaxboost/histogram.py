@@ -59,7 +59,8 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
                     hessians: jax.Array, num_nodes: int, max_bin: int, row_mask: jax.Array | None = None,
                     kernel: str = "auto", threads: int = 1, feature_major: bool = False,
                     result_features: int | None = None, row_offset: jax.Array | None = None,
-                    channels: int = 2, channel: int = 0, into: jax.Array | None = None) -> jax.Array:
+                    channels: int = 2, channel: int = 0, into: jax.Array | None = None,
+                    features_used: jax.Array | None = None) -> jax.Array:
     """Histogram of the local rows.
 
     Args:
@@ -90,6 +91,9 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
         pair at a time: ``channels`` (even) per cell, this pair's sums in ``[channel, channel +
         2)``; ``into`` holds the earlier pairs' (the result of the call for ``channel - 2``),
         None for channel 0. The native kernel writes each pair into the one buffer in place.
+      features_used: optional bool ``(n_features,)``: the features whose cells are read (a
+        tree's column sample). The native kernel sums only those and leaves the others' cells
+        zero; the XLA kernel sums every feature. None: all.
 
     Returns:
       float32 ``(num_nodes, result_features, max_bin, channels)``: ``[..., channel]`` sums of
@@ -102,9 +106,10 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
     into = _earlier_channels(into, (num_nodes, result_features, max_bin), channels, channel)
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
             gradients.astype(jnp.float32), hessians.astype(jnp.float32),
-            jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool), into)
-    xla = _into_channels(_with_features(partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin),
-                                        result_features), channels, channel)
+            jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool), into,
+            _features_used_operand(features_used, X_binned_T))
+    xla = _without_features_used(_into_channels(_with_features(
+        partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features), channels, channel))
     if target is None:
         return xla(*args)
     native = partial(_native_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
@@ -112,6 +117,22 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
                      channel=channel)
     # Chosen when lowering: the FFI target exists only on CPU.
     return per_platform(*args, cpu=native, default=xla)
+
+
+def _features_used_operand(features_used, X_binned_T) -> jax.Array:
+    """The native kernels' operand for ``features_used``: one flag per feature, or empty for all."""
+    if features_used is None:
+        return jnp.zeros((0,), bool)
+    if jnp.shape(features_used) != X_binned_T.shape[:1]:
+        raise ValueError(f"features_used must hold one flag per feature, shape {X_binned_T.shape[:1]}; got "
+                         f"{jnp.shape(features_used)}")
+    return jnp.asarray(features_used).astype(bool)
+
+
+def _without_features_used(kernel):
+    """An XLA ``kernel`` called with the native kernels' operands, the last (``features_used``)
+    dropped: it sums every feature."""
+    return lambda *args: kernel(*args[:-1])
 
 
 def _earlier_channels(into, cells: tuple, channels: int, channel: int) -> jax.Array:
@@ -150,7 +171,8 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
                               max_bin: int, kernel: str = "auto", threads: int = 1,
                               feature_major: bool = False, result_features: int | None = None,
                               row_offset: jax.Array | None = None, histogram_nodes: int | None = None,
-                              live_nodes: jax.Array | None = None, channels: int = 2) -> tuple[jax.Array, jax.Array]:
+                              live_nodes: jax.Array | None = None, channels: int = 2,
+                              features_used: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Route the local rows to the children of a level's splits, and histogram the smaller children.
 
     One pass over the rows does what would otherwise be a gather, several element-wise ops and
@@ -167,8 +189,8 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         device when rows are sharded (e.g. from the split's global left/right sums), so that
         every device builds the same children.
       max_bin: static number of bins; the missing code is ``max_bin - 1``.
-      kernel, threads, feature_major, result_features, row_offset: as for ``build_histogram``;
-        channels too: the pair is channels 0 and 1 of cells of ``channels`` (the others zero
+      kernel, threads, feature_major, result_features, row_offset, features_used: as for
+        ``build_histogram``; channels too: the pair is channels 0 and 1 of cells of ``channels`` (the others zero
         for the XLA kernel, unwritten by the native one), which ``build_histogram`` fills.
       histogram_nodes: static; only the smaller children of the first ``histogram_nodes``
         nodes are summed (None: of all ``num_nodes``). A level held in more slots than can
@@ -198,10 +220,10 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
             split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool), splits.astype(bool),
             left_is_smaller.astype(bool),
             jnp.reshape(jnp.asarray(histogram_nodes if live_nodes is None else live_nodes, jnp.int32), (1,)),
-            _earlier_channels(None, (), channels, 0))
+            _earlier_channels(None, (), channels, 0), _features_used_operand(features_used, X_binned_T))
     result_features = X_binned_T.shape[0] if result_features is None else result_features
-    xla = _into_channels(_with_features(partial(_xla_route_histogram, num_nodes=histogram_nodes, max_bin=max_bin),
-                                        result_features), channels, 0)
+    xla = _without_features_used(_into_channels(_with_features(
+        partial(_xla_route_histogram, num_nodes=histogram_nodes, max_bin=max_bin), result_features), channels, 0))
     if target is None:
         return xla(*args)
     native = partial(_native_route_histogram, target=target, num_nodes=histogram_nodes, max_bin=max_bin,
@@ -333,12 +355,12 @@ _HISTOGRAM_LAYOUTS = {False: (0, 1, 2, 3), True: (1, 0, 2, 3)}
 
 
 def _native_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin,
-                            default_left, splits, left_is_smaller, live_nodes, into, *, target, num_nodes, max_bin,
-                            threads, feature_major, result_features, channels):
+                            default_left, splits, left_is_smaller, live_nodes, into, features_used, *, target,
+                            num_nodes, max_bin, threads, feature_major, result_features, channels):
     results = (jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32),
                jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, channels), jnp.float32))
     inputs = (X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin, default_left,
-              splits, left_is_smaller, live_nodes, into)
+              splits, left_is_smaller, live_nodes, into, features_used)
     # One thread reads each row's node before writing its child, so the children may overwrite
     # the nodes: XLA then updates the level loop's row positions in place instead of copying
     # them into the loop state every level. Several threads all read every row's node.
@@ -350,30 +372,31 @@ def _native_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hess
     return tuple(as_varying_as(output, inputs) for output in outputs)
 
 
-def _native_channel_histogram(X_binned_T, row_offset, node_index, statistics, row_mask, into, *, target, num_nodes,
-                              max_bin, threads, feature_major, result_features, width, channel):
+def _native_channel_histogram(X_binned_T, row_offset, node_index, statistics, row_mask, into, features_used, *,
+                              target, num_nodes, max_bin, threads, feature_major, result_features, width, channel):
     result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, width), jnp.float32)
     layout = _HISTOGRAM_LAYOUTS[feature_major]
+    inputs = (X_binned_T, row_offset, node_index, statistics, row_mask, into, features_used)
     histogram = jax.ffi.ffi_call(target, result, vmap_method="sequential", output_layouts=layout,
-                                 input_layouts=[None] * 5 + [layout if channel else None],
+                                 input_layouts=[None] * 5 + [layout if channel else None, None],
                                  input_output_aliases={5: 0} if channel else None)(
-        X_binned_T, row_offset, node_index, statistics, row_mask, into, threads=np.int64(threads),
-        feature_major=np.int64(feature_major), channel=np.int64(channel))
-    return as_varying_as(histogram, (X_binned_T, row_offset, node_index, statistics, row_mask, into))
+        *inputs, threads=np.int64(threads), feature_major=np.int64(feature_major), channel=np.int64(channel))
+    return as_varying_as(histogram, inputs)
 
 
-def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, *, target, num_nodes,
-                      max_bin, threads, feature_major, result_features, channels, channel):
+def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, features_used, *,
+                      target, num_nodes, max_bin, threads, feature_major, result_features, channels, channel):
     result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, channels), jnp.float32)
+    inputs = (X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, features_used)
     # Under vmap (several models trained at once) the kernel runs once per batch member. Past
     # channel 0 the result is the earlier channels' buffer, written in place.
     histogram = jax.ffi.ffi_call(target, result, vmap_method="sequential",
                                  output_layouts=_HISTOGRAM_LAYOUTS[feature_major],
-                                 input_layouts=[None] * 6 + [_HISTOGRAM_LAYOUTS[feature_major] if channel else None],
+                                 input_layouts=[None] * 6 + [_HISTOGRAM_LAYOUTS[feature_major] if channel else None,
+                                                             None],
                                  input_output_aliases={6: 0} if channel else None)(
-        X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, threads=np.int64(threads),
-        feature_major=np.int64(feature_major), channel=np.int64(channel))
-    return as_varying_as(histogram, (X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into))
+        *inputs, threads=np.int64(threads), feature_major=np.int64(feature_major), channel=np.int64(channel))
+    return as_varying_as(histogram, inputs)
 
 
 def _xla_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin):
@@ -512,7 +535,8 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
                                statistics: jax.Array | StatisticPairs, num_nodes: int, max_bin: int,
                                row_mask: jax.Array | None = None, feature_major: bool = False,
                                result_features: int | None = None, row_offset: jax.Array | None = None,
-                               threads: int = 1, keep_padding: bool = False) -> jax.Array:
+                               threads: int = 1, keep_padding: bool = False,
+                               features_used: jax.Array | None = None) -> jax.Array:
     """``build_histogram`` for any number of per-row channels (vector leaves: K gradients and
     the packed Hessian), two channels per kernel pass.
 
@@ -522,7 +546,7 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
     """
     statistics = statistic_pairs(statistics)
     options = dict(threads=threads, feature_major=feature_major, result_features=result_features,
-                   row_offset=row_offset)
+                   row_offset=row_offset, features_used=features_used)
     if len(statistics.pairs) == 1:
         histogram = build_histogram(X_binned_T, node_index, *statistics.pairs[0], num_nodes, max_bin, row_mask,
                                     **options)
@@ -536,7 +560,7 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
                              num_nodes: int, max_bin: int, row_mask: jax.Array | None = None, kernel: str = "auto",
                              threads: int = 1, feature_major: bool = False, result_features: int | None = None,
                              row_offset: jax.Array | None = None, channel: int = 0,
-                             into: jax.Array | None = None) -> jax.Array:
+                             into: jax.Array | None = None, features_used: jax.Array | None = None) -> jax.Array:
     """The histogram of the statistics' channels from ``channel`` on, into ``into`` (the histogram
     of the channels before it; None for channel 0, the others then start at zero). Arguments as
     for ``build_histogram``.
@@ -555,7 +579,7 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
             histogram = build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
                                         kernel=kernel, threads=threads, feature_major=feature_major,
                                         result_features=result_features, row_offset=row_offset, channels=width,
-                                        channel=2 * index, into=histogram)
+                                        channel=2 * index, into=histogram, features_used=features_used)
         return histogram
 
     target = (None if statistics.matrix is None else
@@ -564,7 +588,8 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
         return by_pairs()
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
             statistics.matrix, jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool),
-            _earlier_channels(into, (num_nodes, result_features, max_bin), width, channel))
+            _earlier_channels(into, (num_nodes, result_features, max_bin), width, channel),
+            _features_used_operand(features_used, X_binned_T))
     native = partial(_native_channel_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
                      feature_major=feature_major, result_features=result_features, width=width, channel=channel)
     # Chosen when lowering: the FFI target exists only on CPU.
@@ -584,7 +609,8 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
                                          feature_major: bool = False, result_features: int | None = None,
                                          row_offset: jax.Array | None = None, histogram_nodes: int | None = None,
                                          live_nodes: jax.Array | None = None,
-                                         threads: int = 1, keep_padding: bool = False) -> tuple[jax.Array, jax.Array]:
+                                         threads: int = 1, keep_padding: bool = False,
+                                         features_used: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
     while routing, the others afterwards over the rows of the smaller children only.
     ``keep_padding`` as for ``build_statistics_histogram``."""
@@ -594,12 +620,13 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
     child_of_row, histogram = route_and_build_histogram(
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
         left_is_smaller, max_bin, threads=threads, feature_major=feature_major, result_features=result_features,
-        row_offset=row_offset, histogram_nodes=histogram_nodes, live_nodes=live_nodes, channels=width)
+        row_offset=row_offset, histogram_nodes=histogram_nodes, live_nodes=live_nodes, channels=width,
+        features_used=features_used)
     if len(pairs) > 1:
         goes_right = (child_of_row - 2 * node_of_row) == 1
         in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram.shape[0])
         histogram = build_channels_histogram(X_binned_T, node_of_row, statistics, histogram.shape[0], max_bin,
                                              in_smaller_child, threads=threads, feature_major=feature_major,
                                              result_features=result_features, row_offset=row_offset, channel=2,
-                                             into=histogram)
+                                             into=histogram, features_used=features_used)
     return child_of_row, histogram if keep_padding else _without_padding(histogram, statistics.channels)

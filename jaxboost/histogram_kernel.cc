@@ -114,6 +114,30 @@ void AccumulateGroup(const uint8_t* codes, int64_t stride, int64_t first, int64_
   }
 }
 
+// AccumulateGroup for `Group` features listed in `features` (any, in order) rather than
+// consecutive ones: the pass a tree's column sample takes, its features spread over the codes.
+template <int Group, bool AllRows, bool Pairs>
+void AccumulateListedGroup(const uint8_t* codes, int64_t stride, const int64_t* features, int64_t first_row,
+                           const GatheredRow* gathered, const float* pairs, int64_t count, CellLayout layout,
+                           CellChannels cells, float* hist) {
+  const uint8_t* feature_codes[Group];
+  int64_t feature_offset[Group];
+  for (int k = 0; k < Group; ++k) {
+    feature_codes[k] = codes + features[k] * stride + first_row;
+    feature_offset[k] = features[k] * layout.feature_stride + (Pairs ? 0 : cells.channel);
+  }
+  const int64_t width = Pairs ? 2 : cells.width;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t row = AllRows ? j : gathered[j].row;
+    float* node_hist = hist + (AllRows ? 0 : static_cast<int64_t>(gathered[j].node) * layout.node_stride);
+    const float* pair = AllRows ? pairs + 2 * j : gathered[j].pair;
+#pragma GCC unroll 8
+    for (int k = 0; k < Group; ++k) {
+      AddPair(node_hist + feature_offset[k] + width * static_cast<int64_t>(feature_codes[k][row]), pair);
+    }
+  }
+}
+
 // Features per pass over a block's rows. One at a time, reading the rows' ids, nodes and (g, h)
 // is most of the work; all at once, the cells written spread over every feature and fall out
 // of L1. Four was fastest (measured at 400k rows x 28 features: 1 node of all rows 22 -> 8-11
@@ -138,11 +162,44 @@ void ZeroCells(float* hist, CellLayout layout, int64_t bins, int64_t width, cons
 // cache when the pass adds to them. Zeroing a level's whole histogram first had evicted them
 // by then on wide data (500 features: 16 nodes hold 16 MB of cells), so every cell came from
 // memory twice.
+//
+// With `listed` (the features of [feature_begin, feature_end) to sum, in order), only those are
+// summed, four listed features a pass as four consecutive ones would be; the others' cells of
+// `zero_nodes` are zeroed (left as they are without `zero_nodes`: zero already).
 template <bool AllRows, bool Pairs>
 void AccumulateFeatureGroups(const uint8_t* codes, int64_t stride, int64_t feature_begin, int64_t feature_end,
                              int64_t first_row, const GatheredRow* gathered, const float* pairs, int64_t count,
                              CellLayout layout, CellChannels cells, float* hist,
-                             const std::vector<int64_t>* zero_nodes) {
+                             const std::vector<int64_t>* zero_nodes, const std::vector<int64_t>* listed) {
+  if (listed != nullptr) {
+    if (zero_nodes != nullptr) {
+      size_t next = 0;
+      for (int64_t f = feature_begin; f < feature_end; ++f) {
+        if (next < listed->size() && (*listed)[next] == f) {
+          ++next;
+        } else {
+          ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, f, f + 1);
+        }
+      }
+    }
+    const int64_t n_listed = static_cast<int64_t>(listed->size());
+    int64_t at = 0;
+    for (; at + kFeatureGroup <= n_listed; at += kFeatureGroup) {
+      if (zero_nodes != nullptr) {
+        for (int64_t k = 0; k < kFeatureGroup; ++k) {
+          ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, (*listed)[at + k], (*listed)[at + k] + 1);
+        }
+      }
+      AccumulateListedGroup<kFeatureGroup, AllRows, Pairs>(codes, stride, listed->data() + at, first_row, gathered,
+                                                           pairs, count, layout, cells, hist);
+    }
+    for (; at < n_listed; ++at) {
+      const int64_t f = (*listed)[at];
+      if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, f, f + 1);
+      AccumulateGroup<1, AllRows, Pairs>(codes, stride, f, first_row, gathered, pairs, count, layout, cells, hist);
+    }
+    return;
+  }
   int64_t f = feature_begin;
   for (; f + kFeatureGroup <= feature_end; f += kFeatureGroup) {
     if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, f, f + kFeatureGroup);
@@ -158,13 +215,14 @@ void AccumulateFeatureGroups(const uint8_t* codes, int64_t stride, int64_t featu
 template <bool AllRows>
 void AccumulateBlock(const uint8_t* codes, int64_t stride, int64_t feature_begin, int64_t feature_end,
                      int64_t first_row, const GatheredRow* gathered, const float* pairs, int64_t count,
-                     CellLayout layout, CellChannels cells, float* hist, const std::vector<int64_t>* zero_nodes) {
+                     CellLayout layout, CellChannels cells, float* hist, const std::vector<int64_t>* zero_nodes,
+                     const std::vector<int64_t>* listed) {
   if (cells.width == 2) {
     AccumulateFeatureGroups<AllRows, true>(codes, stride, feature_begin, feature_end, first_row, gathered, pairs,
-                                           count, layout, cells, hist, zero_nodes);
+                                           count, layout, cells, hist, zero_nodes, listed);
   } else {
     AccumulateFeatureGroups<AllRows, false>(codes, stride, feature_begin, feature_end, first_row, gathered, pairs,
-                                            count, layout, cells, hist, zero_nodes);
+                                            count, layout, cells, hist, zero_nodes, listed);
   }
 }
 
@@ -278,7 +336,24 @@ struct HistogramProblem {
   // When set, the nodes whose cells (`WritesNode`) each pass zeroes before its first block
   // (see AccumulateBlock); null: `hist` is zeroed already.
   const std::vector<int64_t>* zero_nodes = nullptr;
+  // When set, only the features flagged are summed (a tree's column sample: the grower reads no
+  // other feature's cells); the others' cells come out zero. Null: every feature.
+  const bool* features_used = nullptr;
 };
+
+// The features of [feature_begin, feature_end) that `p` sums, or null when that is all of them.
+std::unique_ptr<std::vector<int64_t>> ListedFeatures(const HistogramProblem& p, int64_t feature_begin,
+                                                     int64_t feature_end) {
+  if (p.features_used == nullptr ||
+      std::all_of(p.features_used + feature_begin, p.features_used + feature_end, [](bool used) { return used; })) {
+    return nullptr;
+  }
+  auto listed = std::make_unique<std::vector<int64_t>>();
+  for (int64_t f = feature_begin; f < feature_end; ++f) {
+    if (p.features_used[f]) listed->push_back(f);
+  }
+  return listed;
+}
 
 // One thread's share: all selected rows, features [feature_begin, feature_end), so threads
 // write disjoint cells and need no reduction.
@@ -298,6 +373,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
   if (p.zero_nodes != nullptr && end_row == 0) {
     ZeroCells(p.hist, p.layout, kCodeSlots, p.cells.width, *p.zero_nodes, feature_begin, feature_end);  // no pass
   }
+  const std::unique_ptr<std::vector<int64_t>> listed = ListedFeatures(p, feature_begin, feature_end);
   if (all_rows) {
     for (int64_t start = 0; start < end_row; start += kBlockRows) {
       const int64_t stop = std::min(end_row, start + kBlockRows);
@@ -308,7 +384,8 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
         pairs[2 * (i - start) + 1] = take ? p.hessians[i] : 0.0f;
       }
       AccumulateBlock<true>(p.codes, p.code_stride, feature_begin, feature_end, start, nullptr, pairs.data(),
-                            stop - start, p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr);
+                            stop - start, p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr,
+                            listed.get());
     }
     return;
   }
@@ -338,7 +415,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       count += static_cast<int>(take) & (static_cast<int>(g != 0.0f) | static_cast<int>(h != 0.0f));
     }
     AccumulateBlock<false>(p.codes, p.code_stride, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
-                           p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr);
+                           p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr, listed.get());
     start = i;
   }
 }
@@ -446,6 +523,17 @@ ffi::Error FindLocalCodes(const ffi::Buffer<ffi::U8>& codes, const ffi::Buffer<f
 
 // The cells' width (the histogram's last dimension) and this call's channel: `into` is empty for
 // the first pair (channel 0), else the histogram of the earlier pairs, aliased to the result.
+// The features a call sums: an empty operand for all, else one flag per feature of the codes.
+ffi::Error FindFeaturesUsed(const ffi::Buffer<ffi::PRED>& features_used, int64_t n_features,
+                            const std::string& kernel, const bool** flags) {
+  const int64_t size = static_cast<int64_t>(features_used.element_count());
+  if (size != 0 && size != n_features) {
+    return ffi::Error::InvalidArgument(kernel + ": the features used must be empty or one flag per feature");
+  }
+  *flags = size == 0 ? nullptr : features_used.typed_data();
+  return ffi::Error::Success();
+}
+
 ffi::Error FindChannels(const ffi::Buffer<ffi::F32>& into, int64_t channel, int64_t width, size_t out_elements,
                         const std::string& kernel) {
   if (width < 2 || channel < 0 || channel % 2 || channel + 2 > width) {
@@ -460,8 +548,8 @@ ffi::Error FindChannels(const ffi::Buffer<ffi::F32>& into, int64_t channel, int6
 ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset,
                          ffi::Buffer<ffi::S32> node_of_row, ffi::Buffer<ffi::F32> gradients,
                          ffi::Buffer<ffi::F32> hessians, ffi::Buffer<ffi::PRED> row_mask, ffi::Buffer<ffi::F32> into,
-                         int64_t threads, int64_t feature_major, int64_t channel,
-                         ffi::ResultBuffer<ffi::F32> histogram) {
+                         ffi::Buffer<ffi::PRED> features_used, int64_t threads, int64_t feature_major,
+                         int64_t channel, ffi::ResultBuffer<ffi::F32> histogram) {
   const auto out_dims = histogram->dimensions();
   if (out_dims.size() != 4) return ffi::Error::InvalidArgument("histogram kernel: the histogram must be 4-D");
   const int64_t n_rows = static_cast<int64_t>(node_of_row.element_count());
@@ -491,6 +579,10 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_o
   problem.out_features = out_dims[1];
   problem.width = out_dims[3];
   problem.channel = channel;
+  if (ffi::Error error = FindFeaturesUsed(features_used, n_features, "histogram kernel", &problem.features_used);
+      error.failure()) {
+    return error;
+  }
   BuildHistogram(problem, max_bin, threads, histogram->typed_data());
   return ffi::Error::Success();
 }
@@ -501,7 +593,8 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
                               ffi::Buffer<ffi::S32> feature, ffi::Buffer<ffi::S32> threshold_bin,
                               ffi::Buffer<ffi::PRED> default_left, ffi::Buffer<ffi::PRED> splits,
                               ffi::Buffer<ffi::PRED> left_is_smaller, ffi::Buffer<ffi::S32> live_nodes,
-                              ffi::Buffer<ffi::F32> into, int64_t missing_bin, int64_t threads,
+                              ffi::Buffer<ffi::F32> into, ffi::Buffer<ffi::PRED> features_used,
+                              int64_t missing_bin, int64_t threads,
                               int64_t feature_major, int64_t channel, ffi::ResultBuffer<ffi::S32> child_of_row,
                               ffi::ResultBuffer<ffi::F32> histogram) {
   const auto out_dims = histogram->dimensions();
@@ -549,6 +642,10 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   problem.channel = channel;
   problem.out_features = out_dims[1];
   problem.summed_nodes = std::clamp<int64_t>(live_nodes.typed_data()[0], 0, histogram_nodes);
+  if (ffi::Error error = FindFeaturesUsed(features_used, n_features, "route kernel", &problem.features_used);
+      error.failure()) {
+    return error;
+  }
   if (std::none_of(splits.typed_data(), splits.typed_data() + num_nodes, [](bool split) { return split; })) {
     // No smaller children (a looped last level): routing alone, without gathering rows, and no
     // cell is written (`WritesNode`).
@@ -573,6 +670,7 @@ struct ChannelProblem {
   int64_t width;  // floats a cell (an odd number of columns padded to pairs)
   CellLayout layout;
   float* hist;
+  const bool* features_used;  // null: every feature (see HistogramProblem)
 };
 
 // Tiles of the channel kernel: a feature at a time over blocks of rows. A feature's cells of a
@@ -594,6 +692,7 @@ void AccumulateChannelFeatures(const ChannelProblem& p, int64_t feature_begin, i
       count += static_cast<int>((p.row_mask == nullptr || p.row_mask[i]) && node >= 0 && node < p.num_nodes);
     }
     for (int64_t f = feature_begin; f < feature_end; ++f) {
+      if (p.features_used != nullptr && !p.features_used[f]) continue;  // its cells stay zero
       const uint8_t* feature_codes = p.codes + f * p.code_stride;
       float* feature_hist = p.hist + f * p.layout.feature_stride + p.channel;
       for (int64_t j = 0; j < count; ++j) {
@@ -611,8 +710,9 @@ void AccumulateChannelFeatures(const ChannelProblem& p, int64_t feature_begin, i
 
 ffi::Error ChannelHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset,
                                 ffi::Buffer<ffi::S32> node_of_row, ffi::Buffer<ffi::F32> statistics,
-                                ffi::Buffer<ffi::PRED> row_mask, ffi::Buffer<ffi::F32> into, int64_t threads,
-                                int64_t feature_major, int64_t channel, ffi::ResultBuffer<ffi::F32> histogram) {
+                                ffi::Buffer<ffi::PRED> row_mask, ffi::Buffer<ffi::F32> into,
+                                ffi::Buffer<ffi::PRED> features_used, int64_t threads, int64_t feature_major,
+                                int64_t channel, ffi::ResultBuffer<ffi::F32> histogram) {
   const auto out_dims = histogram->dimensions();
   const auto stat_dims = statistics.dimensions();
   const int64_t n_rows = static_cast<int64_t>(node_of_row.element_count());
@@ -641,7 +741,12 @@ ffi::Error ChannelHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32
   ChannelProblem problem{local.codes, local.stride, node_of_row.typed_data(), statistics.typed_data(),
                          mask_size == 0 ? nullptr : row_mask.typed_data(), n_rows, num_nodes, max_bin, stat_dims[1],
                          channel, width, MakeLayout(num_nodes, out_features, max_bin, feature_major != 0, width),
-                         histogram->typed_data()};
+                         histogram->typed_data(), nullptr};
+  if (ffi::Error error = FindFeaturesUsed(features_used, local.n_features, "channel histogram kernel",
+                                          &problem.features_used);
+      error.failure()) {
+    return error;
+  }
   // Channel 0 starts the cells (all of them, the padding features' too); later channels add to
   // the earlier ones' result, which is this buffer.
   if (channel == 0) std::memset(problem.hist, 0, sizeof(float) * static_cast<size_t>(histogram->element_count()));
@@ -1035,6 +1140,7 @@ XLA_FFI_DEFINE_HANDLER(kRouteHistogramHandler, RouteHistogramImpl,
                            .Arg<ffi::Buffer<ffi::PRED>>()
                            .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::PRED>>()
                            .Attr<int64_t>("missing_bin")
                            .Attr<int64_t>("threads")
                            .Attr<int64_t>("feature_major")
@@ -1050,6 +1156,7 @@ XLA_FFI_DEFINE_HANDLER(kChannelHistogramHandler, ChannelHistogramImpl,
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::PRED>>()
                            .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::PRED>>()
                            .Attr<int64_t>("threads")
                            .Attr<int64_t>("feature_major")
                            .Attr<int64_t>("channel")
@@ -1064,6 +1171,7 @@ XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::PRED>>()
                            .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::PRED>>()
                            .Attr<int64_t>("threads")
                            .Attr<int64_t>("feature_major")
                            .Attr<int64_t>("channel")

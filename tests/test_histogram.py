@@ -598,6 +598,49 @@ def test_training_with_native_kernel_matches_xla_kernel(monkeypatch, settings):
                        train_with_kernel(monkeypatch, X, y, settings, "xla"), X, settings)
 
 
+@needs_native
+@pytest.mark.parametrize("settings,sharded", [
+    ({"loss": "logistic", "num_rounds": 6, "max_depth": 4, "learning_rate": 0.3, "colsample_bytree": 0.5}, False),
+    ({"loss": "logistic", "num_rounds": 4, "max_depth": 9, "learning_rate": 0.3, "max_bin": 256,
+      "colsample_bytree": 0.7, "colsample_bylevel": 0.8}, False),  # the deep levels' loop
+    ({"loss": "softmax", "num_rounds": 2, "max_depth": 4, "learning_rate": 0.3, "colsample_bytree": 0.5,
+      "multi_strategy": "multi_output_tree"}, False),  # the channel kernel
+    ({"loss": "logistic", "num_rounds": 4, "max_depth": 5, "learning_rate": 0.3, "colsample_bytree": 0.5}, True),
+])
+def test_a_trees_column_sample_grows_the_same_trees_when_only_its_features_are_summed(monkeypatch, settings,
+                                                                                      sharded):
+    """The native kernels sum only the features of a tree's column sample; the trees are those
+    grown from histograms of every feature, bit for bit (the levels' and nodes' samples draw
+    from the tree's; the root's totals come from its first sampled feature either way), on one
+    device and with rows sharded over two."""
+    import jaxboost as jb
+    from jaxboost import boosting, grower
+
+    if sharded:
+        if len(jax.devices()) < 2:
+            pytest.skip("needs two CPU devices")
+        monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+    X, y = kernel_training_data(settings)
+    X = np.column_stack([X, np.random.default_rng(12).normal(size=(len(X), 5)).astype(np.float32)])
+    boosting.compiled_round.cache_clear()
+    summed_sample = jb.train(X, y, **settings)
+    for name in ("build_statistics_histogram", "route_and_build_statistics_histogram"):
+        def every_feature(*args, _build=getattr(grower, name), **kwargs):
+            assert kwargs.pop("features_used") is not None
+            return _build(*args, **kwargs)
+        monkeypatch.setattr(grower, name, every_feature)
+    boosting.compiled_round.cache_clear()
+    try:
+        summed_all = jb.train(X, y, **settings)
+    finally:
+        boosting.compiled_round.cache_clear()
+    for field in summed_sample.trees._fields:
+        np.testing.assert_array_equal(getattr(summed_sample.trees, field), getattr(summed_all.trees, field),
+                                      err_msg=field)
+    # Not every feature was sampled for every tree, and the trees split.
+    assert np.sum(~summed_sample.trees.is_leaf) > 4 * settings["num_rounds"]
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="compares the CPU's XLA kernel with the GPU's, on CPU")
 @pytest.mark.parametrize("settings", [
     {"loss": "logistic", "num_rounds": 8, "max_depth": 4, "learning_rate": 0.3, "max_bin": 64},
@@ -798,6 +841,68 @@ def test_histograms_of_many_channels_are_built_into_one_buffer(monkeypatch, kern
         np.testing.assert_array_equal(np.asarray(children[i]), expected_child)
         assert_split_nodes_close(smaller[i], naive(node_index, in_smaller, num_nodes, scale), level["splits"], kernel,
                                  rtol=1e-5, atol=1e-3)
+
+
+@needs_native
+@pytest.mark.parametrize("max_bin,threads,feature_major,channels", [
+    (256, 1, False, 2), (256, 2, True, 2), (64, 1, True, 2),  # 64 bins: the scratch buffer's copy
+    (256, 1, False, 5), (64, 2, True, 6)])                   # many channels: the channel kernel
+def test_native_kernels_sum_only_the_features_used(max_bin, threads, feature_major, channels):
+    """With ``features_used`` (a tree's column sample) the native kernels sum those features
+    only, four listed features a pass, and leave every other feature's cells zero, also in a
+    buffer that held all features' sums the step before (a loop's), and in the root's pass,
+    a masked build and a routed level's smaller children."""
+    from jaxboost.histogram import build_statistics_histogram, route_and_build_statistics_histogram, statistic_pairs
+
+    n_rows, n_features, result_features, num_nodes = 40_000, 11, 12, 5  # two row blocks
+    X_binned, node_index, _, _, level = route_case(41, n_rows, n_features, num_nodes, max_bin)
+    rng = np.random.default_rng(42)
+    statistics = rng.normal(size=(n_rows, channels)).astype(np.float32)
+    row_mask = rng.uniform(size=n_rows) < 0.6
+    used = np.zeros(n_features, bool)
+    used[[0, 2, 3, 5, 6, 7, 8, 9, 10]] = True  # two listed groups of four (with gaps), then one more
+    every = np.ones(n_features, bool)
+    options = dict(max_bin=max_bin, threads=threads, feature_major=feature_major, result_features=result_features)
+    X_T, nodes, mask = jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(row_mask)
+    split_level = [jnp.asarray(level[k]) for k in ("split_feature", "split_threshold_bin", "split_default_left",
+                                                   "splits", "left_is_smaller")]
+    flags = jnp.asarray(np.stack([every, used]))
+
+    @jax.jit
+    def every_step(stats):
+        def step(i, results):
+            pairs = statistic_pairs(stats)
+            root = build_statistics_histogram(X_T, jnp.zeros_like(nodes), pairs, 1, features_used=flags[i], **options)
+            masked = build_statistics_histogram(X_T, nodes, pairs, num_nodes, row_mask=mask, features_used=flags[i],
+                                                **options)
+            _, smaller = route_and_build_statistics_histogram(X_T, nodes, pairs, *split_level, features_used=flags[i],
+                                                              **options)
+            return tuple(jax.lax.dynamic_update_index_in_dim(whole, part, i, 0)
+                         for whole, part in zip(results, (root, masked, smaller)))
+
+        results = tuple(jnp.full((2, n, result_features, max_bin, channels), jnp.nan, jnp.float32)
+                        for n in (1, num_nodes, num_nodes))
+        return jax.lax.fori_loop(0, 2, step, results)
+
+    def naive(node_of_row, rows, nodes_summed, features):
+        out = np.zeros((nodes_summed, result_features, max_bin, channels))
+        for f in np.flatnonzero(features):
+            np.add.at(out, (node_of_row[rows], f, X_binned[rows, f].astype(int)), statistics[rows])
+        return out
+
+    roots, masked, smaller = (np.asarray(result) for result in every_step(jnp.asarray(statistics)))
+    _, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    splits = level["splits"]
+    for i, features in enumerate((every, used)):
+        np.testing.assert_allclose(roots[i], naive(np.zeros_like(node_index), np.ones(n_rows, bool), 1, features),
+                                   rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(masked[i], naive(node_index, row_mask, num_nodes, features), rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(smaller[i][splits], naive(node_index, in_smaller, num_nodes, features)[splits],
+                                   rtol=1e-5, atol=1e-3)
+    # The unused features' cells are zero, not the first step's sums.
+    assert np.abs(roots[0][:, :n_features][:, ~used]).sum() > 0
+    for result in (roots[1], masked[1], smaller[1][splits]):
+        np.testing.assert_array_equal(result[:, :n_features][:, ~used], 0.0)
 
 
 def assert_split_nodes_close(actual, expected, splits, kernel, **tolerances):
