@@ -87,6 +87,10 @@ class RoundShape(NamedTuple):
     # The devices share one code table, each reading it from its row offset (else each holds its rows).
     shared_codes: bool = False
     kernel_threads: int = 1  # threads of the CPU histogram kernel (devices.kernel_threads)
+    # colsample_bylevel or colsample_bynode below 1: the grower samples every level's and node's
+    # features (else a tree's sample is every level's: the per-level draws and sorts, 0.3-0.5 ms
+    # of a 2.5 ms round at 40k rows, are left out of the program).
+    sample_level_columns: bool = True
 
 
 class RoundHealth(NamedTuple):
@@ -433,7 +437,8 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
     health = _round_health(gradients, split_diagonal)
     tree, row_leaves, _, histogram_buffer = grow_tree(
         X_binned_T, gradients, packed_hessians, feature_allowed, tree_key, params.growth, shape.max_depth,
-        shape.max_bin, ROW_AXIS, shape.sample_columns, leaves, shape.missing_values, row_offset, histogram_buffer,
+        shape.max_bin, ROW_AXIS, shape.sample_level_columns, leaves, shape.missing_values, row_offset,
+        histogram_buffer,
         shape.kernel_threads)
     row_leaf = row_leaves.heap_index()
     if shape.leaf_refit:
@@ -486,7 +491,7 @@ def _grow_round_scalar_trees(shape: RoundShape, params: RoundParams, X_binned_T,
         tree, row_leaves, (lower, upper), histogram_buffer = grow_tree(
             X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
             jax.random.fold_in(tree_key, output), params.growth, shape.max_depth, shape.max_bin, ROW_AXIS,
-            shape.sample_columns, missing_values=shape.missing_values, row_offset=row_offset,
+            shape.sample_level_columns, missing_values=shape.missing_values, row_offset=row_offset,
             histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads)
         if shape.leaf_refit:
             offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaves.heap_index(), num_nodes,

@@ -451,7 +451,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        sample_rows=subsample < 1, metrics=(metrics,) * len(eval_rows), mesh=mesh,
                        hessian_mode=hessian, vector_leaves=leaves, missing_values=dataset.has_missing_values,
                        shared_codes=train_rows.shared_codes,
-                       kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin))
+                       kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
+                       sample_level_columns=min(colsample_bylevel, colsample_bynode) < 1)
     boosting_round = compiled_round(shape)
     histograms = histogram_buffer(shape, dataset.n_features)
     schedule = _Schedule(learning_rate)

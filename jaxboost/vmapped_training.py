@@ -191,7 +191,9 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        sample_rows=min(v["subsample"] for v in per_model) < 1, metrics=(metrics,) * len(eval_rows),
                        mesh=mesh, hessian_mode=hessian, vector_leaves=leaves,
                        missing_values=dataset.has_missing_values, shared_codes=rows.shared_codes,
-                       kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin))
+                       kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
+                       sample_level_columns=min(min(v["colsample_bylevel"], v["colsample_bynode"])
+                                                for v in per_model) < 1)
     boosting_rounds = compiled_many_rounds(shape, params_axes)
     histograms = histogram_buffer(shape, dataset.n_features, models=M)
 

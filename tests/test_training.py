@@ -682,6 +682,32 @@ def test_eval_metrics_of_rows_sharded_over_devices_match_the_model(monkeypatch):
         check(member, f"train_many member {index}")
 
 
+def test_a_tree_sample_alone_leaves_the_level_draws_out_and_grows_the_same_trees(monkeypatch):
+    """With colsample_bytree alone below 1, the round leaves the per-level and per-node draws
+    out (fractions of 1 keep every feature of the tree's sample): the trees equal those of a
+    round that makes the draws; with colsample_bylevel below 1 the draws are made."""
+    from jaxboost import training
+    X, y = _regression_data()
+    settings = dict(COMMON, colsample_bytree=0.6, seed=4)
+    shapes = []
+    original = training.RoundShape
+
+    def recording(*args, **kwargs):
+        shapes.append(original(*args, **kwargs))
+        return shapes[-1]
+
+    monkeypatch.setattr(training, "RoundShape", recording)
+    without_draws = jb.train(X, y, **settings)
+    assert not shapes[-1].sample_level_columns and shapes[-1].sample_columns
+    monkeypatch.setattr(training, "RoundShape", lambda *a, **k: original(*a, **dict(k, sample_level_columns=True)))
+    with_draws = jb.train(X, y, **settings)
+    for field in without_draws.trees._fields:
+        np.testing.assert_array_equal(getattr(without_draws.trees, field), getattr(with_draws.trees, field))
+    monkeypatch.setattr(training, "RoundShape", recording)
+    jb.train(X, y, **dict(settings, colsample_bylevel=0.5))
+    assert shapes[-1].sample_level_columns
+
+
 def test_wide_data_trains_on_one_device_with_kernel_threads(monkeypatch):
     """Data whose node histograms are over ``WIDE_NODE_BYTES`` trains on one CPU device whose
     histogram kernel takes the features in threads (one per core), not sharded by rows; the
