@@ -21,6 +21,8 @@ sklearn: at most 2^depth leaves), learning rate 0.1, L2 lambda 1, minimum leaf H
 the missing-value bin separately, so they get max_bin - 1), all cores, no early stopping.
 ``--eval-set`` makes every library evaluate the test split every round (its loss: log loss or
 RMSE), as training with early stopping does; sklearn, which has no such option, is left out.
+``--colsample-bytree F`` makes every tree sample F of the features (LightGBM: feature_fraction;
+sklearn, which samples by split only, is left out).
 
 How it is measured (``bench_worker.py`` does one run):
 
@@ -199,8 +201,10 @@ class Runner:
     """Runs (library, task, size) configurations ``repeats`` times each, remembering results so a
     configuration shared by several tables runs once."""
 
-    def __init__(self, repeats: int, rounds: int, device: str = "cpu", eval_set: bool = False):
+    def __init__(self, repeats: int, rounds: int, device: str = "cpu", eval_set: bool = False,
+                 colsample_bytree: float = 1.0):
         self.repeats, self.rounds, self.device, self.eval_set = repeats, rounds, device, eval_set
+        self.colsample_bytree = colsample_bytree
         self.meter = OtherCpuMeter()
         self.results: dict[tuple, list[dict]] = {}
 
@@ -218,6 +222,8 @@ class Runner:
             worker_args = ["--library", library, "--task", task, "--rows", str(rows), "--rounds", str(self.rounds),
                            "--depth", str(depth), "--max-bin", str(max_bin)] + ([] if predict else ["--no-predict"])
             worker_args += ["--eval-set"] if self.eval_set else []
+            if self.colsample_bytree != 1.0:
+                worker_args += ["--colsample-bytree", str(self.colsample_bytree)]
             started = time.perf_counter()
             result = run_worker(worker_args, self.meter, self.device)
             print(f"  {library:<9} {task:<14} rows={rows:<9} depth={depth:<3} bins={max_bin:<4} "
@@ -362,6 +368,8 @@ def run_tasks(args, runner: Runner) -> list[str]:
             title += f", {NUM_CLASSES} classes (a round grows {NUM_CLASSES} trees: ms/tree is ms a round)"
         if args.eval_set:
             title += ", the test split as an eval set scored every round"
+        if args.colsample_bytree != 1.0:
+            title += f", {args.colsample_bytree:g} of the features sampled for each tree"
         config = (task, args.rows, args.depth, args.max_bin)
         ratios = {library: turn_ratios(runner, library, config) for library in args.libraries}
         section = (f"{title}\n\n{task_table(task, summaries, args.device, ratios)}\n\nMemory (MB, medians):\n\n"
@@ -491,6 +499,9 @@ def method_notes(args) -> str:
         *([f"- Eval set (--eval-set): every train, the timed ones included, evaluates the test split every round "
             f"with the task's loss (log loss, RMSE or multiclass log loss), without early stopping; ms/tree then "
             f"includes a round's prediction of the eval rows and its metric."] if args.eval_set else []),
+        *([f"- Column sample (--colsample-bytree {args.colsample_bytree:g}): each tree draws that fraction of "
+            f"the features (jaxboost and XGBoost colsample_bytree, LightGBM feature_fraction); scikit-learn "
+            f"samples by split only and is left out."] if args.colsample_bytree != 1.0 else []),
         f"- Settings: learning rate 0.1, lambda 1, depth {args.depth} (LightGBM/sklearn: at most "
         f"{2 ** args.depth} leaves), min leaf Hessian 1 (XGBoost min_child_weight, LightGBM "
         f"min_sum_hessian_in_leaf + min_data_in_leaf=1, sklearn min_samples_leaf=1), bins: jaxboost/XGBoost "
@@ -536,10 +547,15 @@ def parse_args(argv=None):
     parser.add_argument("--eval-set", action="store_true",
                         help="train with the test split as an eval set whose loss every round computes (sklearn "
                              "has none: left out by default)")
+    parser.add_argument("--colsample-bytree", type=float, default=1.0,
+                        help="fraction of the features each tree samples (scikit-learn, which samples by split "
+                             "only, is left out by default)")
     args = parser.parse_args(argv)
+    if not 0.0 < args.colsample_bytree <= 1.0:
+        parser.error("--colsample-bytree must be in (0, 1]")
     if args.libraries is None:
         args.libraries = GPU_LIBRARIES if args.device == "gpu" else LIBRARIES
-        if args.eval_set:
+        if args.eval_set or args.colsample_bytree != 1.0:
             args.libraries = [library for library in args.libraries if library != "sklearn"]
     for name, chosen, allowed in [("--tasks", args.tasks, TASKS + OPTIONAL_TASKS),
                                   ("--libraries", args.libraries, LIBRARIES + OPTIONAL_LIBRARIES)]:
@@ -562,7 +578,7 @@ def main(argv=None):
     if warning:
         print(warning.replace("**", ""), file=sys.stderr)
 
-    runner = Runner(args.repeats, args.rounds, args.device, args.eval_set)
+    runner = Runner(args.repeats, args.rounds, args.device, args.eval_set, args.colsample_bytree)
     sections = run_tasks(args, runner)
     if args.scaling:
         sections.append(run_scaling(args, runner))

@@ -213,6 +213,9 @@ class JaxboostRunner:
     def build_eval(self, X, y, dataset):
         return self.jb.Dataset(X, y, reference=dataset)
 
+    def sample_columns(self, fraction):
+        self.params.update(colsample_bytree=fraction)
+
     def train(self, dataset, rounds, eval_set=None):
         if eval_set is None:
             return self.jb.train(dataset, num_rounds=rounds, **self.params)
@@ -267,6 +270,9 @@ class XGBoostRunner:
     def build_eval(self, X, y, dataset):
         return self.xgb.QuantileDMatrix(X, y, ref=dataset, nthread=self.params["nthread"])
 
+    def sample_columns(self, fraction):
+        self.params.update(colsample_bytree=fraction)
+
     def train(self, dataset, rounds, eval_set=None):
         if eval_set is None:
             booster = self.xgb.train(self.params, dataset, num_boost_round=rounds)
@@ -304,6 +310,10 @@ class LightGBMRunner:
 
     def build_eval(self, X, y, dataset):
         return self.lgb.Dataset(X, y, reference=dataset, params=self.params, free_raw_data=False).construct()
+
+    def sample_columns(self, fraction):
+        # LightGBM's per-tree sample, with the same seed every run.
+        self.params.update(feature_fraction=fraction, feature_fraction_seed=SEED)
 
     def train(self, dataset, rounds, eval_set=None):
         if eval_set is None:
@@ -393,6 +403,10 @@ def measure(args) -> dict:
         runner = RUNNERS[args.library](args.task, args.depth, args.max_bin, threads, args.device)
     except ImportError as error:
         return {"status": "not installed", "detail": str(error)}
+    if args.colsample_bytree != 1.0:
+        if not hasattr(runner, "sample_columns"):
+            return {"status": "no column sample", "detail": f"the {args.library} runner samples no columns by tree"}
+        runner.sample_columns(args.colsample_bytree)
     since_reset = reset_peak_rss()
     rss_start_mb = current_rss_mb()
     anonymous_memory = anonymous_memory_sampler()
@@ -475,6 +489,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-bin", type=int, default=256)
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--no-predict", action="store_true", help="skip predict and scoring (scaling runs)")
+    parser.add_argument("--colsample-bytree", type=float, default=1.0,
+                        help="the fraction of features sampled for each tree (LightGBM: feature_fraction)")
     parser.add_argument("--eval-set", action="store_true",
                         help="train with the test split as an eval set, its loss computed every round")
     args = parser.parse_args(argv)
