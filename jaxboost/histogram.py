@@ -190,8 +190,9 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         every device builds the same children.
       max_bin: static number of bins; the missing code is ``max_bin - 1``.
       kernel, threads, feature_major, result_features, row_offset, features_used: as for
-        ``build_histogram``; channels too: the pair is channels 0 and 1 of cells of ``channels`` (the others zero
-        for the XLA kernel, unwritten by the native one), which ``build_histogram`` fills.
+        ``build_histogram``; channels too: the pair is channels 0 and 1 of cells of
+        ``channels`` (the others zero for the XLA kernel, unwritten by the native one), which
+        ``build_histogram`` fills.
       histogram_nodes: static; only the smaller children of the first ``histogram_nodes``
         nodes are summed (None: of all ``num_nodes``). A level held in more slots than can
         hold a parent routes every slot but builds histograms for those only.

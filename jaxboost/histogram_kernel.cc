@@ -521,8 +521,6 @@ ffi::Error FindLocalCodes(const ffi::Buffer<ffi::U8>& codes, const ffi::Buffer<f
   return ffi::Error::Success();
 }
 
-// The cells' width (the histogram's last dimension) and this call's channel: `into` is empty for
-// the first pair (channel 0), else the histogram of the earlier pairs, aliased to the result.
 // The features a call sums: an empty operand for all, else one flag per feature of the codes.
 ffi::Error FindFeaturesUsed(const ffi::Buffer<ffi::PRED>& features_used, int64_t n_features,
                             const std::string& kernel, const bool** flags) {
@@ -534,6 +532,8 @@ ffi::Error FindFeaturesUsed(const ffi::Buffer<ffi::PRED>& features_used, int64_t
   return ffi::Error::Success();
 }
 
+// The cells' width (the histogram's last dimension) and this call's channel: `into` is empty for
+// the first pair (channel 0), else the histogram of the earlier pairs, aliased to the result.
 ffi::Error FindChannels(const ffi::Buffer<ffi::F32>& into, int64_t channel, int64_t width, size_t out_elements,
                         const std::string& kernel) {
   if (width < 2 || channel < 0 || channel % 2 || channel + 2 > width) {
