@@ -275,6 +275,29 @@ def test_grow_tree_matches_naive_grower(max_depth, seed, reg_case):
     assert np.all(tree.value[unreached] == 0) and np.all(tree.loss_change[unreached] == 0), f"unreached nodes {context}"
 
 
+@pytest.mark.parametrize("n_features", [7, 28, 200])  # 200: past PAIRWISE_RANK_FEATURES, sorted
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.8, 1.0])
+def test_sample_features_keeps_the_allowed_features_of_smallest_scores(n_features, fraction):
+    """Each row (a node) keeps max(1, floor(fraction * #allowed)) of its allowed features, those
+    of the smallest uniform scores: the same subset as a NumPy sort of the same scores."""
+    from jaxboost.grower import sample_features
+
+    key = jax.random.PRNGKey(n_features)
+    rng = np.random.default_rng(n_features)
+    allowed = rng.uniform(size=(16, n_features)) < 0.7
+    allowed[0] = True
+    allowed[1] = False
+    allowed[1, 3] = True  # one allowed feature: kept whatever the fraction
+    kept = np.asarray(jax.jit(sample_features)(key, jnp.asarray(allowed), jnp.float32(fraction)))
+    scores = np.asarray(jax.random.uniform(key, allowed.shape))
+    for row in range(allowed.shape[0]):
+        candidates = np.flatnonzero(allowed[row])
+        keep = max(1, int(np.floor(np.float32(fraction) * np.float32(len(candidates)))))
+        expected = np.zeros(n_features, bool)
+        expected[candidates[np.argsort(scores[row, candidates], kind="stable")[:keep]]] = True
+        np.testing.assert_array_equal(kept[row], expected, err_msg=f"row {row}")
+
+
 def test_grow_tree_without_a_valid_split_is_a_single_leaf():
     X_binned, g, h = make_data(0)
     # min_child_weight above half the total Hessian: no split can satisfy it on both sides.
