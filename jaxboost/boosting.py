@@ -88,8 +88,8 @@ class RoundShape(NamedTuple):
     shared_codes: bool = False
     kernel_threads: int = 1  # threads of the CPU histogram kernel (devices.kernel_threads)
     # colsample_bylevel or colsample_bynode below 1: the grower samples every level's and node's
-    # features (else a tree's sample is every level's: the per-level draws and sorts, 0.3-0.5 ms
-    # of a 2.5 ms round at 40k rows, are left out of the program).
+    # features (else a tree's sample is every level's: the per-level draws, 0.3-0.5 ms of a
+    # 2.5 ms round at 40k rows when they sorted, are left out of the program).
     sample_level_columns: bool = True
 
 

@@ -73,8 +73,7 @@ def add_position_values(raw_prediction: jax.Array, values: jax.Array, positions:
         return as_varying_as(call(raw, table, at), (raw, table, at))
 
     # Chosen when lowering: the FFI target exists only on CPU.
-    return per_platform(raw_prediction, values, positions.astype(jnp.int32), cpu=native,
-                                  default=gathered)
+    return per_platform(raw_prediction, values, positions.astype(jnp.int32), cpu=native, default=gathered)
 
 
 def _predict_raw_local(trees: Tree, X_binned: jax.Array, initial: jax.Array, missing_bin: int) -> jax.Array:
