@@ -91,6 +91,9 @@ class RoundShape(NamedTuple):
     # features (else a tree's sample is every level's: the per-level draws, 0.3-0.5 ms of a
     # 2.5 ms round at 40k rows when they sorted, are left out of the program).
     sample_level_columns: bool = True
+    # A tree's column sample keeps at most this many features (``grower.tree_feature_slots``):
+    # its histograms hold that many feature slots. None: every feature.
+    feature_slots: int | None = None
 
 
 class RoundHealth(NamedTuple):
@@ -438,8 +441,7 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
     tree, row_leaves, _, histogram_buffer = grow_tree(
         X_binned_T, gradients, packed_hessians, feature_allowed, tree_key, params.growth, shape.max_depth,
         shape.max_bin, ROW_AXIS, shape.sample_level_columns, leaves, shape.missing_values, row_offset,
-        histogram_buffer,
-        shape.kernel_threads)
+        histogram_buffer, shape.kernel_threads, shape.feature_slots)
     row_leaf = row_leaves.heap_index()
     if shape.leaf_refit:
         num_nodes = num_heap_nodes(shape.max_depth)
@@ -492,7 +494,8 @@ def _grow_round_scalar_trees(shape: RoundShape, params: RoundParams, X_binned_T,
             X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
             jax.random.fold_in(tree_key, output), params.growth, shape.max_depth, shape.max_bin, ROW_AXIS,
             shape.sample_level_columns, missing_values=shape.missing_values, row_offset=row_offset,
-            histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads)
+            histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads,
+            feature_slots=shape.feature_slots)
         if shape.leaf_refit:
             offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaves.heap_index(), num_nodes,
                                        output, params.growth.reg, ROW_AXIS, params.loss_params)
@@ -521,7 +524,8 @@ def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = No
     channels = 2
     if shape.vector_leaves is not None:
         channels = paired_width(shape.vector_leaves.num_outputs + shape.vector_leaves.hessian_channels)
-    local = histogram_buffer_shape(shape.max_depth, n_features, shape.max_bin, channels, devices)
+    local = histogram_buffer_shape(shape.max_depth, shape.feature_slots or n_features, shape.max_bin, channels,
+                                   devices)
     global_shape = (devices * local[0],) + local[1:]
     if models is not None:
         global_shape = (models,) + global_shape
@@ -605,7 +609,8 @@ def round_function(shape: RoundShape) -> Callable:
             row_weight = jnp.where(in_sample, sample_weight, 0.0)
         feature_allowed = jnp.ones(X_binned_T.shape[0], bool)
         if shape.sample_columns:
-            feature_allowed = sample_features(column_key, feature_allowed, params.colsample_bytree)
+            feature_allowed = sample_features(column_key, feature_allowed, params.colsample_bytree,
+                                              shape.feature_slots)
         raw_prediction, trees, health, histogram_buffer = grow(params, X_binned_T, row_offsets, y, row_weight,
                                                                raw_prediction, feature_allowed, tree_key,
                                                                histogram_buffer)

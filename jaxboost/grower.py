@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .devices import all_sum, all_sum_scattered, axis_devices, chunks_in_use, in_steps_on_cpu
 from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram,
@@ -73,12 +74,15 @@ def interaction_allowed(path_features: jax.Array, groups: jax.Array) -> jax.Arra
 PAIRWISE_RANK_FEATURES = 128
 
 
-def sample_features(key: jax.Array, allowed: jax.Array, fraction: jax.Array) -> jax.Array:
+def sample_features(key: jax.Array, allowed: jax.Array, fraction: jax.Array, max_keep: int | None = None) -> jax.Array:
     """Keep ``max(1, floor(fraction * #allowed))`` of the allowed features (last axis), uniformly:
-    those of the smallest uniform scores (the features not allowed score above them all)."""
+    those of the smallest uniform scores (the features not allowed score above them all); at
+    most ``max_keep`` (static) when given."""
     scores = jnp.where(allowed, jax.random.uniform(key, allowed.shape), 2.0)
     count = jnp.sum(allowed, axis=-1, keepdims=True)
     keep = jnp.maximum(1, jnp.floor(fraction * count).astype(jnp.int32))
+    if max_keep is not None:
+        keep = jnp.minimum(keep, max_keep)
     n_features = allowed.shape[-1]
     if n_features <= PAIRWISE_RANK_FEATURES:
         # A feature's rank: the features scored below it (equal scores: those before it).
@@ -86,9 +90,23 @@ def sample_features(key: jax.Array, allowed: jax.Array, fraction: jax.Array) -> 
         index = jnp.arange(n_features)
         below = (other < own) | ((other == own) & (index < index[:, None]))
         return allowed & (jnp.sum(below, axis=-1) < keep)
-    # The keep-th smallest score is the cut.
+    # The keep-th smallest score is the cut. Scores equal to it are kept in feature order, as
+    # many as the count needs: keeping them all took 251 features of 500 at a fraction of 0.5
+    # in one round of a hundred (float32 uniforms tie).
     cut = jnp.take_along_axis(jnp.sort(scores, axis=-1), keep - 1, axis=-1)
-    return allowed & (scores <= cut)
+    at_cut = scores == cut
+    needed_at_cut = keep - jnp.sum(scores < cut, axis=-1, keepdims=True)
+    return allowed & ((scores < cut) | (at_cut & (jnp.cumsum(at_cut, axis=-1) <= needed_at_cut)))
+
+
+def tree_feature_slots(colsample_bytree: float, n_features: int) -> int | None:
+    """The features a tree's column sample keeps (``sample_features`` of all ``n_features`` at
+    ``colsample_bytree``, in float32 as the round computes it), the static number of feature
+    slots of its histograms (``grow_tree``'s ``feature_slots``); None when it keeps them all."""
+    if colsample_bytree >= 1:
+        return None
+    keep = max(1, int(np.floor(np.float32(colsample_bytree) * np.float32(n_features))))
+    return keep if keep < n_features else None
 
 
 def empty_tree(num_nodes: int, num_outputs: int | None = None) -> Tree:
@@ -328,7 +346,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
               leaves: VectorLeaves | None = None, missing_values: bool = True,
               row_offset: jax.Array | None = None,
               histogram_buffer: jax.Array | None = None,
-              kernel_threads: int = 1) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
+              kernel_threads: int = 1, feature_slots: int | None = None) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
     """Grow one tree.
 
     Args:
@@ -355,6 +373,10 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         10k rows).
       kernel_threads: threads of the CPU histogram kernel, each taking a range of features
         (``devices.kernel_threads``: wide data on one device); 1 when rows are sharded.
+      feature_slots: static; at least the number of features in ``feature_allowed`` (a tree's
+        column sample, ``tree_feature_slots``), or None. The histograms then hold that many
+        feature slots, the sampled features' in feature order (the rest never allowed), and
+        the sums over devices, the subtraction and the split scan run over those slots only.
 
     Returns:
       ``(tree, row_leaves, (lower, upper), histogram_buffer)``: the tree's node arrays (values
@@ -437,11 +459,14 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         if params.interaction_groups is not None:
             # After sampling, as XGBoost does: constraints filter the sampled features.
             node_features = node_features & interaction_allowed(state.path_features, params.interaction_groups)
-        level_bounds = None if monotone is None else NodeBounds(monotone, state.lower, state.upper)
+        level_bounds = None if monotone is None else NodeBounds(in_slots(monotone), state.lower, state.upper)
         # A level (traced depth) fills only the first 2^depth of its slots.
         live_nodes = 2 ** depth
-        split = find_best_splits_over_devices(state.histograms, node_features, params.reg, params.min_child_weight,
-                                              axis_name, level_bounds, leaves, live_nodes, missing_values, active)
+        split = find_best_splits_over_devices(state.histograms, in_slots(node_features) & slot_in_sample, slot_reg,
+                                              params.min_child_weight, axis_name, level_bounds, leaves, live_nodes,
+                                              missing_values, active)
+        if slot_feature is not None:
+            split = split._replace(feature=slot_feature[split.feature])
         splits = active & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
             feature=write_level(tree.feature, jnp.where(splits, split.feature, 0), first_slot),
@@ -512,7 +537,26 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     # features to equal blocks.
     devices = axis_devices(axis_name)
     sharded = devices > 1
-    summed_features = -(-n_features // devices) * devices
+    # A tree's column sample: the kernels write compact histograms, its features' cells in
+    # ``feature_slots`` slots (padded to equal blocks over the devices), so the sums over
+    # devices, the subtraction and the split scan skip the other features too (at
+    # colsample_bytree=0.5, 20k rows x 50 features: 2.5 -> 2.1 ms a tree).
+    histogram_features = n_features
+    slot_feature, slot_in_sample, slot_reg = None, True, params.reg
+    if feature_slots is not None and -(-feature_slots // devices) * devices < n_features:
+        histogram_features = feature_slots
+        (listed,) = jnp.nonzero(feature_allowed, size=-(-feature_slots // devices) * devices, fill_value=-1)
+        slot_in_sample = listed >= 0
+        slot_feature = jnp.where(slot_in_sample, listed, 0).astype(jnp.int32)
+        if jnp.ndim(params.reg.split_cost) == 1:
+            slot_reg = params.reg.replace(split_cost=jnp.asarray(params.reg.split_cost)[slot_feature])
+    # Feature slots of the kernels' results: padded to equal blocks, one a device.
+    summed_features = -(-histogram_features // devices) * devices
+
+    def in_slots(per_feature):
+        """Per-feature values (last axis) in the histograms' feature slots."""
+        return per_feature if slot_feature is None else per_feature[..., slot_feature]
+
     looped_capacity = min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))
     looped_levels = looped_capacity.bit_length() - 1  # levels whose children fit in looped_capacity
     root_index = jnp.zeros(n_rows, jnp.int32)
@@ -529,7 +573,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         return jax.lax.dynamic_update_slice_in_dim(histogram_buffer, root[None], 0, axis=0)
 
     if histogram_buffer is not None:
-        expected = histogram_buffer_shape(max_depth, n_features, max_bin, statistics.width, devices)
+        expected = histogram_buffer_shape(max_depth, histogram_features, max_bin, statistics.width, devices)
         if histogram_buffer.shape != expected:
             raise ValueError(f"histogram_buffer must have this device's shape {expected} (histogram_buffer_shape); "
                              f"got {histogram_buffer.shape}")
@@ -542,8 +586,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     root_histogram = all_sum_scattered(local_root, axis_name, 1)[0]
     # Every row lies in one bin of each feature, so the first sampled feature's bins sum to the
     # root's totals: no separate sums over rows. Every device sums the same feature's, so all
-    # hold the same totals bit for bit.
-    first_sampled = jnp.argmax(feature_allowed)
+    # hold the same totals bit for bit. (In compact histograms it is in the first slot.)
+    first_sampled = 0 if slot_feature is not None else jnp.argmax(feature_allowed)
     root_totals = all_sum(jnp.sum(jax.lax.dynamic_index_in_dim(local_root[0], first_sampled, keepdims=False), axis=0),
                           axis_name)
     num_gradient_channels = gradients.shape[1] if gradients.ndim == 2 else 1

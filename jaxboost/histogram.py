@@ -82,8 +82,10 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
       feature_major: the native kernel lays the result out in memory feature by feature (the
         array is the same; XLA's layout is ``(n_features, num_nodes, max_bin, 2)``), so that
         summing it over devices scattered by feature needs no transpose first.
-      result_features: features of the result (None: ``n_features``): the codes' features, then
-        zero ones (so that the features divide into equal blocks, one per device).
+      result_features: feature slots of the result (None: ``n_features``): the codes' features,
+        then zero ones (so that the features divide into equal blocks, one per device). Fewer
+        than ``n_features`` make the result compact: the features of ``features_used`` (at most
+        that many) fill its first slots in feature order, the rest are zero.
       row_offset: int32 scalar, the first local row's column in ``X_binned_T`` (the devices of
         a CPU share one table, each reading its own columns), or None when the columns are
         the rows.
@@ -93,7 +95,7 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
         None for channel 0. The native kernel writes each pair into the one buffer in place.
       features_used: optional bool ``(n_features,)``: the features whose cells are read (a
         tree's column sample). The native kernel sums only those and leaves the others' cells
-        zero; the XLA kernel sums every feature. None: all.
+        zero (or, compact, has none); the XLA kernel sums every feature. None: all.
 
     Returns:
       float32 ``(num_nodes, result_features, max_bin, channels)``: ``[..., channel]`` sums of
@@ -107,9 +109,9 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
             gradients.astype(jnp.float32), hessians.astype(jnp.float32),
             jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool), into,
-            _features_used_operand(features_used, X_binned_T))
-    xla = _without_features_used(_into_channels(_with_features(
-        partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features), channels, channel))
+            _features_used_operand(features_used, X_binned_T, result_features))
+    xla = _xla_result(partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features, channels,
+                      channel)
     if target is None:
         return xla(*args)
     native = partial(_native_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
@@ -119,9 +121,12 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
     return per_platform(*args, cpu=native, default=xla)
 
 
-def _features_used_operand(features_used, X_binned_T) -> jax.Array:
+def _features_used_operand(features_used, X_binned_T, result_features: int) -> jax.Array:
     """The native kernels' operand for ``features_used``: one flag per feature, or empty for all."""
     if features_used is None:
+        if result_features < X_binned_T.shape[0]:
+            raise ValueError(f"a compact histogram ({result_features} feature slots for {X_binned_T.shape[0]} "
+                             "features) needs features_used")
         return jnp.zeros((0,), bool)
     if jnp.shape(features_used) != X_binned_T.shape[:1]:
         raise ValueError(f"features_used must hold one flag per feature, shape {X_binned_T.shape[:1]}; got "
@@ -129,10 +134,27 @@ def _features_used_operand(features_used, X_binned_T) -> jax.Array:
     return jnp.asarray(features_used).astype(bool)
 
 
-def _without_features_used(kernel):
-    """An XLA ``kernel`` called with the native kernels' operands, the last (``features_used``)
-    dropped: it sums every feature."""
-    return lambda *args: kernel(*args[:-1])
+def _xla_result(kernel, result_features: int, channels: int, channel: int):
+    """An XLA ``kernel`` called with the native kernels' operands, its histogram (its result, or
+    the last of them: every feature, one (g, h) pair a cell) made into theirs: in
+    ``result_features`` slots (padded with zero features, or compact: the used features' cells
+    taken out), written into channels ``[channel, channel + 2)`` of the cells of ``into`` (the
+    operand before ``features_used``; empty for channel 0: the other channels are then zeros)."""
+    def call(*args):
+        *operands, into, features_used = args
+        outputs = kernel(*operands)
+        pair = outputs[-1] if isinstance(outputs, tuple) else outputs
+        n_features = pair.shape[1]
+        if result_features < n_features:
+            (listed,) = jnp.nonzero(features_used, size=result_features, fill_value=n_features)
+            pair = jnp.take(pair, listed, axis=1, mode="fill", fill_value=0.0)
+        elif result_features > n_features:
+            pair = jnp.pad(pair, ((0, 0), (0, result_features - n_features), (0, 0), (0, 0)))
+        if channels != 2:
+            earlier = into if channel else jnp.zeros(pair.shape[:-1] + (channels,), jnp.float32)
+            pair = earlier.at[..., channel:channel + 2].set(pair)
+        return outputs[:-1] + (pair,) if isinstance(outputs, tuple) else pair
+    return call
 
 
 def _earlier_channels(into, cells: tuple, channels: int, channel: int) -> jax.Array:
@@ -146,22 +168,6 @@ def _earlier_channels(into, cells: tuple, channels: int, channel: int) -> jax.Ar
         return jnp.zeros((0,), jnp.float32)
     if jnp.shape(into) != cells + (channels,) or into.dtype != jnp.float32:
         raise ValueError(f"into must be float32 {cells + (channels,)}; got {into.dtype} {jnp.shape(into)}")
-    return into
-
-
-def _into_channels(kernel, channels: int, channel: int):
-    """An XLA ``kernel`` (whose histogram, its result or the last of them, has one (g, h) pair a
-    cell) writing that pair into channels ``[channel, channel + 2)`` of the last operand's cells
-    (empty for channel 0: the other channels are then zeros)."""
-    if channels == 2:
-        return lambda *args: kernel(*args[:-1])
-
-    def into(*args):
-        outputs = kernel(*args[:-1])
-        pair = outputs[-1] if isinstance(outputs, tuple) else outputs
-        earlier = args[-1] if channel else jnp.zeros(pair.shape[:-1] + (channels,), jnp.float32)
-        histogram = earlier.at[..., channel:channel + 2].set(pair)
-        return outputs[:-1] + (histogram,) if isinstance(outputs, tuple) else histogram
     return into
 
 
@@ -216,15 +222,16 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         if jnp.shape(value) != (num_nodes,):
             raise ValueError(f"{name} must have shape ({num_nodes},) like splits; got {jnp.shape(value)}")
     target = _choose_native_target(ROUTE_HISTOGRAM_TARGET, "route", kernel, threads, X_binned_T, max_bin)
+    result_features = X_binned_T.shape[0] if result_features is None else result_features
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_of_row), node_of_row.astype(jnp.int32),
             gradients.astype(jnp.float32), hessians.astype(jnp.float32), split_feature.astype(jnp.int32),
             split_threshold_bin.astype(jnp.int32), split_default_left.astype(bool), splits.astype(bool),
             left_is_smaller.astype(bool),
             jnp.reshape(jnp.asarray(histogram_nodes if live_nodes is None else live_nodes, jnp.int32), (1,)),
-            _earlier_channels(None, (), channels, 0), _features_used_operand(features_used, X_binned_T))
-    result_features = X_binned_T.shape[0] if result_features is None else result_features
-    xla = _without_features_used(_into_channels(_with_features(
-        partial(_xla_route_histogram, num_nodes=histogram_nodes, max_bin=max_bin), result_features), channels, 0))
+            _earlier_channels(None, (), channels, 0),
+            _features_used_operand(features_used, X_binned_T, result_features))
+    xla = _xla_result(partial(_xla_route_histogram, num_nodes=histogram_nodes, max_bin=max_bin), result_features,
+                      channels, 0)
     if target is None:
         return xla(*args)
     native = partial(_native_route_histogram, target=target, num_nodes=histogram_nodes, max_bin=max_bin,
@@ -336,19 +343,6 @@ def _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogra
     ``histogram_nodes`` nodes, if that node splits."""
     return (splits[node_of_row] & (goes_right != left_is_smaller[node_of_row])
             & (node_of_row < histogram_nodes))
-
-
-def _with_features(kernel, result_features: int):
-    """``kernel`` with its histogram (its result, or the last of them) padded with zero features
-    up to ``result_features``."""
-    def padded(*args):
-        outputs = kernel(*args)
-        histogram = outputs[-1] if isinstance(outputs, tuple) else outputs
-        pad = result_features - histogram.shape[1]
-        if pad:
-            histogram = jnp.pad(histogram, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        return outputs[:-1] + (histogram,) if isinstance(outputs, tuple) else histogram
-    return padded
 
 
 # The native kernels' result layouts, major to minor: node-major or feature-major.
@@ -590,7 +584,7 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
             statistics.matrix, jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool),
             _earlier_channels(into, (num_nodes, result_features, max_bin), width, channel),
-            _features_used_operand(features_used, X_binned_T))
+            _features_used_operand(features_used, X_binned_T, result_features))
     native = partial(_native_channel_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
                      feature_major=feature_major, result_features=result_features, width=width, channel=channel)
     # Chosen when lowering: the FFI target exists only on CPU.

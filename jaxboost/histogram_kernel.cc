@@ -81,6 +81,11 @@ struct CellChannels {
   int64_t channel = 0;
 };
 
+// The slot of feature `f`'s cells in a histogram: `f`, or in a compact one (a tree's column
+// sample: only the features used have cells, in feature order) the number of features used
+// before it, `slot_start[f]` (`slot_start` holds n_features + 1 such counts; null: not compact).
+inline int64_t SlotOf(const int64_t* slot_start, int64_t f) { return slot_start == nullptr ? f : slot_start[f]; }
+
 // A selected row as the histogram passes read it: its id, its node and its (g, h) in 16 bytes,
 // so each pass over a block reads one stream (three separate arrays of 64-bit ids, node offsets
 // and pairs were 24 bytes a row).
@@ -90,18 +95,19 @@ struct GatheredRow {
   float pair[2];
 };
 
-// Adds the selected rows of a block to `Group` consecutive features starting at `first`: one
+// Adds the selected rows of a block to `Group` consecutive features starting at `first`, whose
+// cells are the consecutive feature slots from `first_slot` (`SlotOf`): one
 // read of each row's id, node and (g, h) serves the group's features. `AllRows`: the block's
 // rows are every row from `first_row` on, all in node 0 (the root), with their (g, h) in
 // `pairs`, so there are no row ids or nodes to read.
 // `Pairs`: cells of exactly (g, h) (width 2, channel 0), whose offsets take a constant factor:
 // the general width's multiply in this innermost loop cost 3-8% of a call.
 template <int Group, bool AllRows, bool Pairs>
-void AccumulateGroup(const uint8_t* codes, int64_t stride, int64_t first, int64_t first_row,
+void AccumulateGroup(const uint8_t* codes, int64_t stride, int64_t first, int64_t first_slot, int64_t first_row,
                      const GatheredRow* gathered, const float* pairs, int64_t count, CellLayout layout,
                      CellChannels cells, float* hist) {
   const uint8_t* group_codes = codes + first * stride + first_row;
-  float* group_hist = hist + first * layout.feature_stride + (Pairs ? 0 : cells.channel);
+  float* group_hist = hist + first_slot * layout.feature_stride + (Pairs ? 0 : cells.channel);
   const int64_t width = Pairs ? 2 : cells.width;
   for (int64_t j = 0; j < count; ++j) {
     const uint8_t* row_codes = group_codes + (AllRows ? j : gathered[j].row);
@@ -117,14 +123,14 @@ void AccumulateGroup(const uint8_t* codes, int64_t stride, int64_t first, int64_
 // AccumulateGroup for `Group` features listed in `features` (any, in order) rather than
 // consecutive ones: the pass a tree's column sample takes, its features spread over the codes.
 template <int Group, bool AllRows, bool Pairs>
-void AccumulateListedGroup(const uint8_t* codes, int64_t stride, const int64_t* features, int64_t first_row,
-                           const GatheredRow* gathered, const float* pairs, int64_t count, CellLayout layout,
-                           CellChannels cells, float* hist) {
+void AccumulateListedGroup(const uint8_t* codes, int64_t stride, const int64_t* features, const int64_t* slot_start,
+                           int64_t first_row, const GatheredRow* gathered, const float* pairs, int64_t count,
+                           CellLayout layout, CellChannels cells, float* hist) {
   const uint8_t* feature_codes[Group];
   int64_t feature_offset[Group];
   for (int k = 0; k < Group; ++k) {
     feature_codes[k] = codes + features[k] * stride + first_row;
-    feature_offset[k] = features[k] * layout.feature_stride + (Pairs ? 0 : cells.channel);
+    feature_offset[k] = SlotOf(slot_start, features[k]) * layout.feature_stride + (Pairs ? 0 : cells.channel);
   }
   const int64_t width = Pairs ? 2 : cells.width;
   for (int64_t j = 0; j < count; ++j) {
@@ -165,14 +171,16 @@ void ZeroCells(float* hist, CellLayout layout, int64_t bins, int64_t width, cons
 //
 // With `listed` (the features of [feature_begin, feature_end) to sum, in order), only those are
 // summed, four listed features a pass as four consecutive ones would be; the others' cells of
-// `zero_nodes` are zeroed (left as they are without `zero_nodes`: zero already).
+// `zero_nodes` are zeroed (left as they are without `zero_nodes`: zero already), unless the
+// histogram is compact (`slot_start`), where they have none.
 template <bool AllRows, bool Pairs>
 void AccumulateFeatureGroups(const uint8_t* codes, int64_t stride, int64_t feature_begin, int64_t feature_end,
                              int64_t first_row, const GatheredRow* gathered, const float* pairs, int64_t count,
                              CellLayout layout, CellChannels cells, float* hist,
-                             const std::vector<int64_t>* zero_nodes, const std::vector<int64_t>* listed) {
+                             const std::vector<int64_t>* zero_nodes, const std::vector<int64_t>* listed,
+                             const int64_t* slot_start) {
   if (listed != nullptr) {
-    if (zero_nodes != nullptr) {
+    if (zero_nodes != nullptr && slot_start == nullptr) {
       size_t next = 0;
       for (int64_t f = feature_begin; f < feature_end; ++f) {
         if (next < listed->size() && (*listed)[next] == f) {
@@ -187,28 +195,34 @@ void AccumulateFeatureGroups(const uint8_t* codes, int64_t stride, int64_t featu
     for (; at + kFeatureGroup <= n_listed; at += kFeatureGroup) {
       if (zero_nodes != nullptr) {
         for (int64_t k = 0; k < kFeatureGroup; ++k) {
-          ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, (*listed)[at + k], (*listed)[at + k] + 1);
+          const int64_t slot = SlotOf(slot_start, (*listed)[at + k]);
+          ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, slot, slot + 1);
         }
       }
-      AccumulateListedGroup<kFeatureGroup, AllRows, Pairs>(codes, stride, listed->data() + at, first_row, gathered,
-                                                           pairs, count, layout, cells, hist);
+      AccumulateListedGroup<kFeatureGroup, AllRows, Pairs>(codes, stride, listed->data() + at, slot_start, first_row,
+                                                           gathered, pairs, count, layout, cells, hist);
     }
     for (; at < n_listed; ++at) {
-      const int64_t f = (*listed)[at];
-      if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, f, f + 1);
-      AccumulateGroup<1, AllRows, Pairs>(codes, stride, f, first_row, gathered, pairs, count, layout, cells, hist);
+      const int64_t f = (*listed)[at], slot = SlotOf(slot_start, f);
+      if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, slot, slot + 1);
+      AccumulateGroup<1, AllRows, Pairs>(codes, stride, f, slot, first_row, gathered, pairs, count, layout, cells,
+                                         hist);
     }
     return;
   }
+  // Every feature of the range is summed: their slots are consecutive.
   int64_t f = feature_begin;
   for (; f + kFeatureGroup <= feature_end; f += kFeatureGroup) {
-    if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, f, f + kFeatureGroup);
-    AccumulateGroup<kFeatureGroup, AllRows, Pairs>(codes, stride, f, first_row, gathered, pairs, count, layout, cells,
-                                                   hist);
+    const int64_t slot = SlotOf(slot_start, f);
+    if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, slot, slot + kFeatureGroup);
+    AccumulateGroup<kFeatureGroup, AllRows, Pairs>(codes, stride, f, slot, first_row, gathered, pairs, count, layout,
+                                                   cells, hist);
   }
   for (; f < feature_end; ++f) {
-    if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, f, f + 1);
-    AccumulateGroup<1, AllRows, Pairs>(codes, stride, f, first_row, gathered, pairs, count, layout, cells, hist);
+    const int64_t slot = SlotOf(slot_start, f);
+    if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, slot, slot + 1);
+    AccumulateGroup<1, AllRows, Pairs>(codes, stride, f, slot, first_row, gathered, pairs, count, layout, cells,
+                                       hist);
   }
 }
 
@@ -216,13 +230,13 @@ template <bool AllRows>
 void AccumulateBlock(const uint8_t* codes, int64_t stride, int64_t feature_begin, int64_t feature_end,
                      int64_t first_row, const GatheredRow* gathered, const float* pairs, int64_t count,
                      CellLayout layout, CellChannels cells, float* hist, const std::vector<int64_t>* zero_nodes,
-                     const std::vector<int64_t>* listed) {
+                     const std::vector<int64_t>* listed, const int64_t* slot_start) {
   if (cells.width == 2) {
     AccumulateFeatureGroups<AllRows, true>(codes, stride, feature_begin, feature_end, first_row, gathered, pairs,
-                                           count, layout, cells, hist, zero_nodes, listed);
+                                           count, layout, cells, hist, zero_nodes, listed, slot_start);
   } else {
     AccumulateFeatureGroups<AllRows, false>(codes, stride, feature_begin, feature_end, first_row, gathered, pairs,
-                                            count, layout, cells, hist, zero_nodes, listed);
+                                            count, layout, cells, hist, zero_nodes, listed, slot_start);
   }
 }
 
@@ -321,8 +335,8 @@ struct HistogramProblem {
   int64_t channel = 0;
   CellChannels cells;  // set by BuildHistogram: those of `hist` (the scratch buffer's are (g, h))
   bool feature_major = false;
-  // Features of the result: n_features and zeroed ones after them (blocks of equal size for
-  // sums over devices scattered by feature).
+  // Feature slots of the result: n_features, or fewer for a compact one (`slot_start`), and
+  // zeroed ones after them (blocks of equal size for sums over devices scattered by feature).
   int64_t out_features = 0;
   CellLayout layout{0, 0};  // set by BuildHistogram
   // Only nodes [0, summed_nodes) hold rows to sum; the cells of later nodes are left unwritten
@@ -339,7 +353,16 @@ struct HistogramProblem {
   // When set, only the features flagged are summed (a tree's column sample: the grower reads no
   // other feature's cells); the others' cells come out zero. Null: every feature.
   const bool* features_used = nullptr;
+  // When set, the histogram is compact (`SlotOf`): out_features slots, the features used in the
+  // first of them, the rest zero.
+  const int64_t* slot_start = nullptr;
 };
+
+// The feature slots that hold the codes' features: n_features, or in a compact histogram the
+// features used.
+inline int64_t FeatureSlots(const HistogramProblem& p) {
+  return p.slot_start == nullptr ? p.n_features : p.slot_start[p.n_features];
+}
 
 // The features of [feature_begin, feature_end) that `p` sums, or null when that is all of them.
 std::unique_ptr<std::vector<int64_t>> ListedFeatures(const HistogramProblem& p, int64_t feature_begin,
@@ -371,7 +394,8 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
     while (end_row > 0 && p.gradients[end_row - 1] == 0.0f && p.hessians[end_row - 1] == 0.0f) --end_row;
   }
   if (p.zero_nodes != nullptr && end_row == 0) {
-    ZeroCells(p.hist, p.layout, kCodeSlots, p.cells.width, *p.zero_nodes, feature_begin, feature_end);  // no pass
+    ZeroCells(p.hist, p.layout, kCodeSlots, p.cells.width, *p.zero_nodes, SlotOf(p.slot_start, feature_begin),
+              SlotOf(p.slot_start, feature_end));  // no pass
   }
   const std::unique_ptr<std::vector<int64_t>> listed = ListedFeatures(p, feature_begin, feature_end);
   if (all_rows) {
@@ -385,7 +409,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       }
       AccumulateBlock<true>(p.codes, p.code_stride, feature_begin, feature_end, start, nullptr, pairs.data(),
                             stop - start, p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr,
-                            listed.get());
+                            listed.get(), p.slot_start);
     }
     return;
   }
@@ -415,7 +439,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       count += static_cast<int>(take) & (static_cast<int>(g != 0.0f) | static_cast<int>(h != 0.0f));
     }
     AccumulateBlock<false>(p.codes, p.code_stride, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
-                           p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr, listed.get());
+                           p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr, listed.get(), p.slot_start);
     start = i;
   }
 }
@@ -457,7 +481,7 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
     problem.cells = CellChannels{problem.width, problem.channel};
     // The passes zero the codes' features; nothing adds to the zero features after them.
     if (first_channels) {
-      ZeroCells(out, problem.layout, kCodeSlots, problem.width, written, problem.n_features, problem.out_features);
+      ZeroCells(out, problem.layout, kCodeSlots, problem.width, written, FeatureSlots(problem), problem.out_features);
       problem.zero_nodes = &written;
     }
     problem.hist = out;
@@ -479,13 +503,13 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
                                            problem.width);
   // The first pair starts the cells: their other channels too (zero), which later pairs add to.
   if (first_channels) {
-    ZeroCells(out, out_layout, max_bin, problem.width, written, problem.width == 2 ? problem.n_features : 0,
+    ZeroCells(out, out_layout, max_bin, problem.width, written, problem.width == 2 ? FeatureSlots(problem) : 0,
               problem.out_features);
   }
   for (const int64_t node : written) {
-    for (int64_t f = 0; f < problem.n_features; ++f) {
-      const float* source = problem.hist + node * problem.layout.node_stride + f * problem.layout.feature_stride;
-      float* target = out + node * out_layout.node_stride + f * out_layout.feature_stride + problem.channel;
+    for (int64_t slot = 0; slot < FeatureSlots(problem); ++slot) {
+      const float* source = problem.hist + node * problem.layout.node_stride + slot * problem.layout.feature_stride;
+      float* target = out + node * out_layout.node_stride + slot * out_layout.feature_stride + problem.channel;
       if (problem.width == 2) {
         std::memcpy(target, source, sizeof(float) * 2 * max_bin);
       } else {
@@ -532,6 +556,23 @@ ffi::Error FindFeaturesUsed(const ffi::Buffer<ffi::PRED>& features_used, int64_t
   return ffi::Error::Success();
 }
 
+// A compact histogram's slots (`SlotOf`): when the result has fewer feature slots than the codes
+// have features, the features used (at most that many) fill its first slots in order, and
+// `slot_start` gets their counts; otherwise it stays empty (feature f's cells at slot f).
+ffi::Error FindFeatureSlots(const bool* features_used, int64_t n_features, int64_t out_features,
+                            const std::string& kernel, std::vector<int64_t>* slot_start) {
+  if (out_features >= n_features) return ffi::Error::Success();
+  if (features_used == nullptr) {
+    return ffi::Error::InvalidArgument(kernel + ": fewer feature slots than features need the features used");
+  }
+  slot_start->assign(static_cast<size_t>(n_features + 1), 0);
+  for (int64_t f = 0; f < n_features; ++f) (*slot_start)[f + 1] = (*slot_start)[f] + (features_used[f] ? 1 : 0);
+  if ((*slot_start)[n_features] > out_features) {
+    return ffi::Error::InvalidArgument(kernel + ": more features used than the histogram has feature slots");
+  }
+  return ffi::Error::Success();
+}
+
 // The cells' width (the histogram's last dimension) and this call's channel: `into` is empty for
 // the first pair (channel 0), else the histogram of the earlier pairs, aliased to the result.
 ffi::Error FindChannels(const ffi::Buffer<ffi::F32>& into, int64_t channel, int64_t width, size_t out_elements,
@@ -559,8 +600,7 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_o
   }
   const int64_t n_features = local.n_features;
   const int64_t num_nodes = out_dims[0], max_bin = out_dims[2];
-  if (out_dims[1] < n_features || max_bin > kCodeSlots ||
-      static_cast<int64_t>(gradients.element_count()) != n_rows ||
+  if (max_bin > kCodeSlots || static_cast<int64_t>(gradients.element_count()) != n_rows ||
       static_cast<int64_t>(hessians.element_count()) != n_rows) {
     return ffi::Error::InvalidArgument("histogram kernel: inconsistent shapes");
   }
@@ -579,10 +619,17 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_o
   problem.out_features = out_dims[1];
   problem.width = out_dims[3];
   problem.channel = channel;
+  std::vector<int64_t> slot_start;
   if (ffi::Error error = FindFeaturesUsed(features_used, n_features, "histogram kernel", &problem.features_used);
       error.failure()) {
     return error;
   }
+  if (ffi::Error error = FindFeatureSlots(problem.features_used, n_features, out_dims[1], "histogram kernel",
+                                          &slot_start);
+      error.failure()) {
+    return error;
+  }
+  if (!slot_start.empty()) problem.slot_start = slot_start.data();
   BuildHistogram(problem, max_bin, threads, histogram->typed_data());
   return ffi::Error::Success();
 }
@@ -617,7 +664,7 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   for (int64_t count : per_node) {
     if (count != num_nodes) return ffi::Error::InvalidArgument("route kernel: one split per node expected");
   }
-  if (histogram_nodes > num_nodes || out_dims[1] < n_features || max_bin > kCodeSlots ||
+  if (histogram_nodes > num_nodes || max_bin > kCodeSlots ||
       static_cast<int64_t>(child_of_row->element_count()) != n_rows ||
       static_cast<int64_t>(gradients.element_count()) != n_rows ||
       static_cast<int64_t>(hessians.element_count()) != n_rows) {
@@ -642,10 +689,16 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   problem.channel = channel;
   problem.out_features = out_dims[1];
   problem.summed_nodes = std::clamp<int64_t>(live_nodes.typed_data()[0], 0, histogram_nodes);
+  std::vector<int64_t> slot_start;
   if (ffi::Error error = FindFeaturesUsed(features_used, n_features, "route kernel", &problem.features_used);
       error.failure()) {
     return error;
   }
+  if (ffi::Error error = FindFeatureSlots(problem.features_used, n_features, out_dims[1], "route kernel", &slot_start);
+      error.failure()) {
+    return error;
+  }
+  if (!slot_start.empty()) problem.slot_start = slot_start.data();
   if (std::none_of(splits.typed_data(), splits.typed_data() + num_nodes, [](bool split) { return split; })) {
     // No smaller children (a looped last level): routing alone, without gathering rows, and no
     // cell is written (`WritesNode`).
@@ -671,6 +724,7 @@ struct ChannelProblem {
   CellLayout layout;
   float* hist;
   const bool* features_used;  // null: every feature (see HistogramProblem)
+  const int64_t* slot_start;  // null: not compact (see HistogramProblem)
 };
 
 // Tiles of the channel kernel: a feature at a time over blocks of rows. A feature's cells of a
@@ -694,7 +748,7 @@ void AccumulateChannelFeatures(const ChannelProblem& p, int64_t feature_begin, i
     for (int64_t f = feature_begin; f < feature_end; ++f) {
       if (p.features_used != nullptr && !p.features_used[f]) continue;  // its cells stay zero
       const uint8_t* feature_codes = p.codes + f * p.code_stride;
-      float* feature_hist = p.hist + f * p.layout.feature_stride + p.channel;
+      float* feature_hist = p.hist + SlotOf(p.slot_start, f) * p.layout.feature_stride + p.channel;
       for (int64_t j = 0; j < count; ++j) {
         const int64_t row = rows[j];
         const int64_t code = feature_codes[row];
@@ -726,7 +780,7 @@ ffi::Error ChannelHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32
     return error;
   }
   const int64_t num_nodes = out_dims[0], out_features = out_dims[1], max_bin = out_dims[2], width = out_dims[3];
-  if (out_features < local.n_features || max_bin > kCodeSlots || channel < 0 || channel >= stat_dims[1]) {
+  if (max_bin > kCodeSlots || channel < 0 || channel >= stat_dims[1]) {
     return ffi::Error::InvalidArgument("channel histogram kernel: inconsistent shapes or channel");
   }
   if ((channel == 0) != (into.element_count() == 0) ||
@@ -741,12 +795,19 @@ ffi::Error ChannelHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32
   ChannelProblem problem{local.codes, local.stride, node_of_row.typed_data(), statistics.typed_data(),
                          mask_size == 0 ? nullptr : row_mask.typed_data(), n_rows, num_nodes, max_bin, stat_dims[1],
                          channel, width, MakeLayout(num_nodes, out_features, max_bin, feature_major != 0, width),
-                         histogram->typed_data(), nullptr};
+                         histogram->typed_data(), nullptr, nullptr};
+  std::vector<int64_t> slot_start;
   if (ffi::Error error = FindFeaturesUsed(features_used, local.n_features, "channel histogram kernel",
                                           &problem.features_used);
       error.failure()) {
     return error;
   }
+  if (ffi::Error error = FindFeatureSlots(problem.features_used, local.n_features, out_features,
+                                          "channel histogram kernel", &slot_start);
+      error.failure()) {
+    return error;
+  }
+  if (!slot_start.empty()) problem.slot_start = slot_start.data();
   // Channel 0 starts the cells (all of them, the padding features' too); later channels add to
   // the earlier ones' result, which is this buffer.
   if (channel == 0) std::memset(problem.hist, 0, sizeof(float) * static_cast<size_t>(histogram->element_count()));

@@ -28,7 +28,7 @@ from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
                       float32_jax, replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
-from .grower import GrowthParams, empty_tree
+from .grower import GrowthParams, empty_tree, tree_feature_slots
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import collection_paused, release_free_memory_after
 from .model import Model
@@ -452,7 +452,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        hessian_mode=hessian, vector_leaves=leaves, missing_values=dataset.has_missing_values,
                        shared_codes=train_rows.shared_codes,
                        kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
-                       sample_level_columns=min(colsample_bylevel, colsample_bynode) < 1)
+                       sample_level_columns=min(colsample_bylevel, colsample_bynode) < 1,
+                       feature_slots=tree_feature_slots(colsample_bytree, dataset.n_features))
     boosting_round = compiled_round(shape)
     histograms = histogram_buffer(shape, dataset.n_features)
     schedule = _Schedule(learning_rate)

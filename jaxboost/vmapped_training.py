@@ -20,7 +20,7 @@ from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rou
                        round_tree_template, seed_key_data, starting_value)
 from .dataset import Dataset
 from .devices import float32_jax, kernel_threads, replicated, row_mesh, row_sharding, solve_threads
-from .grower import GrowthParams
+from .grower import GrowthParams, tree_feature_slots
 from .host_memory import collection_paused
 from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
@@ -45,6 +45,13 @@ def _number_of_models(batch: dict, seeds, sample_weights) -> int:
     if len(set(sizes.values())) != 1:
         raise ValueError(f"batch, seeds and sample_weights must all give the same number of models; got {sizes}")
     return next(iter(sizes.values()))
+
+
+def many_feature_slots(colsample_bytree: list, n_features: int) -> int | None:
+    """The feature slots of the models' trees (``grower.tree_feature_slots``): the most that one
+    model's column sample keeps (None when one keeps every feature)."""
+    slots = [tree_feature_slots(fraction, n_features) for fraction in colsample_bytree]
+    return None if None in slots else max(slots)
 
 
 @float32_jax
@@ -193,7 +200,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        missing_values=dataset.has_missing_values, shared_codes=rows.shared_codes,
                        kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
                        sample_level_columns=min(min(v["colsample_bylevel"], v["colsample_bynode"])
-                                                for v in per_model) < 1)
+                                                for v in per_model) < 1,
+                       feature_slots=many_feature_slots([v["colsample_bytree"] for v in per_model], dataset.n_features))
     boosting_rounds = compiled_many_rounds(shape, params_axes)
     histograms = histogram_buffer(shape, dataset.n_features, models=M)
 

@@ -277,9 +277,12 @@ def test_grow_tree_matches_naive_grower(max_depth, seed, reg_case):
 
 @pytest.mark.parametrize("n_features", [7, 28, 200])  # 200: past PAIRWISE_RANK_FEATURES, sorted
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 0.8, 1.0])
-def test_sample_features_keeps_the_allowed_features_of_smallest_scores(n_features, fraction):
+@pytest.mark.parametrize("ties", [False, True])
+def test_sample_features_keeps_the_allowed_features_of_smallest_scores(monkeypatch, n_features, fraction, ties):
     """Each row (a node) keeps max(1, floor(fraction * #allowed)) of its allowed features, those
-    of the smallest uniform scores: the same subset as a NumPy sort of the same scores."""
+    of the smallest uniform scores: the same subset as a stable NumPy sort of the same scores,
+    also when scores tie (float32 uniforms do: a sort-path sample of 500 features once kept 251
+    at a fraction of 0.5)."""
     from jaxboost.grower import sample_features
 
     key = jax.random.PRNGKey(n_features)
@@ -288,8 +291,12 @@ def test_sample_features_keeps_the_allowed_features_of_smallest_scores(n_feature
     allowed[0] = True
     allowed[1] = False
     allowed[1, 3] = True  # one allowed feature: kept whatever the fraction
-    kept = np.asarray(jax.jit(sample_features)(key, jnp.asarray(allowed), jnp.float32(fraction)))
     scores = np.asarray(jax.random.uniform(key, allowed.shape))
+    if ties:  # eight distinct scores: many features tie at every cut
+        scores = np.floor(scores * 8) / 8
+        monkeypatch.setattr(jax.random, "uniform", lambda _, shape: jnp.asarray(scores).reshape(shape))
+    # A function of its own: jit would reuse the trace of sample_features with the true uniforms.
+    kept = np.asarray(jax.jit(lambda *args: sample_features(*args))(key, jnp.asarray(allowed), jnp.float32(fraction)))
     for row in range(allowed.shape[0]):
         candidates = np.flatnonzero(allowed[row])
         keep = max(1, int(np.floor(np.float32(fraction) * np.float32(len(candidates)))))
@@ -629,15 +636,25 @@ def test_training_with_native_kernel_matches_xla_kernel(monkeypatch, settings):
     ({"loss": "softmax", "num_rounds": 2, "max_depth": 4, "learning_rate": 0.3, "colsample_bytree": 0.5,
       "multi_strategy": "multi_output_tree"}, False),  # the channel kernel
     ({"loss": "logistic", "num_rounds": 4, "max_depth": 5, "learning_rate": 0.3, "colsample_bytree": 0.5}, True),
+    ({"loss": "logistic", "num_rounds": 4, "max_depth": 5, "learning_rate": 0.3, "colsample_bytree": 0.7,
+      "colsample_bynode": 0.8, "monotone_constraints": [1, 0, 0, 0, 0, 0, 0, 0, 0, -1, 0],
+      "interaction_constraints": [[0, 1, 2, 3, 4, 5], [1, 6, 7, 8, 9, 10]],
+      "split_cost": [0.0] * 10 + [0.5]}, True),  # per-feature settings in the slots of 7 features (4 a device)
 ])
 def test_a_trees_column_sample_grows_the_same_trees_when_only_its_features_are_summed(monkeypatch, settings,
                                                                                       sharded):
-    """The native kernels sum only the features of a tree's column sample; the trees are those
-    grown from histograms of every feature, bit for bit (the levels' and nodes' samples draw
-    from the tree's; the root's totals come from its first sampled feature either way), on one
-    device and with rows sharded over two."""
+    """The native kernels sum only the features of a tree's column sample, into compact
+    histograms (its features' cells only, ``grower.tree_feature_slots``) that the sums over
+    devices, the subtraction and the split scan read; the trees are those grown from
+    histograms of every feature, bit for bit (the levels' and nodes' samples draw from the
+    tree's; the root's totals come from its first sampled feature either way), on one device
+    and with rows sharded over two, with constraints and per-feature split costs."""
     import jaxboost as jb
-    from jaxboost import boosting, grower
+    from jaxboost import boosting, grower, training
+
+    settings = dict(settings)
+    if "split_cost" in settings:
+        settings["regularizer"] = jb.regularizers.l2(1.0, split_cost=settings.pop("split_cost"))
 
     if sharded:
         if len(jax.devices()) < 2:
@@ -652,6 +669,7 @@ def test_a_trees_column_sample_grows_the_same_trees_when_only_its_features_are_s
             assert kwargs.pop("features_used") is not None
             return _build(*args, **kwargs)
         monkeypatch.setattr(grower, name, every_feature)
+    monkeypatch.setattr(training, "tree_feature_slots", lambda fraction, n_features: None)
     boosting.compiled_round.cache_clear()
     try:
         summed_all = jb.train(X, y, **settings)
@@ -926,6 +944,55 @@ def test_native_kernels_sum_only_the_features_used(max_bin, threads, feature_maj
     assert np.abs(roots[0][:, :n_features][:, ~used]).sum() > 0
     for result in (roots[1], masked[1], smaller[1][splits]):
         np.testing.assert_array_equal(result[:, :n_features][:, ~used], 0.0)
+
+
+@pytest.mark.parametrize("kernel,max_bin,threads,feature_major", [
+    ("native", 256, 1, False), ("native", 256, 2, True), ("native", 64, 2, False),  # 64 bins: the scratch copy
+    ("xla", 256, 1, False)])
+def test_compact_histograms_hold_the_features_used_in_feature_order(kernel, max_bin, threads, feature_major):
+    """With fewer feature slots (``result_features``) than features, the kernels write the
+    features of ``features_used`` into the first slots, in feature order, and zeros past them
+    (a tree's column sample): the root's pass, a masked build, a routed level's smaller
+    children and the channel kernel's cells, against NumPy sums of every feature."""
+    from jaxboost.histogram import build_channels_histogram, statistic_pairs
+    if kernel == "native" and not (NATIVE_AVAILABLE and jax.default_backend() == "cpu"):
+        pytest.skip("native kernel not built here, or JAX's default backend is not the CPU")
+    n_rows, n_features, slots, num_nodes = 40_000, 11, 8, 5  # two row blocks
+    X_binned, node_index, gradients, hessians, level = route_case(43, n_rows, n_features, num_nodes, max_bin)
+    used = np.zeros(n_features, bool)
+    used[[1, 2, 4, 5, 6, 9, 10]] = True  # a listed group of four with gaps, then three more; one slot to spare
+    rng = np.random.default_rng(44)
+    row_mask = rng.uniform(size=n_rows) < 0.6
+    statistics = rng.normal(size=(n_rows, 6)).astype(np.float32)
+    X_T, nodes, flags = jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(used)
+    options = dict(kernel=kernel, threads=threads, feature_major=feature_major, result_features=slots,
+                   features_used=flags)
+    split_level = [jnp.asarray(level[k]) for k in ("split_feature", "split_threshold_bin", "split_default_left",
+                                                   "splits", "left_is_smaller")]
+    g, h = jnp.asarray(gradients), jnp.asarray(hessians)
+    root = jax.jit(lambda: build_histogram(X_T, jnp.zeros_like(nodes), g, h, 1, max_bin, **options))()
+    masked = jax.jit(lambda: build_histogram(X_T, nodes, g, h, num_nodes, max_bin, jnp.asarray(row_mask),
+                                             **options))()
+    _, smaller = jax.jit(lambda: route_and_build_histogram(X_T, nodes, g, h, *split_level, max_bin, **options))()
+    channels = jax.jit(lambda: build_channels_histogram(X_T, nodes, statistic_pairs(jnp.asarray(statistics)),
+                                                        num_nodes, max_bin, jnp.asarray(row_mask), **options))()
+
+    def compact(node_of_row, rows, nodes_summed, values):
+        full = np.zeros((nodes_summed, n_features, max_bin, values.shape[1]))
+        for f in range(n_features):
+            np.add.at(full, (node_of_row[rows], f, X_binned[rows, f].astype(int)), values[rows])
+        return np.concatenate([full[:, used], np.zeros((nodes_summed, slots - used.sum()) + full.shape[2:])], axis=1)
+
+    pairs = np.stack([gradients, hessians], axis=1)
+    every_row = np.ones(n_rows, bool)
+    _, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    np.testing.assert_allclose(root, compact(np.zeros_like(node_index), every_row, 1, pairs), rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(masked, compact(node_index, row_mask, num_nodes, pairs), rtol=1e-5, atol=1e-3)
+    assert_split_nodes_close(smaller, compact(node_index, in_smaller, num_nodes, pairs), level["splits"], kernel,
+                             rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(channels, compact(node_index, row_mask, num_nodes, statistics), rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match="needs features_used"):
+        build_histogram(X_T, nodes, g, h, num_nodes, max_bin, kernel=kernel, result_features=slots)
 
 
 def assert_split_nodes_close(actual, expected, splits, kernel, **tolerances):

@@ -363,6 +363,25 @@ def test_train_many_deep_trees_equal_models_trained_alone(regression_data):
         np.testing.assert_allclose(model.predict_raw(X), alone.predict_raw(X), rtol=1e-6, atol=1e-6)
 
 
+def test_train_many_with_column_samples_of_several_sizes_equals_models_trained_alone(regression_data):
+    """Models whose trees sample different numbers of features share one program: its compact
+    histograms hold the largest sample's feature slots, a smaller sample's spare slots never
+    split, and each model grows the trees it grows alone (which hold just its own slots)."""
+    X, y = regression_data
+    X = np.column_stack([X, np.random.default_rng(3).normal(size=(len(X), 6)).astype(np.float32)])
+    fractions = [0.3, 0.75, 0.5]
+    settings = dict(num_rounds=4, max_depth=4, learning_rate=0.3)
+    models = jb.train_many(X, y, batch={"colsample_bytree": fractions}, seeds=[2, 5, 7], **settings)
+    for model, fraction, seed in zip(models, fractions, [2, 5, 7]):
+        alone = jb.train(X, y, colsample_bytree=fraction, seed=seed, **settings)
+        np.testing.assert_array_equal(model.trees.feature, alone.trees.feature)
+        np.testing.assert_allclose(model.predict_raw(X), alone.predict_raw(X), rtol=1e-6, atol=1e-6)
+        # Each tree splits on the features of one sample of that size.
+        keep = int(np.floor(np.float32(fraction) * np.float32(X.shape[1])))
+        for features, is_leaf in zip(model.trees.feature[:, 0], model.trees.is_leaf[:, 0]):
+            assert 1 <= len(set(features[~is_leaf])) <= keep
+
+
 def test_train_many_folds_and_loss_parameters(regression_data):
     X, y = regression_data
     folds = np.arange(len(y)) % 3

@@ -240,12 +240,16 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
         jb.train(X, y, num_rounds=2, max_depth=3, max_delta_step=0.7)
         jb.train(X, y, num_rounds=2, max_depth=3, max_delta_step=0.2, reg_lambda=3.0)
         assert len(traces) == 2, "a new max_delta_step recompiled the round"
-        # Sampling is structure (left out of the program when off); its rates are traced.
+        # Sampling is structure (left out of the program when off); its rates are traced, but
+        # for the number of features a tree's sample keeps (the slots of its histograms).
+        assert X.shape[1] == 5
         jb.train(X, y, num_rounds=2, max_depth=3, subsample=0.8, colsample_bytree=0.6, colsample_bynode=0.7)
-        jb.train(X, y, num_rounds=2, max_depth=3, subsample=0.5, colsample_bytree=0.9, colsample_bynode=0.4)
+        jb.train(X, y, num_rounds=2, max_depth=3, subsample=0.5, colsample_bytree=0.75, colsample_bynode=0.4)
         assert len(traces) == 3, "new sampling rates recompiled the round"
+        jb.train(X, y, num_rounds=2, max_depth=3, subsample=0.5, colsample_bytree=0.9, colsample_bynode=0.4)
+        assert len(traces) == 4, "a tree's sample of 4 features rather than 3 must trace a new round"
         jb.train(X, y, num_rounds=2, max_depth=2)
-        assert len(traces) == 4, "a new depth must trace a new round"
+        assert len(traces) == 5, "a new depth must trace a new round"
     finally:
         boosting._grow_round_trees = original
         boosting.compiled_round.cache_clear()
