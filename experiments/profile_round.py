@@ -105,10 +105,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000,
                         help="rows generated (80%% train; a fifth of them for multiclass)")
-    parser.add_argument("--task", choices=("classification", "multiclass"), default="classification")
+    parser.add_argument("--task", choices=("classification", "regression", "wide", "multiclass"), default="classification")
     parser.add_argument("--vector-leaves", choices=("diagonal", "full"),
                         help="multiclass: one tree of vector leaves a round, with this Hessian")
     parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--colsample-bytree", type=float, default=1.0, help="fraction of the features per tree")
     parser.add_argument("--rounds", type=int, default=10, help="rounds in the traced fit")
     parser.add_argument("--top", type=int, default=15, help="ops listed per track")
     parser.add_argument("--output", type=Path, help="write the tables to this Markdown file too")
@@ -116,8 +117,10 @@ def main() -> None:
 
     X_train, _, y_train, _ = make_task(args.task, args.rows)
     dataset = jb.Dataset(X_train, y_train, max_bin=256)
-    settings = dict(loss="logistic" if args.task == "classification" else "softmax", max_depth=args.depth,
-                    learning_rate=0.1, reg_lambda=1.0, min_child_weight=1.0)
+    loss = {"classification": "logistic", "wide": "logistic", "regression": "squared_error",
+            "multiclass": "softmax"}[args.task]
+    settings = dict(loss=loss, max_depth=args.depth, learning_rate=0.1, reg_lambda=1.0, min_child_weight=1.0,
+                    colsample_bytree=args.colsample_bytree)
     if args.vector_leaves:
         settings.update(multi_strategy="multi_output_tree", multi_output_hessian=args.vector_leaves)
     jb.train(dataset, num_rounds=2, **settings)  # compiles
@@ -136,7 +139,8 @@ def main() -> None:
         "# Where a round's time goes",
         "",
         f"- command: `python experiments/profile_round.py --task {args.task} --rows {args.rows} --depth {args.depth} "
-        f"--rounds {args.rounds}" + (f" --vector-leaves {args.vector_leaves}" if args.vector_leaves else "") + "`",
+        f"--rounds {args.rounds}" + (f" --vector-leaves {args.vector_leaves}" if args.vector_leaves else "")
+        + (f" --colsample-bytree {args.colsample_bytree}" if args.colsample_bytree != 1.0 else "") + "`",
         f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; devices: "
         f"{', '.join(str(device) for device in jax.devices())} ({jax.devices()[0].device_kind})",
         f"- versions: jax {jax.__version__}, numpy {np.__version__}, Python {platform.python_version()}",
