@@ -332,7 +332,9 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
       num_rounds, max_depth, reg_lambda, reg_alpha, gamma, min_child_weight,
       max_bin, subsample, colsample_bytree, colsample_bylevel, colsample_bynode,
       scale_pos_weight, max_delta_step: as XGBoost's parameters of the same names (``gamma``
-        is ``min_split_loss``).
+        is ``min_split_loss``). The number of features a tree's sample keeps,
+        ``max(1, floor(colsample_bytree * n_features))``, is part of the compiled round (its
+        histograms hold only those features): fractions that keep as many share one program.
       learning_rate: a number, or a schedule ``round -> rate`` such as an optax schedule.
       regularizer: the leaf penalty, e.g. ``jb.regularizers.elastic_net(0.1, 1.0)`` or
         ``jb.regularizers.custom(penalty, params)``; replaces ``reg_lambda``/``reg_alpha``.
