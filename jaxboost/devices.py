@@ -76,6 +76,11 @@ def configure_default_cpu_devices() -> None:
 MIN_CACHED_COMPILE_SECONDS = 0.1
 
 
+# The persistent cache's size, unless JAXBOOST_CACHE_MAX_MB says otherwise: each compiled round
+# takes 1-3 MB, one for every shape (rows, features, depth, bins, loss, sample size) fitted.
+DEFAULT_CACHE_MAX_MB = 1024
+
+
 def configure_compilation_cache() -> None:
     """Keep compiled rounds on disk between processes unless the user chose a cache already.
 
@@ -83,19 +88,68 @@ def configure_compilation_cache() -> None:
     the same shapes loads it instead. ``JAXBOOST_CACHE_DIR`` sets the folder; an empty value
     turns this off. Programs that compile in more than a tenth of a second are kept (JAX's
     default keeps only those over one second, which left the starting value's 0.3 s to every
-    new process).
+    new process). The folder is kept to ``JAXBOOST_CACHE_MAX_MB`` (default 1024; 0: no limit)
+    at import, the entries used longest ago deleted first (``trim_compilation_cache``).
     """
     if jax.config.jax_compilation_cache_dir:
         return
     folder = os.environ.get("JAXBOOST_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxboost", "xla"))
     if not folder:
         return
+    max_bytes = cache_max_bytes()
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError:
         return  # read-only home: compile every time rather than fail
+    if max_bytes:
+        trim_compilation_cache(folder, max_bytes)
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_SECONDS)
+
+
+def cache_max_bytes() -> int:
+    """The persistent cache's size limit in bytes from ``JAXBOOST_CACHE_MAX_MB`` (0: none)."""
+    chosen = os.environ.get("JAXBOOST_CACHE_MAX_MB", "")
+    try:
+        megabytes = float(chosen) if chosen else DEFAULT_CACHE_MAX_MB
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0:  # also NaN
+        raise ValueError(f"JAXBOOST_CACHE_MAX_MB must be a number of megabytes >= 0 (0: no limit); got {chosen!r}")
+    return int(megabytes * 2 ** 20)
+
+
+def trim_compilation_cache(folder: str, max_bytes: int) -> int:
+    """Delete JAX's cache entries (``*-cache`` files, with their ``*-atime`` records) in ``folder``,
+    the least recently used first (by access time, which Linux updates at most daily, else by
+    modification), until the entries hold at most ``max_bytes``. Entries that another process
+    removes meanwhile are skipped; one being read when deleted stays readable to it. Returns the
+    bytes freed."""
+    entries = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.endswith("-cache"):
+            continue
+        try:
+            status = os.stat(os.path.join(folder, name))
+        except OSError:
+            continue
+        entries.append((max(status.st_atime, status.st_mtime), status.st_size, name))
+    total = sum(size for _, size, _ in entries)
+    freed = 0
+    for _, size, name in sorted(entries):
+        if total - freed <= max_bytes:
+            break
+        for path in (os.path.join(folder, name), os.path.join(folder, name[:-len("-cache")] + "-atime")):
+            try:
+                os.remove(path)
+            except OSError:
+                continue
+        freed += size
+    return freed
 
 
 # XLA's CPU fusion emitters (its newer code generator for fused loops) take a third longer to

@@ -960,7 +960,12 @@ def test_second_process_loads_the_compiled_round_from_the_disk_cache(tmp_path):
     code = ("import numpy as np, jaxboost as jb\n"
             "X = np.random.default_rng(0).normal(size=(300, 4)).astype(np.float32)\n"
             "jb.train(X, X[:, 0] + X[:, 1], num_rounds=2, max_depth=3)\n")
-    env = dict(os.environ, JAXBOOST_CACHE_DIR=str(tmp_path), JAX_LOG_COMPILES="1")
+    # A stale entry past the size limit: the first process's import deletes it.
+    stale = tmp_path / "jit_stale-0123-cache"
+    with open(stale, "wb") as stream:
+        stream.truncate(60 * 2 ** 20)  # sparse: 60 MB of apparent size
+    os.utime(stale, (1e9, 1e9))
+    env = dict(os.environ, JAXBOOST_CACHE_DIR=str(tmp_path), JAX_LOG_COMPILES="1", JAXBOOST_CACHE_MAX_MB="50")
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     for run in runs:
@@ -969,6 +974,35 @@ def test_second_process_loads_the_compiled_round_from_the_disk_cache(tmp_path):
     hit = "Persistent compilation cache hit for 'jit_boosting_round'"
     assert "Compiling jit(boosting_round)" in first and hit not in first
     assert hit in second
+    assert not stale.exists()
+
+
+def test_the_compilation_cache_is_trimmed_to_its_size_limit_least_recently_used_first(tmp_path, monkeypatch):
+    """``trim_compilation_cache`` deletes JAX's entries (and their access records) in order of
+    last use until the rest fit the limit, and leaves other files alone;
+    ``JAXBOOST_CACHE_MAX_MB`` sets the limit, and a bad value is an error that names it."""
+    from jaxboost.devices import DEFAULT_CACHE_MAX_MB, cache_max_bytes, trim_compilation_cache
+
+    for age, name in enumerate(["newest", "middle", "oldest"]):
+        entry = tmp_path / f"jit_{name}-cache"
+        entry.write_bytes(b"x" * 1000)
+        os.utime(entry, (2e9 - 1000 * age, 2e9 - 1000 * age))
+    (tmp_path / "jit_oldest-atime").write_bytes(b"1")
+    (tmp_path / "notes.txt").write_bytes(b"y" * 5000)
+    assert trim_compilation_cache(str(tmp_path), 2500) == 1000
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["jit_middle-cache", "jit_newest-cache", "notes.txt"]
+    assert trim_compilation_cache(str(tmp_path), 2000) == 0
+    assert trim_compilation_cache(str(tmp_path), 0) == 2000
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
+
+    monkeypatch.delenv("JAXBOOST_CACHE_MAX_MB", raising=False)
+    assert cache_max_bytes() == DEFAULT_CACHE_MAX_MB * 2 ** 20
+    monkeypatch.setenv("JAXBOOST_CACHE_MAX_MB", "0.5")
+    assert cache_max_bytes() == 2 ** 19
+    for bad in ("lots", "-1", "nan"):
+        monkeypatch.setenv("JAXBOOST_CACHE_MAX_MB", bad)
+        with pytest.raises(ValueError, match="JAXBOOST_CACHE_MAX_MB"):
+            cache_max_bytes()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 42, -7, 2 ** 31, 2 ** 32 + 5])
