@@ -1,11 +1,13 @@
-"""Many models in one program: ``jb.train_many``, the boosting round ``vmap``-ed over models.
+"""Many models in one program: ``jb.train_many``, the boosting round batched over models.
 
 M models that differ in continuous hyperparameters (learning rate, lambda, alpha, gamma,
 min_child_weight, sampling rates, loss parameters), in seeds, or in sample weights (e.g.
 cross-validation folds as 0/1 weights) share the binned data and the labels, and every round of
-all M is one compiled call (``boosting.compiled_many_rounds``), traced once. The bin edges are
-built once, from the unweighted data (or taken from a given ``Dataset``), so model ``k`` equals
-the model ``jb.train`` grows alone with the same settings and the same edges.
+all M is one compiled call (``boosting.compiled_many_rounds``: a loop over the models on CPU,
+``vmap`` elsewhere), traced once. The bin edges are built once, from the unweighted data (or
+taken from a given ``Dataset``), so model ``k`` equals the model ``jb.train`` grows alone with
+the same settings and the same edges (on CPU, with a loss of several outputs, up to the last
+bit of leaf values: the round's code is compiled inside the loop there).
 """
 
 from __future__ import annotations

@@ -363,6 +363,35 @@ def test_train_many_deep_trees_equal_models_trained_alone(regression_data):
         np.testing.assert_allclose(model.predict_raw(X), alone.predict_raw(X), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("settings", [
+    dict(loss="squared_error", colsample_bytree=0.6, subsample=0.8),
+    dict(loss="softmax", multi_strategy="multi_output_tree"),
+])
+def test_train_many_vmapped_over_models_grows_the_models_of_the_loop_over_them(monkeypatch, regression_data,
+                                                                               settings):
+    """Accelerators vmap train_many's round over the models, the CPU loops over them: both grow
+    the same models (the vmapped round run here on CPU), with an eval set's histories."""
+    from jaxboost import boosting
+    X, y = regression_data
+    if settings["loss"] == "softmax":
+        y = np.digitize(y, np.quantile(y, [0.3, 0.7])).astype(np.float32)
+    common = dict(batch={"reg_lambda": [0.5, 3.0], "learning_rate": [0.3, 0.1]}, seeds=[1, 2], num_rounds=3,
+                  max_depth=4, eval_set=[(X[:200], y[:200])], **settings)
+    looped = jb.train_many(X, y, **common)
+    boosting.compiled_many_rounds.cache_clear()
+    monkeypatch.setattr(boosting, "MODELS_IN_A_LOOP_PLATFORMS", ())
+    try:
+        vmapped = jb.train_many(X, y, **common)
+    finally:
+        boosting.compiled_many_rounds.cache_clear()
+    for loop_model, vmap_model in zip(looped, vmapped):
+        np.testing.assert_array_equal(loop_model.trees.feature, vmap_model.trees.feature)
+        np.testing.assert_array_equal(loop_model.trees.threshold_bin, vmap_model.trees.threshold_bin)
+        np.testing.assert_allclose(loop_model.predict_raw(X), vmap_model.predict_raw(X), rtol=1e-6, atol=1e-6)
+        for name, history in loop_model.evals_result["validation_0"].items():
+            np.testing.assert_allclose(history, vmap_model.evals_result["validation_0"][name], rtol=1e-6)
+
+
 def test_train_many_with_column_samples_of_several_sizes_equals_models_trained_alone(regression_data):
     """Models whose trees sample different numbers of features share one program: its compact
     histograms hold the largest sample's feature slots, a smaller sample's spare slots never

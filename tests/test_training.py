@@ -1210,12 +1210,14 @@ def test_training_with_jax_64_bit_mode_on_grows_the_same_model(settings):
         y = (y > 0).astype(np.float32)
     common = dict(num_rounds=4, max_depth=DEPTH, **settings)
     expected = jb.train(X, y, **common)
+    expected_many = jb.train_many(X, y, batch={"reg_lambda": np.array([1.0, 2.0])}, **common)
     with jax.enable_x64(True):
         model = jb.train(X, y, **common)
         many = jb.train_many(X, y, batch={"reg_lambda": np.array([1.0, 2.0])}, **common)
         predicted = model.predict(X)
     assert_same_training(predicted, expected.predict(X))
-    assert_same_training(many[0].predict_raw(X), expected.predict_raw(X))
+    for member, expected_member in zip(many, expected_many):
+        assert_same_training(member.predict_raw(X), expected_member.predict_raw(X))
     for name, field in zip(model.trees._fields, model.trees):
         assert np.asarray(field).dtype == np.asarray(getattr(expected.trees, name)).dtype, name
 
