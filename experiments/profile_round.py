@@ -105,7 +105,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000,
                         help="rows generated (80%% train; a fifth of them for multiclass)")
-    parser.add_argument("--task", choices=("classification", "regression", "wide", "multiclass"), default="classification")
+    parser.add_argument("--task", choices=("classification", "regression", "wide", "multiclass"),
+                        default="classification")
     parser.add_argument("--vector-leaves", choices=("diagonal", "full"),
                         help="multiclass: one tree of vector leaves a round, with this Hessian")
     parser.add_argument("--depth", type=int, default=6)

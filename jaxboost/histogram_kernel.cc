@@ -214,7 +214,9 @@ void AccumulateFeatureGroups(const uint8_t* codes, int64_t stride, int64_t featu
   int64_t f = feature_begin;
   for (; f + kFeatureGroup <= feature_end; f += kFeatureGroup) {
     const int64_t slot = SlotOf(slot_start, f);
-    if (zero_nodes != nullptr) ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, slot, slot + kFeatureGroup);
+    if (zero_nodes != nullptr) {
+      ZeroCells(hist, layout, kCodeSlots, cells.width, *zero_nodes, slot, slot + kFeatureGroup);
+    }
     AccumulateGroup<kFeatureGroup, AllRows, Pairs>(codes, stride, f, slot, first_row, gathered, pairs, count, layout,
                                                    cells, hist);
   }
