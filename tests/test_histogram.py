@@ -617,6 +617,9 @@ GROWTH_CASES = [
     # monotone bounds carried through the skipped chunks.
     pytest.param({"loss": "logistic", "num_rounds": 3, "max_depth": 9, "learning_rate": 0.3, "max_bin": 256,
                   "monotone_constraints": [1, 0, 0, 0, 0, 0]}, id="logistic-monotone-depth9"),
+    # A tree's column sample: compact histograms of its 3 features.
+    pytest.param({"loss": "logistic", "num_rounds": 6, "max_depth": 5, "learning_rate": 0.3, "max_bin": 256,
+                  "colsample_bytree": 0.5}, id="logistic-column-sample"),
 ]
 
 
@@ -689,7 +692,9 @@ def test_a_trees_column_sample_grows_the_same_trees_when_only_its_features_are_s
      "monotone_constraints": [1, 0, 0, 0, 0, 0]},
     {"loss": "softmax", "num_rounds": 4, "max_depth": 6, "learning_rate": 0.3, "max_bin": 64,
      "multi_strategy": "multi_output_tree"},
-], ids=["logistic-depth4", "logistic-monotone-depth9", "softmax-vector-depth6"])
+    {"loss": "logistic", "num_rounds": 6, "max_depth": 5, "learning_rate": 0.3, "max_bin": 256,
+     "colsample_bytree": 0.5},
+], ids=["logistic-depth4", "logistic-monotone-depth9", "softmax-vector-depth6", "logistic-column-sample"])
 def test_training_with_the_accelerators_kernel_matches_the_cpus_xla_kernel(monkeypatch, settings):
     """The float32-pair scatter that GPUs and TPUs run, here on CPU in place of the complex one."""
     from jaxboost import histogram
