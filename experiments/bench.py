@@ -14,10 +14,13 @@ Tasks (data generated with a fixed seed, float32, 80/20 train/test split):
 * multiclass (only with ``--tasks multiclass``): ``make_classification(rows // 5, 28 features,
   14 informative, 4 redundant, 10 classes)``, softmax (one tree per class and round), scored by
   test log loss.
+* absolute_error (only with ``--tasks absolute_error``): the regression data fitted by absolute
+  error (XGBoost ``reg:absoluteerror``, LightGBM ``l1``, sklearn ``loss="absolute_error"``),
+  scored by test MAE: a zero Hessian, so every library sets each leaf to a weighted median.
 
 Every library gets the same settings: ``--rounds`` trees of depth ``--depth`` (LightGBM and
-sklearn: at most 2^depth leaves), learning rate 0.1, L2 lambda 1, minimum leaf Hessian 1
-(sklearn has none; it gets min_samples_leaf=1), ``--max-bin`` bins (LightGBM and sklearn count
+sklearn: at most 2^depth leaves), learning rate 0.1, L2 lambda 1 (0 for absolute_error),
+minimum leaf Hessian 1 (sklearn has none; it gets min_samples_leaf=1), ``--max-bin`` bins (LightGBM and sklearn count
 the missing-value bin separately, so they get max_bin - 1), all cores, no early stopping.
 ``--eval-set`` makes every library evaluate the test split every round (its loss: log loss or
 RMSE), as training with early stopping does; sklearn, which has no such option, is left out.
@@ -89,11 +92,11 @@ LIBRARIES = ["jaxboost", "xgboost", "lightgbm", "sklearn"]
 # "a custom loss costs the same per round as a built-in" comparison.
 OPTIONAL_LIBRARIES = ["jaxboost-custom"]
 TASKS = ["classification", "regression"]
-# Not run by default: "wide", classification with 500 features (``--tasks wide``), and
-# "multiclass", 10 classes.
-OPTIONAL_TASKS = ["wide", "multiclass"]
+# Not run by default: "wide", classification with 500 features (``--tasks wide``),
+# "multiclass", 10 classes, and "absolute_error", the regression data fitted by absolute error.
+OPTIONAL_TASKS = ["wide", "multiclass", "absolute_error"]
 METRIC_NAME = {"classification": "test AUC", "regression": "test RMSE", "wide": "test AUC",
-               "multiclass": "test log loss"}
+               "multiclass": "test log loss", "absolute_error": "test MAE"}
 REFERENCE_LIBRARY = "xgboost"
 QUIET_LOAD = 0.5
 RUN_TIMEOUT_S = 3 * 3600
@@ -312,7 +315,7 @@ def task_table(task: str, summaries: dict[str, dict], device: str = "cpu", ratio
                      fmt_seconds(summary["boosting_s"]), fmt_ms(summary["ms_per_tree"]),
                      fmt_seconds(summary["predict_s"]), fmt_seconds(summary.get("predict_all_s")),
                      "n/a" if summary.get("predict_row_ms") is None else f"{summary['predict_row_ms']:.3f}",
-                     "n/a" if metric is None else (f"{metric:.3f}" if task == "regression" else f"{metric:.4f}"),
+                     "n/a" if metric is None else (f"{metric:.3f}" if task in ("regression", "absolute_error") else f"{metric:.4f}"),
                      f"{summary['peak_rss_mb']:.0f}"]
                     + ([fmt_megabytes(summary.get("gpu_peak_mb"))] if gpu else [])
                     + [fmt_ratio(summary["ms_per_tree"], reference),
@@ -497,12 +500,14 @@ def method_notes(args) -> str:
            "- On the GPU: jaxboost on JAX's GPU backend (its XLA kernels; the native kernels are CPU-only), XGBoost "
            "with device='cuda'; inputs are NumPy arrays in host memory for both."] if args.device == "gpu" else []),
         *([f"- Eval set (--eval-set): every train, the timed ones included, evaluates the test split every round "
-            f"with the task's loss (log loss, RMSE or multiclass log loss), without early stopping; ms/tree then "
+            f"with the task's loss (log loss, RMSE, multiclass log loss or MAE), without early stopping; ms/tree then "
             f"includes a round's prediction of the eval rows and its metric."] if args.eval_set else []),
         *([f"- Column sample (--colsample-bytree {args.colsample_bytree:g}): each tree draws that fraction of "
             f"the features (jaxboost and XGBoost colsample_bytree, LightGBM feature_fraction); scikit-learn "
             f"samples by split only and is left out."] if args.colsample_bytree != 1.0 else []),
-        f"- Settings: learning rate 0.1, lambda 1, depth {args.depth} (LightGBM/sklearn: at most "
+        f"- Settings: learning rate 0.1, lambda 1 (0 for absolute_error: jaxboost's exact leaf refit "
+        f"includes the penalty, the others' weighted medians do not), depth {args.depth} (LightGBM/sklearn: "
+        f"at most "
         f"{2 ** args.depth} leaves), min leaf Hessian 1 (XGBoost min_child_weight, LightGBM "
         f"min_sum_hessian_in_leaf + min_data_in_leaf=1, sklearn min_samples_leaf=1), bins: jaxboost/XGBoost "
         f"{args.max_bin}, LightGBM/sklearn {args.max_bin - 1} + missing bin, {available_cores()} threads.",
