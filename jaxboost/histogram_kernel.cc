@@ -882,6 +882,47 @@ ffi::Error CumulativeBinsImpl(ffi::Buffer<ffi::F32> histogram, ffi::ResultBuffer
 XLA_FFI_DEFINE_HANDLER(kCumulativeBinsHandler, CumulativeBinsImpl,
                        ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
+// Sums of per-row values by segment (a leaf refit's derivative sums over a tree's leaves), ids
+// outside [0, segments) left out. XLA's CPU scatter-add is a loop of its own, one row at a
+// time through a chain of dependent adds: 0.14 ms for 100k rows into 127 segments, each of the
+// refit's 30-odd passes a round. Rows go round-robin into kSegmentCopies partial sums, so
+// consecutive rows of one segment add to different cells.
+constexpr int64_t kSegmentCopies = 4;
+
+ffi::Error SegmentSumImpl(ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> sums) {
+  const int64_t n = static_cast<int64_t>(values.element_count());
+  const int64_t segments = static_cast<int64_t>(sums->element_count());
+  if (static_cast<int64_t>(ids.element_count()) != n) {
+    return ffi::Error::InvalidArgument("segment-sum kernel: one segment id per value expected");
+  }
+  const float* v = values.typed_data();
+  const int32_t* id = ids.typed_data();
+  std::vector<float> partial(static_cast<size_t>(kSegmentCopies * segments), 0.0f);
+  const uint32_t limit = static_cast<uint32_t>(segments);
+  int64_t i = 0;
+  for (; i + kSegmentCopies <= n; i += kSegmentCopies) {
+    for (int64_t c = 0; c < kSegmentCopies; ++c) {
+      const uint32_t s = static_cast<uint32_t>(id[i + c]);  // negative ids wrap past the limit
+      if (s < limit) partial[c * segments + s] += v[i + c];
+    }
+  }
+  for (; i < n; ++i) {
+    const uint32_t s = static_cast<uint32_t>(id[i]);
+    if (s < limit) partial[s] += v[i];
+  }
+  float* out = sums->typed_data();
+  for (int64_t s = 0; s < segments; ++s) {
+    float total = 0.0f;
+    for (int64_t c = 0; c < kSegmentCopies; ++c) total += partial[c * segments + s];
+    out[s] = total;
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kSegmentSumHandler, SegmentSumImpl,
+                       ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::F32>>());
+
 // Full-Hessian vector leaves: for each candidate n, the solution w of (H + lambda I) w = -G by
 // Cholesky, and whether it holds: H positive semi-definite up to rounding (every pivot of its
 // factorization >= -tolerance) and H + lambda I factorised with positive pivots. The arithmetic
@@ -1776,6 +1817,10 @@ extern "C" XLA_FFI_Error* JaxboostSortByKey(XLA_FFI_CallFrame* call_frame) {
 
 extern "C" XLA_FFI_Error* JaxboostCumulativeBins(XLA_FFI_CallFrame* call_frame) {
   return kCumulativeBinsHandler(call_frame);
+}
+
+extern "C" XLA_FFI_Error* JaxboostSegmentSum(XLA_FFI_CallFrame* call_frame) {
+  return kSegmentSumHandler(call_frame);
 }
 
 extern "C" XLA_FFI_Error* JaxboostDampedSolve(XLA_FFI_CallFrame* call_frame) {

@@ -316,3 +316,21 @@ def test_starting_value_without_curvature_falls_back_to_exact_sweeps():
     median, upper = weighted_quantile_interval(y64, w, 0.5)
     assert median == upper
     np.testing.assert_allclose(start, [np.average(y64, weights=w), median], rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_rows,num_segments", [(0, 3), (1, 3), (7, 3), (1003, 127)])
+def test_segment_sums_add_each_segments_rows_and_leave_out_other_ids(n_rows, num_segments):
+    """Leaf refits' segment sums (the native kernel on CPU, four partial sums; XLA's scatter
+    elsewhere) against NumPy: every id's rows summed, ids outside the segments left out, any
+    row count (the kernel's last rows past its blocks of four)."""
+    from jaxboost.line_search import segment_sums
+
+    rng = np.random.default_rng(n_rows)
+    values = rng.normal(size=n_rows).astype(np.float32)
+    ids = rng.integers(-2, num_segments + 2, size=n_rows).astype(np.int32)  # some out of range
+    expected = np.zeros(num_segments)
+    inside = (ids >= 0) & (ids < num_segments)
+    np.add.at(expected, ids[inside], values[inside].astype(np.float64))
+    sums = jax.jit(lambda v, i: segment_sums(v, i, num_segments))(jnp.asarray(values), jnp.asarray(ids))
+    assert sums.shape == (num_segments,) and sums.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(sums), expected, rtol=1e-5, atol=1e-5)
