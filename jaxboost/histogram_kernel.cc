@@ -386,8 +386,11 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
   // The root's histogram (one node, no mask) reads codes in row order: no row ids to gather
   // (measured 10 -> 8 ms for 400k rows x 28 features).
   const bool all_rows = p.route == nullptr && p.row_mask == nullptr && p.num_nodes == 1;
-  std::vector<GatheredRow> gathered(all_rows ? 0 : kBlockRows);
-  std::vector<float> pairs(all_rows ? 2 * kBlockRows : 0);
+  // Blocks of at most kBlockRows rows, and no more than there are: buffers of a full block
+  // (512 KB), zeroed at every call, were most of a level's kernel on small data.
+  const int64_t block_rows = std::max<int64_t>(1, std::min(kBlockRows, p.n_rows));
+  const std::unique_ptr<GatheredRow[]> gathered(all_rows ? nullptr : new GatheredRow[block_rows]);
+  const std::unique_ptr<float[]> pairs(all_rows ? new float[2 * block_rows] : nullptr);
   // A row whose (g, h) are both zero adds nothing: rows left out of a sample, rows of weight 0,
   // and the padding rows that close each device's block. The root's pass stops after the last
   // row that adds something; the gathering passes leave such rows out (but still route them).
@@ -401,15 +404,15 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
   }
   const std::unique_ptr<std::vector<int64_t>> listed = ListedFeatures(p, feature_begin, feature_end);
   if (all_rows) {
-    for (int64_t start = 0; start < end_row; start += kBlockRows) {
-      const int64_t stop = std::min(end_row, start + kBlockRows);
+    for (int64_t start = 0; start < end_row; start += block_rows) {
+      const int64_t stop = std::min(end_row, start + block_rows);
       for (int64_t i = start; i < stop; ++i) {
         // A row outside node 0 adds zeros.
         const bool take = p.node_of_row[i] == 0;
         pairs[2 * (i - start)] = take ? p.gradients[i] : 0.0f;
         pairs[2 * (i - start) + 1] = take ? p.hessians[i] : 0.0f;
       }
-      AccumulateBlock<true>(p.codes, p.code_stride, feature_begin, feature_end, start, nullptr, pairs.data(),
+      AccumulateBlock<true>(p.codes, p.code_stride, feature_begin, feature_end, start, nullptr, pairs.get(),
                             stop - start, p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr,
                             listed.get(), p.slot_start);
     }
@@ -423,7 +426,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
   // rows for the same traffic (wide data: 16 nodes of 500 features hold 16 MB of cells).
   for (int64_t start = 0; start < end_row;) {
     int64_t count = 0, i = start;
-    for (; i < end_row && count < kBlockRows; ++i) {
+    for (; i < end_row && count < block_rows; ++i) {
       // Branch-free gathering: every row is written, only selected rows advance the count.
       const int32_t node = p.node_of_row[i];
       bool take;
@@ -440,7 +443,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
       // Bitwise, not short-circuit: a branch here, taken at random, cost a quarter of a level.
       count += static_cast<int>(take) & (static_cast<int>(g != 0.0f) | static_cast<int>(h != 0.0f));
     }
-    AccumulateBlock<false>(p.codes, p.code_stride, feature_begin, feature_end, 0, gathered.data(), nullptr, count,
+    AccumulateBlock<false>(p.codes, p.code_stride, feature_begin, feature_end, 0, gathered.get(), nullptr, count,
                            p.layout, p.cells, p.hist, start == 0 ? p.zero_nodes : nullptr, listed.get(), p.slot_start);
     start = i;
   }
