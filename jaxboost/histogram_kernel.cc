@@ -472,14 +472,17 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
   const bool first_channels = problem.channel == 0;
   if (problem.summed_nodes < 0 || problem.summed_nodes > problem.num_nodes) problem.summed_nodes = problem.num_nodes;
   // With fewer than 256 bins, sums go to a scratch buffer of (g, h) cells with a slot for every
-  // code first.
+  // code first. Its passes zero the written nodes' cells as they go, as below: zeroing every
+  // node's up front (1.8 MB for a level of 32 nodes x 28 features) cost more than the level's
+  // rows on small data.
   const std::vector<int64_t> written = WrittenNodes(problem);
-  std::vector<float> scratch;
+  std::unique_ptr<float[]> scratch;
   if (max_bin != kCodeSlots) {
     problem.layout = MakeLayout(problem.num_nodes, problem.out_features, kCodeSlots, problem.feature_major);
     problem.cells = CellChannels{2, 0};
-    scratch.assign(cells, 0.0f);
-    problem.hist = scratch.data();
+    scratch.reset(new float[cells]);
+    problem.hist = scratch.get();
+    problem.zero_nodes = &written;
   } else {
     problem.layout = MakeLayout(problem.num_nodes, problem.out_features, kCodeSlots, problem.feature_major,
                                 problem.width);
