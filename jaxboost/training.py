@@ -418,10 +418,14 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     if init_model is not None:
         base_score = np.asarray(init_model.base_score, np.float32)
     elif margin is None:
-        zeros = train_rows.put_rows(np.zeros((train_rows.y.shape[0], K), np.float32))
+        # On one device: each of the minimisation's 25-odd passes over the rows ended in a sum
+        # over the devices, most of a small fit's starting value (40k rows on two CPU devices:
+        # 4.0 -> 2.5 ms; 800k: 37 -> 36).
+        device = mesh.devices.flat[0]
+        zeros, y_one, weight_one = (jax.device_put(array, device) for array in (
+            np.zeros((train_rows.y.shape[0], K), np.float32), train_rows.y, train_rows.sample_weight))
         with collection_paused():
-            base_score = np.asarray(starting_value(objective, zeros, train_rows.y_device,
-                                                   train_rows.sample_weight_device, resolved.loss_params))
+            base_score = np.asarray(starting_value(objective, zeros, y_one, weight_one, resolved.loss_params))
     else:
         base_score = np.zeros(K, np.float32)
     num_nodes = num_heap_nodes(max_depth)
