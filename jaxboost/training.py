@@ -420,10 +420,10 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     elif margin is None:
         # On one device: each of the minimisation's 25-odd passes over the rows ended in a sum
         # over the devices, most of a small fit's starting value (40k rows on two CPU devices:
-        # 4.0 -> 2.5 ms; 800k: 37 -> 36).
-        device = mesh.devices.flat[0]
-        zeros, y_one, weight_one = (jax.device_put(array, device) for array in (
-            np.zeros((train_rows.y.shape[0], K), np.float32), train_rows.y, train_rows.sample_weight))
+        # 3.7 -> 2.0 ms a fit; 800k: 32.1 -> 30.5).
+        zeros, y_one, weight_one = jax.device_put(
+            [np.zeros((train_rows.y.shape[0], K), np.float32), train_rows.y, train_rows.sample_weight],
+            mesh.devices.flat[0])
         with collection_paused():
             base_score = np.asarray(starting_value(objective, zeros, y_one, weight_one, resolved.loss_params))
     else:

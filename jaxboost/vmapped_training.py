@@ -130,10 +130,9 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     padded = rows.y.shape[0]
     padded_weights = np.ascontiguousarray(rows.pad(model_weights.T.astype(np.float32), 0.0).T)
     weights_device = jax.device_put(padded_weights, row_sharding(mesh, 2, row_axis=1))
-    # On one device, as jb.train finds it (one sum over the devices less a pass).
-    device = mesh.devices.flat[0]
-    zeros, y_one, weights_one = (jax.device_put(array, device) for array in (
-        np.zeros((padded, K), np.float32), rows.y, padded_weights))
+    # On one device, as jb.train finds it: each model's starting value is train's bit for bit.
+    zeros, y_one, weights_one = jax.device_put([np.zeros((padded, K), np.float32), rows.y, padded_weights],
+                                               mesh.devices.flat[0])
     with collection_paused():
         base_scores = np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, y_one, w, params))(
             weights_one, stacked_loss_params))  # (M, K)

@@ -392,6 +392,23 @@ def test_train_many_vmapped_over_models_grows_the_models_of_the_loop_over_them(m
             np.testing.assert_allclose(history, vmap_model.evals_result["validation_0"][name], rtol=1e-6)
 
 
+@pytest.mark.parametrize("loss", ["logistic", "absolute_error", "softmax"])
+def test_train_many_starting_values_are_those_of_train_bit_for_bit(loss):
+    """Both find the starting value on one device (its passes need no sum over the devices), the
+    same way: each model's base score is train's exactly, on data large enough to shard the rows."""
+    rng = np.random.default_rng(8)
+    X = rng.normal(size=(30_000, 4)).astype(np.float32)
+    y = X[:, 0] + rng.normal(size=30_000).astype(np.float32)
+    if loss == "logistic":
+        y = (y > 0.3).astype(np.float32)
+    elif loss == "softmax":
+        y = np.digitize(y, [-1.0, 1.0]).astype(np.float32)
+    alone = jb.train(X, y, loss=loss, num_rounds=1, max_depth=2)
+    many = jb.train_many(X, y, loss=loss, batch={"reg_lambda": [1.0, 2.0]}, num_rounds=1, max_depth=2)
+    for model in many:
+        np.testing.assert_array_equal(np.asarray(model.base_score), np.asarray(alone.base_score))
+
+
 def test_train_many_with_column_samples_of_several_sizes_equals_models_trained_alone(regression_data):
     """Models whose trees sample different numbers of features share one program: its compact
     histograms hold the largest sample's feature slots, a smaller sample's spare slots never
