@@ -44,15 +44,6 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_PREFIX = "BENCH_RESULT "
 LEARNING_RATE = 0.1
 REG_LAMBDA = 1.0
-
-
-def reg_lambda(task: str) -> float:
-    """L2 lambda for every library: 0 for absolute error. jaxboost's exact leaf refit minimises
-    the loss plus the leaf penalty; XGBoost's and LightGBM's set the plain weighted median, so
-    only without the penalty do all minimise the same (with lambda 1, jaxboost's leaves shrink
-    by an amount that grows with the targets' scale: test MAE 54.9 against 52.1 without it, 40k
-    rows, 100 trees)."""
-    return 0.0 if task in ABSOLUTE_ERROR_TASKS else REG_LAMBDA
 MIN_HESSIAN = 1.0  # XGBoost min_child_weight, LightGBM min_sum_hessian_in_leaf, jaxboost min_child_weight
 SEED = 0
 # Tasks scored as binary classification; "wide" is the classification task with 500 features.
@@ -66,6 +57,15 @@ ABSOLUTE_ERROR_TASKS = ("absolute_error",)
 TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500, "multiclass": 28, "absolute_error": 50}
 # A task's samples are --rows divided by this: a regression row and a 10-class row cost more.
 TASK_ROWS_DIVISOR = {"classification": 1, "regression": 2, "wide": 1, "multiclass": 5, "absolute_error": 2}
+
+
+def reg_lambda(task: str) -> float:
+    """L2 lambda for every library: 0 for absolute error. jaxboost's exact leaf refit minimises
+    the loss plus the leaf penalty; XGBoost's and LightGBM's set the plain weighted median, so
+    only without the penalty do all minimise the same (with lambda 1, jaxboost's leaves shrink
+    by an amount that grows with the targets' scale: test MAE 54.9 against 52.1 without it, 40k
+    rows, 100 trees)."""
+    return 0.0 if task in ABSOLUTE_ERROR_TASKS else REG_LAMBDA
 
 
 # The metric each library computes on the eval set every round with ``--eval-set``: the task's

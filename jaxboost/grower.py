@@ -542,18 +542,21 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     # ``feature_slots`` slots (padded to equal blocks over the devices), so the sums over
     # devices, the subtraction and the split scan skip the other features too (at
     # colsample_bytree=0.5, 20k rows x 50 features: 2.5 -> 1.8 ms a tree).
+    def in_device_blocks(count: int) -> int:
+        return -(-count // devices) * devices
+
     histogram_features = n_features
-    slot_feature, slot_in_sample, slot_reg = None, True, params.reg
-    padded_slots = None if feature_slots is None else -(-feature_slots // devices) * devices
-    if padded_slots is not None and padded_slots < n_features:
+    if feature_slots is not None and in_device_blocks(feature_slots) < n_features:
         histogram_features = feature_slots
-        (listed,) = jnp.nonzero(feature_allowed, size=padded_slots, fill_value=-1)
+    # Feature slots of the kernels' results: padded to equal blocks, one a device.
+    summed_features = in_device_blocks(histogram_features)
+    slot_feature, slot_in_sample, slot_reg = None, True, params.reg
+    if histogram_features < n_features:
+        (listed,) = jnp.nonzero(feature_allowed, size=summed_features, fill_value=-1)
         slot_in_sample = listed >= 0
         slot_feature = jnp.where(slot_in_sample, listed, 0).astype(jnp.int32)
         if jnp.ndim(params.reg.split_cost) == 1:
             slot_reg = params.reg.replace(split_cost=jnp.asarray(params.reg.split_cost)[slot_feature])
-    # Feature slots of the kernels' results: padded to equal blocks, one a device.
-    summed_features = -(-histogram_features // devices) * devices
 
     def in_slots(per_feature):
         """Per-feature values (last axis) in the histograms' feature slots."""
