@@ -705,8 +705,11 @@ def test_a_tree_sample_alone_leaves_the_level_draws_out_and_grows_the_same_trees
     assert not shapes[-1].sample_level_columns and shapes[-1].sample_columns
     monkeypatch.setattr(training, "RoundShape", lambda *a, **k: original(*a, **dict(k, sample_level_columns=True)))
     with_draws = jb.train(X, y, **settings)
-    for field in without_draws.trees._fields:
-        np.testing.assert_array_equal(getattr(without_draws.trees, field), getattr(with_draws.trees, field))
+    # A GPU's varying summation order may break a near tie between two features another way.
+    if repeatable_sums():
+        for field in without_draws.trees._fields:
+            np.testing.assert_array_equal(getattr(without_draws.trees, field), getattr(with_draws.trees, field))
+    assert_same_training(without_draws.predict_raw(X), with_draws.predict_raw(X))
     monkeypatch.setattr(training, "RoundShape", recording)
     jb.train(X, y, **dict(settings, colsample_bylevel=0.5))
     assert shapes[-1].sample_level_columns
