@@ -2,8 +2,8 @@
 
 The issue's target: K = 16 models on 100k x 20 rows, 100 rounds, depth 6, in <= 4x the time of
 one. Models differ in reg_lambda, learning rate and seed (subsample 0.8). Reports medians of
-``--repeats`` runs, compile (first call) separately, and writes
-``experiments/results/train_many.md``.
+``--repeats`` runs, compile (first call) separately, and writes ``--output``
+(``experiments/results/train_many.md``).
 
 Usage: python experiments/bench_many.py [--models 16] [--rows 100000] [--repeats 3]
 """
@@ -32,7 +32,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scatter-variant", help="time the accelerators' histogram scatter of "
+                        "experiments/scatter_variants.py of this name instead of the library's")
+    parser.add_argument("--output", type=pathlib.Path, default=RESULTS / "train_many.md")
     args = parser.parse_args()
+    if args.scatter_variant:
+        import scatter_variants
+        jb.histogram._pair_scatter_histogram = scatter_variants.VARIANTS[args.scatter_variant]
     X, y = make_regression(args.rows, args.features, n_informative=10, noise=10, random_state=0)
     data = jb.Dataset(X.astype(np.float32), y.astype(np.float32))
     K = args.models
@@ -57,7 +63,8 @@ def main():
     lines = [
         "# train_many: K models in one compiled program",
         "",
-        f"Command: `python experiments/bench_many.py --models {K} --rows {args.rows} --repeats {args.repeats}`",
+        f"Command: `python experiments/bench_many.py --models {K} --rows {args.rows} --repeats {args.repeats}"
+        + (f" --scatter-variant '{args.scatter_variant}'" if args.scatter_variant else "") + "`",
         f"Machine: {platform.processor() or platform.machine()}, {jax.device_count()} JAX device(s) "
         f"({jax.default_backend()}), jax {jax.__version__}",
         "",
@@ -71,8 +78,8 @@ def main():
         "",
         f"**{K} models cost {many_s / one_s:.2f}x one model** (target <= 4x).",
     ]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "train_many.md").write_text("\n".join(lines) + "\n")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
