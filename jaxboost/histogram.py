@@ -136,19 +136,21 @@ def _features_used_operand(features_used, X_binned_T, result_features: int) -> j
 
 def _xla_result(kernel, result_features: int, channels: int, channel: int):
     """An XLA ``kernel`` called with the native kernels' operands, its histogram (its result, or
-    the last of them: every feature, one (g, h) pair a cell) made into theirs: in
-    ``result_features`` slots (padded with zero features, or compact: the used features' cells
-    taken out), written into channels ``[channel, channel + 2)`` of the cells of ``into`` (the
-    operand before ``features_used``; empty for channel 0: the other channels are then zeros)."""
+    the last of them: one (g, h) pair a cell) made into theirs: in ``result_features`` slots
+    (padded with zero features, or compact: the kernel is given the used features' list, as
+    ``features``, and sums those alone), written into channels ``[channel, channel + 2)`` of the
+    cells of ``into`` (the operand before ``features_used``; empty for channel 0: the other
+    channels are then zeros)."""
     def call(*args):
         *operands, into, features_used = args
-        outputs = kernel(*operands)
-        pair = outputs[-1] if isinstance(outputs, tuple) else outputs
-        n_features = pair.shape[1]
+        n_features = operands[0].shape[0]
         if result_features < n_features:
             (listed,) = jnp.nonzero(features_used, size=result_features, fill_value=n_features)
-            pair = jnp.take(pair, listed, axis=1, mode="fill", fill_value=0.0)
-        elif result_features > n_features:
+            outputs = kernel(*operands, features=listed)
+        else:
+            outputs = kernel(*operands)
+        pair = outputs[-1] if isinstance(outputs, tuple) else outputs
+        if result_features > n_features:
             pair = jnp.pad(pair, ((0, 0), (0, result_features - n_features), (0, 0), (0, 0)))
         if channels != 2:
             earlier = into if channel else jnp.zeros(pair.shape[:-1] + (channels,), jnp.float32)
@@ -329,13 +331,13 @@ def _xla_route(X_binned_T, row_offset, node_of_row, feature, threshold_bin, defa
 
 
 def _xla_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin,
-                         default_left, splits, left_is_smaller, live_nodes, *, num_nodes, max_bin):
+                         default_left, splits, left_is_smaller, live_nodes, *, num_nodes, max_bin, features=None):
     del live_nodes  # every node's cells are summed (zeros where no row lies)
     child_of_row, goes_right = _xla_route(X_binned_T, row_offset, node_of_row, feature, threshold_bin, default_left,
                                           max_bin=max_bin)
     in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, num_nodes)
     return child_of_row, _xla_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, in_smaller_child,
-                                        num_nodes=num_nodes, max_bin=max_bin)
+                                        num_nodes=num_nodes, max_bin=max_bin, features=features)
 
 
 def _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram_nodes: int) -> jax.Array:
@@ -394,14 +396,24 @@ def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, r
     return as_varying_as(histogram, inputs)
 
 
-def _xla_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin):
+def _xla_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
+                   features=None):
+    """The XLA kernels' histogram of every feature, or with ``features`` (int32, one a slot; past
+    the last feature: a zero slot) of those alone, their codes taken out before the sums."""
     X_binned_T = _local_codes(X_binned_T, row_offset, node_index.shape[0])
+    n_features = X_binned_T.shape[0]
+    if features is not None:
+        X_binned_T = jnp.take(X_binned_T, features, axis=0, mode="fill", fill_value=0)
     args = (X_binned_T, node_index, gradients, hessians, row_mask)
     sizes = dict(num_nodes=num_nodes, max_bin=max_bin)
     # Chosen when lowering: complex64 scatters are the faster XLA kernel on CPU, and on a GPU
     # 20 to 1000 times slower than the float32 kernel (an atomic compare-and-swap loop per add).
-    return per_platform(*args, cpu=partial(_complex_scatter_histogram, **sizes),
-                        default=partial(_pair_scatter_histogram, **sizes))
+    histogram = per_platform(*args, cpu=partial(_complex_scatter_histogram, **sizes),
+                             default=partial(_pair_scatter_histogram, **sizes))
+    if features is None:
+        return histogram
+    # Spare slots read code 0 of every row: their sums are dropped.
+    return jnp.where((features < n_features)[None, :, None, None], histogram, 0.0)
 
 
 def _complex_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin):
