@@ -95,7 +95,8 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
         None for channel 0. The native kernel writes each pair into the one buffer in place.
       features_used: optional bool ``(n_features,)``: the features whose cells are read (a
         tree's column sample). The native kernel sums only those and leaves the others' cells
-        zero (or, compact, has none); the XLA kernel sums every feature. None: all.
+        zero (or, compact, has none); the XLA kernel sums every feature for a full result and the
+        used ones alone for a compact one. None: all.
 
     Returns:
       float32 ``(num_nodes, result_features, max_bin, channels)``: ``[..., channel]`` sums of
