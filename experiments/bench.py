@@ -25,7 +25,9 @@ the missing-value bin separately, so they get max_bin - 1), all cores, no early 
 ``--eval-set`` makes every library evaluate the test split every round (its loss: log loss or
 RMSE), as training with early stopping does; sklearn, which has no such option, is left out.
 ``--colsample-bytree F`` makes every tree sample F of the features (LightGBM: feature_fraction;
-sklearn, which samples by split only, is left out).
+sklearn, which samples by split only, is left out). ``--subsample F`` makes every round sample F
+of the rows (LightGBM: bagging_fraction with bagging_freq=1; sklearn, which has no row sample, is
+left out).
 
 How it is measured (``bench_worker.py`` does one run):
 
@@ -205,9 +207,9 @@ class Runner:
     configuration shared by several tables runs once."""
 
     def __init__(self, repeats: int, rounds: int, device: str = "cpu", eval_set: bool = False,
-                 colsample_bytree: float = 1.0):
+                 colsample_bytree: float = 1.0, subsample: float = 1.0):
         self.repeats, self.rounds, self.device, self.eval_set = repeats, rounds, device, eval_set
-        self.colsample_bytree = colsample_bytree
+        self.colsample_bytree, self.subsample = colsample_bytree, subsample
         self.meter = OtherCpuMeter()
         self.results: dict[tuple, list[dict]] = {}
 
@@ -227,6 +229,8 @@ class Runner:
             worker_args += ["--eval-set"] if self.eval_set else []
             if self.colsample_bytree != 1.0:
                 worker_args += ["--colsample-bytree", str(self.colsample_bytree)]
+            if self.subsample != 1.0:
+                worker_args += ["--subsample", str(self.subsample)]
             started = time.perf_counter()
             result = run_worker(worker_args, self.meter, self.device)
             print(f"  {library:<9} {task:<14} rows={rows:<9} depth={depth:<3} bins={max_bin:<4} "
@@ -373,6 +377,8 @@ def run_tasks(args, runner: Runner) -> list[str]:
             title += ", the test split as an eval set scored every round"
         if args.colsample_bytree != 1.0:
             title += f", {args.colsample_bytree:g} of the features sampled for each tree"
+        if args.subsample != 1.0:
+            title += f", {args.subsample:g} of the rows sampled for each round"
         config = (task, args.rows, args.depth, args.max_bin)
         ratios = {library: turn_ratios(runner, library, config) for library in args.libraries}
         section = (f"{title}\n\n{task_table(task, summaries, args.device, ratios)}\n\nMemory (MB, medians):\n\n"
@@ -505,6 +511,9 @@ def method_notes(args) -> str:
         *([f"- Column sample (--colsample-bytree {args.colsample_bytree:g}): each tree draws that fraction of "
             f"the features (jaxboost and XGBoost colsample_bytree, LightGBM feature_fraction); scikit-learn "
             f"samples by split only and is left out."] if args.colsample_bytree != 1.0 else []),
+        *([f"- Row sample (--subsample {args.subsample:g}): each round draws that fraction of the rows "
+            f"(jaxboost and XGBoost subsample, LightGBM bagging_fraction with bagging_freq=1); scikit-learn has no "
+            f"row sample and is left out."] if args.subsample != 1.0 else []),
         f"- Settings: learning rate 0.1, lambda 1 (0 for absolute_error: jaxboost's exact leaf refit "
         f"includes the penalty, the others' weighted medians do not), depth {args.depth} (LightGBM/sklearn: "
         f"at most "
@@ -555,12 +564,16 @@ def parse_args(argv=None):
     parser.add_argument("--colsample-bytree", type=float, default=1.0,
                         help="fraction of the features each tree samples (scikit-learn, which samples by split "
                              "only, is left out by default)")
+    parser.add_argument("--subsample", type=float, default=1.0,
+                        help="fraction of the rows each round samples (scikit-learn, which has no row sample, is "
+                             "left out by default)")
     args = parser.parse_args(argv)
-    if not 0.0 < args.colsample_bytree <= 1.0:
-        parser.error("--colsample-bytree must be in (0, 1]")
+    for option, fraction in [("--colsample-bytree", args.colsample_bytree), ("--subsample", args.subsample)]:
+        if not 0.0 < fraction <= 1.0:
+            parser.error(f"{option} must be in (0, 1]")
     if args.libraries is None:
         args.libraries = GPU_LIBRARIES if args.device == "gpu" else LIBRARIES
-        if args.eval_set or args.colsample_bytree != 1.0:
+        if args.eval_set or args.colsample_bytree != 1.0 or args.subsample != 1.0:
             args.libraries = [library for library in args.libraries if library != "sklearn"]
     for name, chosen, allowed in [("--tasks", args.tasks, TASKS + OPTIONAL_TASKS),
                                   ("--libraries", args.libraries, LIBRARIES + OPTIONAL_LIBRARIES)]:
@@ -583,7 +596,7 @@ def main(argv=None):
     if warning:
         print(warning.replace("**", ""), file=sys.stderr)
 
-    runner = Runner(args.repeats, args.rounds, args.device, args.eval_set, args.colsample_bytree)
+    runner = Runner(args.repeats, args.rounds, args.device, args.eval_set, args.colsample_bytree, args.subsample)
     sections = run_tasks(args, runner)
     if args.scaling:
         sections.append(run_scaling(args, runner))

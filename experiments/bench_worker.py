@@ -231,6 +231,9 @@ class JaxboostRunner:
     def sample_columns(self, fraction):
         self.params.update(colsample_bytree=fraction)
 
+    def sample_rows(self, fraction):
+        self.params.update(subsample=fraction)
+
     def train(self, dataset, rounds, eval_set=None):
         if eval_set is None:
             return self.jb.train(dataset, num_rounds=rounds, **self.params)
@@ -290,6 +293,9 @@ class XGBoostRunner:
     def sample_columns(self, fraction):
         self.params.update(colsample_bytree=fraction)
 
+    def sample_rows(self, fraction):
+        self.params.update(subsample=fraction)
+
     def train(self, dataset, rounds, eval_set=None):
         if eval_set is None:
             booster = self.xgb.train(self.params, dataset, num_boost_round=rounds)
@@ -333,6 +339,10 @@ class LightGBMRunner:
     def sample_columns(self, fraction):
         # LightGBM's per-tree sample, with the same seed every run.
         self.params.update(feature_fraction=fraction, feature_fraction_seed=SEED)
+
+    def sample_rows(self, fraction):
+        # LightGBM's bagging, a fresh sample every round (bagging_freq=1) as jaxboost's and XGBoost's.
+        self.params.update(bagging_fraction=fraction, bagging_freq=1, bagging_seed=SEED)
 
     def train(self, dataset, rounds, eval_set=None):
         if eval_set is None:
@@ -428,6 +438,10 @@ def measure(args) -> dict:
         if not hasattr(runner, "sample_columns"):
             return {"status": "no column sample", "detail": f"the {args.library} runner samples no columns by tree"}
         runner.sample_columns(args.colsample_bytree)
+    if args.subsample != 1.0:
+        if not hasattr(runner, "sample_rows"):
+            return {"status": "no row sample", "detail": f"the {args.library} runner samples no rows by round"}
+        runner.sample_rows(args.subsample)
     since_reset = reset_peak_rss()
     rss_start_mb = current_rss_mb()
     anonymous_memory = anonymous_memory_sampler()
@@ -512,6 +526,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-predict", action="store_true", help="skip predict and scoring (scaling runs)")
     parser.add_argument("--colsample-bytree", type=float, default=1.0,
                         help="the fraction of features sampled for each tree (LightGBM: feature_fraction)")
+    parser.add_argument("--subsample", type=float, default=1.0,
+                        help="the fraction of rows sampled for each round (LightGBM: bagging_fraction)")
     parser.add_argument("--eval-set", action="store_true",
                         help="train with the test split as an eval set, its loss computed every round")
     args = parser.parse_args(argv)

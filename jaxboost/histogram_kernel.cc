@@ -380,12 +380,29 @@ std::unique_ptr<std::vector<int64_t>> ListedFeatures(const HistogramProblem& p, 
   return listed;
 }
 
+// Whether a sample of the rows (every kEmptyRowStride-th; a prime, so that no period of the
+// rows' layout aliases with it) finds so many whose (g, h) are both zero that the root should
+// gather the others instead of passing over every row. Gathering costs about 1.7x a row-order
+// pass per row taken (400k rows x 28 features: all rows in order 3.2 ms; gathered 45% of them
+// 2.65 ms, 30% 2.1 ms, 60% 3.3 ms), so it pays from a little under half of the rows empty.
+constexpr int64_t kEmptyRowStride = 61;
+inline bool MostlyEmptyRows(const float* gradients, const float* hessians, int64_t n_rows) {
+  int64_t sampled = 0, empty = 0;
+  for (int64_t i = 0; i < n_rows; i += kEmptyRowStride) {
+    ++sampled;
+    empty += static_cast<int64_t>(gradients[i] == 0.0f && hessians[i] == 0.0f);
+  }
+  return sampled >= 64 && 20 * empty > 9 * sampled;
+}
+
 // One thread's share: all selected rows, features [feature_begin, feature_end), so threads
 // write disjoint cells and need no reduction.
 void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_t feature_end) {
   // The root's histogram (one node, no mask) reads codes in row order: no row ids to gather
-  // (measured 10 -> 8 ms for 400k rows x 28 features).
-  const bool all_rows = p.route == nullptr && p.row_mask == nullptr && p.num_nodes == 1;
+  // (measured 10 -> 8 ms for 400k rows x 28 features), unless enough of its rows add nothing
+  // (a round's row sample) that gathering the others costs less than passing over them all.
+  const bool all_rows = p.route == nullptr && p.row_mask == nullptr && p.num_nodes == 1 &&
+                        !MostlyEmptyRows(p.gradients, p.hessians, p.n_rows);
   // Blocks of at most kBlockRows rows, and no more than there are: buffers of a full block
   // (512 KB), zeroed at every call, were most of a level's kernel on small data.
   const int64_t block_rows = std::max<int64_t>(1, std::min(kBlockRows, p.n_rows));

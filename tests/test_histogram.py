@@ -1036,15 +1036,17 @@ def test_route_and_build_histogram_matches_numpy(kernel, threads, num_nodes, max
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_kernels_skip_rows_of_zero_gradient_and_hessian_but_route_them(threads):
+@pytest.mark.parametrize("empty_fraction", [0.3, 0.7])
+def test_native_kernels_skip_rows_of_zero_gradient_and_hessian_but_route_them(threads, empty_fraction):
     """Rows whose gradient and Hessian are both zero (out of a sample, weight 0, padding) add
     nothing: the native kernels leave them out (the root's pass stops after the last row that
-    adds something) and the histograms still equal the naive sums over every row; such rows are
-    still routed. Rows with only one of the two zero still count."""
+    adds something, and gathers the others when about half the rows or more are empty) and the
+    histograms still equal the naive sums over every row; such rows are still routed. Rows with
+    only one of the two zero still count."""
     n_rows, n_features, num_nodes, max_bin = 70_000, 5, 6, 32  # more rows than a kernel block
     X_binned, node_index, gradients, hessians, level = route_case(3, n_rows, n_features, num_nodes, max_bin)
     rng = np.random.default_rng(4)
-    zero = rng.uniform(size=n_rows) < 0.3
+    zero = rng.uniform(size=n_rows) < empty_fraction
     zero[-5000:] = True  # a trailing run, as padding rows are
     gradients[zero], hessians[zero] = 0.0, 0.0
     hessians[-1] = 0.75  # the last row counts by its Hessian alone
