@@ -95,10 +95,11 @@ LIBRARIES = ["jaxboost", "xgboost", "lightgbm", "sklearn"]
 OPTIONAL_LIBRARIES = ["jaxboost-custom"]
 TASKS = ["classification", "regression"]
 # Not run by default: "wide", classification with 500 features (``--tasks wide``),
-# "multiclass", 10 classes, and "absolute_error", the regression data fitted by absolute error.
-OPTIONAL_TASKS = ["wide", "multiclass", "absolute_error"]
+# "multiclass", 10 classes, "absolute_error", the regression data fitted by absolute error, and
+# "missing", the classification data with a tenth of its values missing (NaN) at random.
+OPTIONAL_TASKS = ["wide", "multiclass", "absolute_error", "missing"]
 METRIC_NAME = {"classification": "test AUC", "regression": "test RMSE", "wide": "test AUC",
-               "multiclass": "test log loss", "absolute_error": "test MAE"}
+               "multiclass": "test log loss", "absolute_error": "test MAE", "missing": "test AUC"}
 REFERENCE_LIBRARY = "xgboost"
 QUIET_LOAD = 0.5
 RUN_TIMEOUT_S = 3 * 3600

@@ -46,17 +46,21 @@ LEARNING_RATE = 0.1
 REG_LAMBDA = 1.0
 MIN_HESSIAN = 1.0  # XGBoost min_child_weight, LightGBM min_sum_hessian_in_leaf, jaxboost min_child_weight
 SEED = 0
-# Tasks scored as binary classification; "wide" is the classification task with 500 features.
-CLASSIFICATION_TASKS = ("classification", "wide")
+# Tasks scored as binary classification; "wide" is the classification task with 500 features,
+# "missing" the classification task with MISSING_FRACTION of its values missing (NaN).
+CLASSIFICATION_TASKS = ("classification", "wide", "missing")
+MISSING_FRACTION = 0.1
 # Softmax over NUM_CLASSES classes, scored by log loss.
 MULTICLASS_TASKS = ("multiclass",)
 NUM_CLASSES = 10
 # The regression task's data fitted by absolute error, scored by the test MAE: a loss whose
 # Hessian is zero, so every library sets its leaves by an exact weighted median of residuals.
 ABSOLUTE_ERROR_TASKS = ("absolute_error",)
-TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500, "multiclass": 28, "absolute_error": 50}
+TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500, "multiclass": 28, "absolute_error": 50,
+                 "missing": 28}
 # A task's samples are --rows divided by this: a regression row and a 10-class row cost more.
-TASK_ROWS_DIVISOR = {"classification": 1, "regression": 2, "wide": 1, "multiclass": 5, "absolute_error": 2}
+TASK_ROWS_DIVISOR = {"classification": 1, "regression": 2, "wide": 1, "multiclass": 5, "absolute_error": 2,
+                     "missing": 1}
 
 
 def reg_lambda(task: str) -> float:
@@ -72,6 +76,7 @@ def reg_lambda(task: str) -> float:
 # loss (jaxboost / XGBoost / LightGBM names).
 EVAL_METRIC = {"classification": ("logloss", "logloss", "binary_logloss"),
                "wide": ("logloss", "logloss", "binary_logloss"),
+               "missing": ("logloss", "logloss", "binary_logloss"),
                "regression": ("rmse", "rmse", "rmse"),
                "absolute_error": ("mae", "mae", "l1"),
                "multiclass": ("mlogloss", "mlogloss", "multi_logloss")}
@@ -90,7 +95,7 @@ def make_task(task: str, rows: int):
     from sklearn.model_selection import train_test_split
 
     samples = task_samples(task, rows)
-    if task == "classification":
+    if task in ("classification", "missing"):
         X, y = make_classification(n_samples=samples, n_features=TASK_FEATURES[task], n_informative=14, n_redundant=4,
                                    random_state=SEED)
     elif task == "wide":
@@ -105,6 +110,10 @@ def make_task(task: str, rows: int):
     else:
         raise ValueError(f"unknown task {task!r}")
     X, y = X.astype(np.float32), y.astype(np.float32)
+    if task == "missing":
+        # Missing completely at random, the same cells every run: each library's missing-value
+        # path (a default direction learned per split) on every feature.
+        X[np.random.default_rng(SEED).uniform(size=X.shape) < MISSING_FRACTION] = np.nan
     return train_test_split(X, y, test_size=0.2, random_state=SEED)
 
 
