@@ -111,6 +111,7 @@ def main() -> None:
                         help="multiclass: one tree of vector leaves a round, with this Hessian")
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--colsample-bytree", type=float, default=1.0, help="fraction of the features per tree")
+    parser.add_argument("--colsample-bynode", type=float, default=1.0, help="fraction of the features per node")
     parser.add_argument("--subsample", type=float, default=1.0, help="fraction of the rows per round")
     parser.add_argument("--rounds", type=int, default=10, help="rounds in the traced fit")
     parser.add_argument("--top", type=int, default=15, help="ops listed per track")
@@ -122,7 +123,8 @@ def main() -> None:
     loss = {"classification": "logistic", "wide": "logistic", "regression": "squared_error",
             "multiclass": "softmax"}[args.task]
     settings = dict(loss=loss, max_depth=args.depth, learning_rate=0.1, reg_lambda=1.0, min_child_weight=1.0,
-                    colsample_bytree=args.colsample_bytree, subsample=args.subsample)
+                    colsample_bytree=args.colsample_bytree, colsample_bynode=args.colsample_bynode,
+                    subsample=args.subsample)
     if args.vector_leaves:
         settings.update(multi_strategy="multi_output_tree", multi_output_hessian=args.vector_leaves)
     jb.train(dataset, num_rounds=2, **settings)  # compiles
@@ -143,6 +145,7 @@ def main() -> None:
         f"- command: `python experiments/profile_round.py --task {args.task} --rows {args.rows} --depth {args.depth} "
         f"--rounds {args.rounds}" + (f" --vector-leaves {args.vector_leaves}" if args.vector_leaves else "")
         + (f" --colsample-bytree {args.colsample_bytree}" if args.colsample_bytree != 1.0 else "")
+        + (f" --colsample-bynode {args.colsample_bynode}" if args.colsample_bynode != 1.0 else "")
         + (f" --subsample {args.subsample}" if args.subsample != 1.0 else "") + "`",
         f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; devices: "
         f"{', '.join(str(device) for device in jax.devices())} ({jax.devices()[0].device_kind})",

@@ -1036,6 +1036,33 @@ def test_row_sampling_draws_by_row_index():
     assert np.mean((draws < 0.5) == (other < 0.5)) == pytest.approx(0.5, abs=0.01)
 
 
+@pytest.mark.parametrize("sample", ["colsample_bylevel", "colsample_bynode"])
+def test_level_and_node_column_samples_draw_anew_for_every_level_node_and_tree(sample):
+    """A quarter of 8 equally useful features keeps 2. By level: every level's splits use at
+    most those 2, and a tree's levels draw apart (more than 2 over a tree). By node: a level's
+    nodes draw apart (more than 2 over a level). Either way trees draw apart (the roots vary)."""
+    from jaxboost.node_list import reached_nodes
+
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(1000, 8)).astype(np.float32)
+    y = X.sum(axis=1) + rng.normal(scale=0.1, size=1000)
+    model = jb.train(X, y, num_rounds=30, max_depth=4, learning_rate=0.3, max_bin=32, **{sample: 0.25})
+    is_leaf = model.trees.is_leaf[:, 0]
+    splits = ~is_leaf & reached_nodes(is_leaf)
+    features = model.trees.feature[:, 0]
+    per_level = [[set(features[tree, 2 ** depth - 1:2 ** (depth + 1) - 1][splits[tree, 2 ** depth - 1:
+                                                                                 2 ** (depth + 1) - 1]])
+                  for depth in range(4)] for tree in range(len(features))]
+    assert splits.sum() > 0.9 * 15 * 30, "nearly every node should split: every feature helps"
+    widest_level = max(len(used) for tree in per_level for used in tree)
+    if sample == "colsample_bylevel":
+        assert widest_level <= 2, per_level
+        assert np.mean([len(set().union(*tree)) > 2 for tree in per_level]) > 0.5, per_level
+    else:
+        assert widest_level > 2, per_level
+    assert len(set(features[:, 0])) >= 5, features[:, 0]
+
+
 @pytest.mark.parametrize("n_rows, chunk_rows", [(1000, 128), (1024, 128), (100, 128), (129, 128)])
 def test_in_row_chunks_equals_the_whole_computation(n_rows, chunk_rows):
     """Chunks cover every row once or, at the overlapping last chunk, twice to the same values;
