@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .devices import all_sum, all_sum_scattered, axis_devices, chunks_in_use, in_steps_on_cpu
+from .native import lowering_platform
 from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram,
                         statistic_pairs)
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
@@ -276,8 +277,8 @@ def prune_by_gamma(tree: Tree, max_depth: int, gamma: jax.Array) -> tuple[Tree, 
     return pruned, surviving_leaf
 
 
-# Levels with at most this many nodes share one compiled loop body sized for this many nodes;
-# deeper levels share another, sized for the widest of them (see ``grow_tree``).
+# Off the CPU, levels with at most this many nodes share one compiled loop body sized for this
+# many nodes; deeper levels share another, sized for the widest of them (see ``grow_tree``).
 LOOPED_LEVEL_NODES = 32
 
 
@@ -329,22 +330,25 @@ def _widened(state: _LevelState, capacity: int, histogram_buffer: jax.Array | No
                           path_features=padded(state.path_features, False))
 
 
-def grows_deep_levels(max_depth: int) -> bool:
-    """Whether trees of ``max_depth`` have levels past the shallow loop's (``max_depth > 6``):
-    those grow in a second loop, over a wider histogram buffer (``histogram_buffer_shape``)."""
-    return 2 ** (max_depth - 1) > LOOPED_LEVEL_NODES
+def looped_level_nodes(max_depth: int, platform: str) -> int:
+    """Slots of the level loop that starts at the root, for trees of ``max_depth`` on
+    ``platform``. On CPU every level's, ``2^(max_depth - 1)``: there the scan and the
+    subtraction step over the slots of live nodes only, so one loop serves every level (at
+    depths 7-10 a first fit compiled 0.25-0.35 s sooner than with a second loop for the deep
+    levels, trees as fast). Elsewhere a level is handled whole, every slot at once, so the
+    shallow levels keep at most ``LOOPED_LEVEL_NODES`` slots and deeper ones get a second loop."""
+    widest = 2 ** (max_depth - 1)
+    return widest if platform == "cpu" else min(LOOPED_LEVEL_NODES, widest)
 
 
 def histogram_buffer_shape(max_depth: int, n_features: int, max_bin: int, channels: int,
                            devices: int = 1) -> tuple[int, ...]:
     """Per device, the shape of the histogram buffer that ``grow_tree`` can take from its caller
-    (``histogram_buffer``): the shallow loop's ``min(32, 2^(max_depth - 1))`` slots, or for
-    deeper trees the deep levels' ``2^(max_depth - 1)``. ``channels``: 2, or the vector leaves'
-    gradient and packed Hessian channels, an odd number padded with a zero one to the kernels'
-    pairs (``StatisticPairs.width``); with rows sharded over ``devices`` each keeps a block
-    of the features (padded to equal blocks)."""
-    slots = 2 ** (max_depth - 1) if grows_deep_levels(max_depth) else min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))
-    return (slots, -(-n_features // devices), max_bin, channels)
+    (``histogram_buffer``): the widest level's ``2^(max_depth - 1)`` slots. ``channels``: 2, or
+    the vector leaves' gradient and packed Hessian channels, an odd number padded with a zero
+    one to the kernels' pairs (``StatisticPairs.width``); with rows sharded over ``devices``
+    each keeps a block of the features (padded to equal blocks)."""
+    return (2 ** (max_depth - 1), -(-n_features // devices), max_bin, channels)
 
 
 def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, feature_allowed: jax.Array,
@@ -392,11 +396,12 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
       bounds (for leaf refits under monotone constraints), and the histogram buffer to pass to
       the next tree (None when none was passed).
 
-    The shallow levels (up to ``LOOPED_LEVEL_NODES`` nodes) run in one ``fori_loop`` over
-    buffers of that size; deeper trees run the levels below in a second loop over buffers sized
-    for the widest of them (``2^(max_depth - 1)`` slots). The last level that splits runs in its
-    loop too, masked: its children are written into the tree as leaves, and it builds no
-    histograms. So a tree of any depth compiles at most two level bodies.
+    The levels run in one ``fori_loop`` over buffers of ``looped_level_nodes`` slots: on CPU
+    every level; elsewhere the shallow levels (up to ``LOOPED_LEVEL_NODES`` nodes), and deeper
+    trees run the levels below in a second loop over buffers sized for the widest of them
+    (``2^(max_depth - 1)`` slots). The last level that splits runs in its loop too, masked: its
+    children are written into the tree as leaves, and it builds no histograms. So a tree of any
+    depth compiles at most two level bodies, on CPU one.
     """
     n_features, n_rows = X_binned_T.shape[0], gradients.shape[0]
     num_nodes = num_heap_nodes(max_depth)
@@ -570,7 +575,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         """Per-feature values (last axis) in the histograms' feature slots."""
         return per_feature if slot_feature is None else per_feature[..., slot_feature]
 
-    looped_capacity = min(LOOPED_LEVEL_NODES, 2 ** (max_depth - 1))
+    looped_capacity = looped_level_nodes(max_depth, lowering_platform())
+    grows_deep_levels = looped_capacity < 2 ** (max_depth - 1)
     looped_levels = looped_capacity.bit_length() - 1  # levels whose children fit in looped_capacity
     level_scores = node_scores = None
     if sample_columns:
@@ -589,7 +595,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     def root_histograms(root):
         # Slots past the root's hold no active node until a level writes them (a scan step that
         # reads one with the root masks its choice), so a shallow tree's buffer needs no zeroing.
-        if histogram_buffer is None or grows_deep_levels(max_depth):
+        if histogram_buffer is None or grows_deep_levels:
             return root_level(root)
         return jax.lax.dynamic_update_slice_in_dim(histogram_buffer, root[None], 0, axis=0)
 
@@ -627,12 +633,17 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         upper=jnp.full(looped_capacity, jnp.inf),
         path_features=None if params.interaction_groups is None else jnp.zeros((looped_capacity, n_features), bool),
     )
-    if not grows_deep_levels(max_depth):
+    if not grows_deep_levels:
         # The last level fits the loop's slots too: it runs in the loop, masked, rather than in
-        # a second copy of the level's program (0.8 s of a 3.4 s first fit at depth 6).
+        # a second copy of the level's program (0.8 s of a 3.4 s first fit at depth 6). Its
+        # parents, those of every level but the last, fit the leading half of the slots: the
+        # kernels' smaller children need no more (their results over every slot, 29 MB a level
+        # at depth 10, took 57 -> 77 ms a tree at 800k rows).
+        parent_slots = looped_capacity // 2 if looped_capacity > 1 else None
         state, node_bounds = jax.lax.fori_loop(
             0, max_depth,
-            lambda depth, c: split_level(depth, c, children_are_leaves=depth == max_depth - 1),
+            lambda depth, c: split_level(depth, c, children_are_leaves=depth == max_depth - 1,
+                                         parent_slots=parent_slots),
             (state, node_bounds))
         tree = state.tree
     else:

@@ -150,6 +150,12 @@ def lowering_for(backend: str):
         _lowering.platform = previous
 
 
+def lowering_platform() -> str:
+    """The platform that code traced now is lowered for: ``lowering_for``'s, else JAX's default
+    backend."""
+    return getattr(_lowering, "platform", None) or jax.default_backend()
+
+
 def per_platform(*args, cpu: Callable, default: Callable):
     """``lax.platform_dependent(*args, cpu=cpu, default=default)``, but tracing only one branch
     where the platform is known (``lowering_for``). Tracing the accelerators' XLA kernels for a

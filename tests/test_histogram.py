@@ -631,6 +631,54 @@ def test_training_with_native_kernel_matches_xla_kernel(monkeypatch, settings):
                        train_with_kernel(monkeypatch, X, y, settings, "xla"), X, settings)
 
 
+@pytest.mark.parametrize("settings,sharded", [
+    ({"loss": "logistic", "num_rounds": 3, "max_depth": 7, "learning_rate": 0.3, "max_bin": 64}, False),
+    ({"loss": "logistic", "num_rounds": 3, "max_depth": 9, "learning_rate": 0.3, "max_bin": 256,
+      "colsample_bynode": 0.8, "monotone_constraints": [1, 0, 0, 0, 0, -1]}, True),
+    ({"loss": "softmax", "num_rounds": 2, "max_depth": 7, "learning_rate": 0.3, "max_bin": 64,
+      "multi_strategy": "multi_output_tree"}, False),
+])
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's one loop against the accelerators' two, on CPU")
+def test_one_level_loop_grows_the_trees_of_two(monkeypatch, settings, sharded):
+    """On CPU one loop runs every level over the widest level's slots; off it (a level handled
+    whole) the shallow levels keep 32 slots and a second loop runs the deeper ones
+    (``grower.looped_level_nodes``). Both grow the same trees, bit for bit, here both on CPU:
+    one device, rows sharded over two, and vector leaves."""
+    import jaxboost as jb
+    from jaxboost import boosting, grower
+
+    if sharded:
+        if jax.default_backend() != "cpu" or len(jax.devices()) < 2:
+            pytest.skip("needs two CPU devices")
+        monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+    X, y = kernel_training_data(settings)
+    settings = dict(settings)
+    if settings["loss"] == "softmax":
+        settings["num_outputs"] = 3
+    one_loop = grower.looped_level_nodes
+    trees = {}
+    for name, loop_nodes in [("one loop", lambda max_depth, platform: 2 ** (max_depth - 1)),
+                             ("two loops", lambda max_depth, platform: min(grower.LOOPED_LEVEL_NODES,
+                                                                           2 ** (max_depth - 1)))]:
+        monkeypatch.setattr(grower, "looped_level_nodes", loop_nodes)
+        boosting.compiled_round.cache_clear()
+        try:
+            trees[name] = jb.train(X, y, **settings).trees
+        finally:
+            boosting.compiled_round.cache_clear()
+    monkeypatch.setattr(grower, "looped_level_nodes", one_loop)
+    assert one_loop(settings["max_depth"], "cpu") == 2 ** (settings["max_depth"] - 1)
+    assert one_loop(settings["max_depth"], "gpu") == grower.LOOPED_LEVEL_NODES
+    for field in trees["one loop"]._fields:
+        np.testing.assert_array_equal(getattr(trees["one loop"], field), getattr(trees["two loops"], field),
+                                      err_msg=field)
+    # The levels past the first loop's 32 slots split.
+    from jaxboost.node_list import reached_nodes
+    is_leaf = np.asarray(trees["one loop"].is_leaf)
+    splits = ~is_leaf & reached_nodes(is_leaf)
+    assert np.sum(splits[..., 2 ** 6 - 1:]) > 10
+
+
 @needs_native
 @pytest.mark.parametrize("settings,sharded", [
     ({"loss": "logistic", "num_rounds": 6, "max_depth": 4, "learning_rate": 0.3, "colsample_bytree": 0.5}, False),
