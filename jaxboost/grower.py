@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .devices import all_sum, all_sum_scattered, axis_devices, chunks_in_use, in_steps_on_cpu
-from .native import lowering_platform
 from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram,
                         statistic_pairs)
+from .native import lowering_platform
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
 from .split import NodeBounds, find_best_splits_over_devices, hessian_mass, scan_chunk_nodes
 from .tree import Tree, num_heap_nodes
@@ -635,11 +635,12 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     )
     if not grows_deep_levels:
         # The last level fits the loop's slots too: it runs in the loop, masked, rather than in
-        # a second copy of the level's program (0.8 s of a 3.4 s first fit at depth 6). Its
-        # parents, those of every level but the last, fit the leading half of the slots: the
-        # kernels' smaller children need no more (their results over every slot, 29 MB a level
-        # at depth 10, took 57 -> 77 ms a tree at 800k rows).
-        parent_slots = looped_capacity // 2 if looped_capacity > 1 else None
+        # a second copy of the level's program (0.8 s of a 3.4 s first fit at depth 6). In a
+        # loop wider than the shallow one (on CPU, for depth > 6) the kernels build the smaller
+        # children for the leading half of the slots, which hold the parents of every level but
+        # the last, as the second loop does: their results over every slot, 29 MB a level at
+        # depth 10, took 57 -> 77 ms a tree at 800k rows.
+        parent_slots = looped_capacity // 2 if looped_capacity > LOOPED_LEVEL_NODES else None
         state, node_bounds = jax.lax.fori_loop(
             0, max_depth,
             lambda depth, c: split_level(depth, c, children_are_leaves=depth == max_depth - 1,
