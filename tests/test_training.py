@@ -1190,8 +1190,11 @@ def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
             compiled = links._compiled_link(model.link, layout[1], "cpu")
             for rows in (1, 7, 3000, n_rows):
                 raw = model.predict_raw(X[:rows])
-                np.testing.assert_allclose(model.predict(X[:rows]), np.asarray(model.link(jnp.asarray(raw))),
+                predicted = model.predict(X[:rows])
+                np.testing.assert_allclose(predicted, np.asarray(model.link(jnp.asarray(raw))),
                                            rtol=1e-6, atol=1e-7, err_msg=f"{loss}, {rows} rows, layout {layout}")
+                # A writable array, one chunk or several: not a read-only view of a result buffer.
+                assert predicted.flags.writeable, f"{loss}, {rows} rows"
             assert compiled._cache_size() == 1, f"{loss}: the link compiled {compiled._cache_size()} times"
             monkeypatch.undo()
 
