@@ -17,6 +17,9 @@ Tasks (data generated with a fixed seed, float32, 80/20 train/test split):
 * absolute_error (only with ``--tasks absolute_error``): the regression data fitted by absolute
   error (XGBoost ``reg:absoluteerror``, LightGBM ``l1``, sklearn ``loss="absolute_error"``),
   scored by test MAE: a zero Hessian, so every library sets each leaf to a weighted median.
+* missing (only with ``--tasks missing``): the classification data with a tenth of its values
+  missing (NaN, completely at random, the same cells every run), scored by test AUC: every
+  split also learns where missing values go.
 
 Every library gets the same settings: ``--rounds`` trees of depth ``--depth`` (LightGBM and
 sklearn: at most 2^depth leaves), learning rate 0.1, L2 lambda 1 (0 for absolute_error),
