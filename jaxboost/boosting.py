@@ -21,10 +21,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
-from .devices import ROW_AXIS, all_sum, compiler_options, mesh_platform, row_sharding
+from .devices import MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, mesh_platform, row_sharding
 from .grower import GrowthParams, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
 from .line_search import minimise_segment_offsets, segment_sums
@@ -511,7 +511,7 @@ def _grow_round_scalar_trees(shape: RoundShape, params: RoundParams, X_binned_T,
             histogram_buffer)
 
 
-def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = None) -> jax.Array:
+def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = None, models_mesh=None) -> jax.Array:
     """The histogram buffer that the compiled rounds take and give back (donated), placed on
     the mesh: each device's widest level loop keeps its histograms in its part, from round to
     round. Held by the caller, its tens of MB (14.7 a device at depth 10 with 28 features on 2
@@ -519,7 +519,8 @@ def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = No
     under the 32 MB above which glibc maps a block afresh for every round and the round faults
     its pages in again: a depth-10 tree took 118 -> 95 ms at 800k rows, 54 -> 31 ms at 20k.
     A tree whose first level loop holds every level (on CPU, or up to depth 6) starts it there,
-    its slots not zeroed for every tree. ``models``: a leading axis for ``train_many``'s M models."""
+    its slots not zeroed for every tree. ``models``: a leading axis for ``train_many``'s M models,
+    split over ``models_mesh`` when given (``compiled_many_rounds``)."""
     devices = shape.mesh.devices.size
     channels = 2
     if shape.vector_leaves is not None:
@@ -529,6 +530,8 @@ def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = No
     global_shape = (devices * local[0],) + local[1:]
     if models is not None:
         global_shape = (models,) + global_shape
+    if models_mesh is not None:
+        return jax.device_put(np.zeros(global_shape, np.float32), NamedSharding(models_mesh, PartitionSpec(MODEL_AXIS)))
     return jax.device_put(np.zeros(global_shape, np.float32),
                           row_sharding(shape.mesh, len(global_shape), row_axis=0 if models is None else 1))
 
@@ -565,15 +568,20 @@ def round_tree_template(shape: RoundShape) -> Tree:
                                                          empty_tree(num_heap_nodes(shape.max_depth))))
 
 
-def round_function(shape: RoundShape) -> Callable:
+def round_function(shape: RoundShape, inside_models_mesh: bool = False) -> Callable:
     """The (unjitted) boosting round for one static shape. It returns the round's trees packed
     into one array (``tree.pack_fields``; ``round_tree_template`` unpacks them) and its
-    ``RoundHealth`` flags stacked along a last axis: the host reads one array of each a round."""
+    ``RoundHealth`` flags stacked along a last axis: the host reads one array of each a round.
+
+    ``inside_models_mesh``: the round runs inside ``compiled_many_rounds``' split of the models
+    over a ``models_mesh`` (whose row axis, of one device, its maps then take)."""
     rows = PartitionSpec(ROW_AXIS)
     codes = PartitionSpec() if shape.shared_codes else PartitionSpec(None, ROW_AXIS)
+    row_map = (dict(mesh=None, axis_names=frozenset({ROW_AXIS})) if inside_models_mesh
+               else dict(mesh=shape.mesh))
     grow = jax.shard_map(
         partial(_grow_round_trees, shape),
-        mesh=shape.mesh,
+        **row_map,
         in_specs=(PartitionSpec(), codes, rows, rows, rows, PartitionSpec(ROW_AXIS, None),
                   PartitionSpec(), PartitionSpec(), rows),
         out_specs=(PartitionSpec(ROW_AXIS, None), PartitionSpec(), PartitionSpec(), rows),
@@ -586,7 +594,7 @@ def round_function(shape: RoundShape) -> Callable:
     # without it, 3.3-3.5 with it, 2.7-2.8 now; 800k and 200k rows: +5.2-5.6 ms, now +2.5-3.2).
     predict_eval = jax.shard_map(
         lambda trees, X_binned, raw_eval: raw_eval + predict_round(trees, X_binned, shape.max_bin - 1),
-        mesh=shape.mesh,
+        **row_map,
         in_specs=(PartitionSpec(), PartitionSpec(ROW_AXIS, None), PartitionSpec(ROW_AXIS, None)),
         out_specs=PartitionSpec(ROW_AXIS, None),
         check_vma=False,
@@ -654,16 +662,30 @@ MODELS_IN_A_LOOP_PLATFORMS = ("cpu",)
 
 
 @lru_cache(maxsize=16)
-def compiled_many_rounds(shape: RoundShape, params_axes: tuple):
+def compiled_many_rounds(shape: RoundShape, params_axes: tuple, models_mesh=None):
     """One round of M models at once, batched over their sample weights, raw predictions,
     seeds, eval raw predictions and the parameters marked 0 in ``params_axes`` (``(treedef,
     axes)`` of the RoundParams leaves, 0 or None: parameters shared by all models stay
     unbatched, so e.g. a shared ``max_delta_step`` keeps its cheap branch); the binned data and
     labels are shared. On CPU (``MODELS_IN_A_LOOP_PLATFORMS``) a loop over the models
-    (``_models_one_at_a_time``), elsewhere the round ``vmap``-ed over them."""
+    (``_models_one_at_a_time``), elsewhere the round ``vmap``-ed over them.
+
+    ``models_mesh`` (``devices.models_mesh``, CPU only): the models are split over its devices,
+    equal shares (M a multiple of its size), each device looping over its own; the batched
+    arguments and results are sharded along ``MODEL_AXIS``, the shared ones replicated."""
     treedef, leaf_axes = params_axes
     platform = mesh_platform(shape.mesh)
-    if platform in MODELS_IN_A_LOOP_PLATFORMS:
+    if models_mesh is not None:
+        batched = _models_one_at_a_time(round_function(shape, inside_models_mesh=True), leaf_axes)
+        split, whole = PartitionSpec(MODEL_AXIS), PartitionSpec()
+        params_specs = jax.tree_util.tree_unflatten(treedef, [split if axis == 0 else whole for axis in leaf_axes])
+        eval_specs = tuple((whole, whole, whole, split) for _ in shape.metrics)
+        per_eval = tuple(split for _ in shape.metrics)
+        batched = jax.shard_map(
+            batched, mesh=models_mesh, axis_names=frozenset({MODEL_AXIS}), check_vma=False,
+            in_specs=(params_specs, whole, whole, whole, split, whole, split, split, whole, eval_specs, split),
+            out_specs=(split, split, split, per_eval, per_eval, split))
+    elif platform in MODELS_IN_A_LOOP_PLATFORMS:
         batched = _models_one_at_a_time(round_function(shape), leaf_axes)
     else:
         params_axes = jax.tree_util.tree_unflatten(treedef, leaf_axes)

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ROW_AXIS = "rows"
+# The axis that train_many's models are split along on a CPU of several cores (``models_mesh``).
+MODEL_AXIS = "models"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -302,6 +304,25 @@ def float32_jax(function):
             return function(*args, **kwargs)
 
     return in_32_bits
+
+
+def models_mesh(rows_mesh: Mesh, models: int, threads_per_model: int) -> Mesh | None:
+    """For ``train_many`` on CPU: when the rows train on one device (small data) but the process
+    has more cores, and a model's kernels use one thread, a mesh that splits the models over the
+    cores, each core's device looping over its share (axes ``(MODEL_AXIS, ROW_AXIS)``, the rows'
+    of size 1). None otherwise: the models then run one after another on ``rows_mesh``."""
+    if models < 2 or rows_mesh.devices.size != 1 or mesh_platform(rows_mesh) != "cpu" or threads_per_model > 1:
+        return None
+    devices = [device for device in jax.local_devices() if device.platform == "cpu"]
+    count = min(models, len(devices), available_cpu_cores())
+    if count < 2:
+        return None
+    return _models_mesh_of(tuple(devices[:count]))
+
+
+@functools.lru_cache(maxsize=None)
+def _models_mesh_of(devices: tuple) -> Mesh:
+    return Mesh(np.array(devices).reshape(len(devices), 1), (MODEL_AXIS, ROW_AXIS))
 
 
 def solve_threads(mesh: Mesh) -> int:

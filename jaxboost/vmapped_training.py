@@ -4,7 +4,9 @@ M models that differ in continuous hyperparameters (learning rate, lambda, alpha
 min_child_weight, sampling rates, loss parameters), in seeds, or in sample weights (e.g.
 cross-validation folds as 0/1 weights) share the binned data and the labels, and every round of
 all M is one compiled call (``boosting.compiled_many_rounds``: a loop over the models on CPU,
-``vmap`` elsewhere), traced once. The bin edges are built once, from the unweighted data (or
+``vmap`` elsewhere), traced once. On a CPU of several cores where the rows train on one device
+(small data), the models are split over the cores, each core's device looping over its share
+(``devices.models_mesh``: 16 models of 4k rows, 1.7-1.9 -> 1.0-1.1 s on 2 cores). The bin edges are built once, from the unweighted data (or
 taken from a given ``Dataset``), so model ``k`` equals the model ``jb.train`` grows alone with
 the same settings and the same edges (on CPU, with a loss of several outputs, up to the last
 bit of leaf values: the round's code is compiled inside the loop there).
@@ -13,15 +15,18 @@ bit of leaf values: the round's code is compiled inside the loop there).
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, histogram_buffer,
                        round_tree_template, seed_key_data, starting_value)
 from .dataset import Dataset
-from .devices import float32_jax, kernel_threads, replicated, row_mesh, row_sharding, solve_threads
+from .devices import (MODEL_AXIS, float32_jax, kernel_threads, models_mesh, replicated, row_mesh, row_sharding,
+                      solve_threads)
 from .grower import GrowthParams, tree_feature_slots
 from .host_memory import collection_paused
 from .model import Model
@@ -88,6 +93,11 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     dataset = _as_dataset(data, y, None, max_bin, None)
     if dataset.y is None:
         raise ValueError("training needs labels: pass y, or a Dataset built with y")
+    mesh = row_mesh(dataset.n_rows, dataset.n_features, dataset.max_bin)
+    split = models_mesh(mesh, M, kernel_threads(mesh, dataset.n_features, dataset.max_bin))
+    # Split over cores, the models run in equal shares: the last is filled up with copies of the
+    # first model, whose results are dropped.
+    M_run = M if split is None else -(-M // split.devices.shape[0]) * split.devices.shape[0]
 
     loss_names = [name for name in batch if name not in BATCHABLE]
     per_model = []
@@ -101,6 +111,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         per_model.append(values)
     model_loss_params = [{**(loss_params or {}), **{name: float(np.atleast_1d(batch[name])[k]) for name in loss_names}}
                          for k in range(M)]
+    per_model += [per_model[0]] * (M_run - M)
+    model_loss_params += [model_loss_params[0]] * (M_run - M)
     resolved = resolve_loss(loss, dataset.y, num_outputs, link, model_loss_params[0])
     objective = resolved.objective
     K = objective.num_outputs
@@ -122,22 +134,29 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
             raise ValueError("every model needs some positive sample weight")
         model_weights = given * weights
     model_seeds = np.zeros(M, np.int64) if seeds is None else np.asarray(seeds).astype(np.int64)
+    model_weights = np.concatenate([model_weights, np.broadcast_to(model_weights[:1], (M_run - M, dataset.n_rows))])
+    model_seeds = np.concatenate([model_seeds, np.broadcast_to(model_seeds[:1], (M_run - M,))])
 
     monotone = monotone_array(monotone_constraints, dataset.feature_names, dataset.n_features)
     groups = interaction_groups(interaction_constraints, dataset.feature_names, dataset.n_features)
-    mesh = row_mesh(dataset.n_rows, dataset.n_features, dataset.max_bin)
+    if split is None:
+        def model_sharding(ndim):
+            return row_sharding(mesh, ndim, row_axis=1)
+    else:
+        def model_sharding(ndim):
+            return NamedSharding(split, PartitionSpec(MODEL_AXIS))
     rows = _DeviceRows(dataset, resolved, mesh, margin=None, base_score=None)
     padded = rows.y.shape[0]
     padded_weights = np.ascontiguousarray(rows.pad(model_weights.T.astype(np.float32), 0.0).T)
-    weights_device = jax.device_put(padded_weights, row_sharding(mesh, 2, row_axis=1))
+    weights_device = jax.device_put(padded_weights, model_sharding(2))
     # On one device, as jb.train finds it: each model's starting value is train's bit for bit.
     zeros, y_one, weights_one = jax.device_put([np.zeros((padded, K), np.float32), rows.y, padded_weights],
                                                mesh.devices.flat[0])
     with collection_paused():
         base_scores = np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, y_one, w, params))(
             weights_one, stacked_loss_params))  # (M, K)
-    raw_prediction = jax.device_put(np.ascontiguousarray(np.broadcast_to(base_scores[:, None, :], (M, padded, K))),
-                                    row_sharding(mesh, 3, row_axis=1))
+    raw_prediction = jax.device_put(np.ascontiguousarray(np.broadcast_to(base_scores[:, None, :], (M_run, padded, K))),
+                                    model_sharding(3))
     if leaf_refit is None:
         rows.initial_raw_prediction(base_scores[0])
         resolved_first = resolved._replace(loss_params={name: v[0] for name, v in stacked_loss_params.items()})
@@ -148,8 +167,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         X_eval, y_eval = (entry, None) if isinstance(entry, Dataset) else entry
         eval_rows.append(_DeviceRows(_as_dataset(X_eval, y_eval, None, max_bin, None, reference=dataset), resolved,
                                      mesh, margin=None, base_score=None, evaluation=True))
-    eval_raw = tuple(jax.device_put(np.broadcast_to(base_scores[:, None, :], (M, r.y.shape[0], K)).copy(),
-                                    row_sharding(mesh, 3, row_axis=1))
+    eval_raw = tuple(jax.device_put(np.broadcast_to(base_scores[:, None, :], (M_run, r.y.shape[0], K)).copy(),
+                                    model_sharding(3))
                      for r in eval_rows)
     metrics = resolve_metrics(eval_metric, resolved)
 
@@ -183,7 +202,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
             loss_params={name: stacked_loss_params[name][k] for name in stacked_loss_params},
             hessian_floor=f32(hessian_floor))
 
-    every_model = [model_params(k) for k in range(M)]
+    every_model = [model_params(k) for k in range(M_run)]
 
     def stack_if_different(*leaves):
         values = [np.asarray(leaf) for leaf in leaves]
@@ -194,8 +213,14 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     shared_leaves, treedef = jax.tree_util.tree_flatten(every_model[0])
     params_axes = (treedef, tuple(0 if np.ndim(leaf) > np.ndim(shared) else None
                                   for shared, leaf in zip(shared_leaves, jax.tree_util.tree_leaves(params))))
-    params = jax.device_put(params, replicated(mesh))
-    seed_keys = jax.device_put(np.stack([seed_key_data(s) for s in model_seeds]), replicated(mesh))
+    seed_keys = np.stack([seed_key_data(s) for s in model_seeds])
+    if split is None:
+        params, seed_keys = jax.device_put((params, seed_keys), replicated(mesh))
+    else:
+        by_model, whole = NamedSharding(split, PartitionSpec(MODEL_AXIS)), NamedSharding(split, PartitionSpec())
+        params = jax.device_put(params, jax.tree_util.tree_unflatten(
+            params_axes[0], [by_model if axis == 0 else whole for axis in params_axes[1]]))
+        seed_keys = jax.device_put(seed_keys, by_model)
     sampled = [min(v["colsample_bytree"], v["colsample_bylevel"], v["colsample_bynode"]) for v in per_model]
     shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
                        leaf_refit=bool(leaf_refit), sample_columns=min(sampled) < 1,
@@ -206,18 +231,24 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        sample_level_columns=min(min(v["colsample_bylevel"], v["colsample_bynode"])
                                                 for v in per_model) < 1,
                        feature_slots=many_feature_slots([v["colsample_bytree"] for v in per_model], dataset.n_features))
-    boosting_rounds = compiled_many_rounds(shape, params_axes)
-    histograms = histogram_buffer(shape, dataset.n_features, models=M)
+    boosting_rounds = compiled_many_rounds(shape, params_axes, split)
+    # The data every model reads, on each of the split's devices (small data: a copy each).
+    shared = ((lambda array: array) if split is None
+              else partial(jax.device_put, device=NamedSharding(split, PartitionSpec())))
+    X_binned_T, row_offsets, y_device = (shared(a) for a in (rows.X_binned_T_device, rows.row_offsets_device,
+                                                              rows.y_device))
+    row_index = shared(rows.row_index_device) if shape.sample_rows else None
+    eval_inputs = [tuple(shared(a) for a in (r.X_binned_device, r.y_device, r.sample_weight_device))
+                   for r in eval_rows]
+    histograms = histogram_buffer(shape, dataset.n_features, models=M_run, models_mesh=split)
 
     history = [[] for _ in eval_rows]
     round_trees = RoundTrees(mesh, round_tree_template(shape))
     for round_index in range(num_rounds):
-        eval_data = tuple((r.X_binned_device, r.y_device, r.sample_weight_device, raw)
-                          for r, raw in zip(eval_rows, eval_raw))
+        eval_data = tuple(inputs + (raw,) for inputs, raw in zip(eval_inputs, eval_raw))
         with collection_paused(round_index == 0):  # the rounds compile in their first call
             raw_prediction, trees, health, eval_raw, metric_values, histograms = boosting_rounds(
-                params, rows.X_binned_T_device, rows.row_offsets_device, rows.y_device, weights_device,
-                rows.row_index_device if shape.sample_rows else None, raw_prediction, seed_keys,
+                params, X_binned_T, row_offsets, y_device, weights_device, row_index, raw_prediction, seed_keys,
                 np.int32(round_index), eval_data, histograms)
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)

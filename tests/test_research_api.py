@@ -399,6 +399,45 @@ def test_train_many_vmapped_over_models_grows_the_models_of_the_loop_over_them(m
             np.testing.assert_allclose(history, vmap_model.evals_result["validation_0"][name], rtol=1e-6)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices()) < 2 or jb.available_cpu_cores() < 2,
+                    reason="splits the models over the cores of a CPU of several, one device each")
+def test_train_many_on_few_rows_splits_the_models_over_the_cores(monkeypatch, regression_data):
+    """Rows that train on one device leave the other cores to train_many: the models are split
+    over them, one device each looping over its share (three models on two: the last share is
+    filled up with a copy, dropped), and grow the models of one loop over them all, with eval
+    histories, row samples and the shared data read on every device."""
+    from jaxboost import boosting, vmapped_training
+
+    X, y = regression_data
+    splits = []
+    original = vmapped_training.models_mesh
+
+    def recorded(*args):
+        splits.append(original(*args))
+        return splits[-1]
+
+    common = dict(batch={"reg_lambda": [0.5, 3.0, 1.0], "learning_rate": [0.3, 0.1, 0.2]}, seeds=[1, 2, 3],
+                  num_rounds=4, max_depth=4, subsample=0.8, eval_set=[(X[:200], y[:200])])
+    boosting.compiled_many_rounds.cache_clear()
+    try:
+        monkeypatch.setattr(vmapped_training, "models_mesh", recorded)
+        split = jb.train_many(X, y, **common)
+        monkeypatch.setattr(vmapped_training, "models_mesh", lambda *args: None)
+        looped = jb.train_many(X, y, **common)
+    finally:
+        boosting.compiled_many_rounds.cache_clear()
+    assert splits[-1] is not None and splits[-1].devices.size == 2, splits
+    assert len(split) == len(looped) == 3
+    for split_model, loop_model in zip(split, looped):
+        for field in loop_model.trees._fields:
+            np.testing.assert_array_equal(getattr(split_model.trees, field), getattr(loop_model.trees, field),
+                                          err_msg=field)
+        np.testing.assert_array_equal(split_model.base_score, loop_model.base_score)
+        for name, history in loop_model.evals_result["validation_0"].items():
+            np.testing.assert_array_equal(history, split_model.evals_result["validation_0"][name])
+    assert not np.array_equal(split[0].trees.value, split[1].trees.value)
+
+
 @pytest.mark.parametrize("loss", ["logistic", "absolute_error", "softmax"])
 def test_train_many_starting_values_are_those_of_train_bit_for_bit(loss):
     """Both find the starting value on one device (its passes need no sum over the devices), the
