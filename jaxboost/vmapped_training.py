@@ -180,7 +180,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         leaves = vector_leaves(multi_strategy, multi_output_hessian, K, reg, monotone)
         regularizers.append(reg)
     if leaves is not None:
-        leaves = dataclasses.replace(leaves, solve_threads=solve_threads(mesh))
+        # Split over the cores, a model's solve keeps to its own core.
+        leaves = dataclasses.replace(leaves, solve_threads=solve_threads(mesh) if split is None else 1)
     # Models stacked into one program share its static fields: the scores' form is fixed only
     # when every model's max_delta_step is on the same side of 0.
     bounded = {float(values["max_delta_step"]) > 0 for values in per_model}
