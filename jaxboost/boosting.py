@@ -21,10 +21,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
-from .devices import MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, mesh_platform, row_sharding
+from .devices import MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, mesh_platform, model_split, row_sharding
 from .grower import GrowthParams, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
 from .line_search import minimise_segment_offsets, segment_sums
@@ -531,7 +531,7 @@ def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = No
     if models is not None:
         global_shape = (models,) + global_shape
     if models_mesh is not None:
-        return jax.device_put(np.zeros(global_shape, np.float32), NamedSharding(models_mesh, PartitionSpec(MODEL_AXIS)))
+        return jax.device_put(np.zeros(global_shape, np.float32), model_split(models_mesh))
     return jax.device_put(np.zeros(global_shape, np.float32),
                           row_sharding(shape.mesh, len(global_shape), row_axis=0 if models is None else 1))
 

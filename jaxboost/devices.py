@@ -325,6 +325,11 @@ def _models_mesh_of(devices: tuple) -> Mesh:
     return Mesh(np.array(devices).reshape(len(devices), 1), (MODEL_AXIS, ROW_AXIS))
 
 
+def model_split(mesh: Mesh) -> NamedSharding:
+    """Arrays with a leading axis of models, split over a ``models_mesh``'s devices along it."""
+    return NamedSharding(mesh, PartitionSpec(MODEL_AXIS))
+
+
 def solve_threads(mesh: Mesh) -> int:
     """Threads of the native CPU solve of full-Hessian vector leaves for training on ``mesh``:
     one per core the process may use when the rows are on one CPU device (XLA's own code would

@@ -6,7 +6,8 @@ cross-validation folds as 0/1 weights) share the binned data and the labels, and
 all M is one compiled call (``boosting.compiled_many_rounds``: a loop over the models on CPU,
 ``vmap`` elsewhere), traced once. On a CPU of several cores where the rows train on one device
 (small data), the models are split over the cores, each core's device looping over its share
-(``devices.models_mesh``: 16 models of 4k rows, 1.7-1.9 -> 1.0-1.1 s on 2 cores). The bin edges are built once, from the unweighted data (or
+(``devices.models_mesh``: 16 models of 4k rows, 1.7-1.9 -> 1.0-1.1 s on 2 cores). The bin
+edges are built once, from the unweighted data (or
 taken from a given ``Dataset``), so model ``k`` equals the model ``jb.train`` grows alone with
 the same settings and the same edges (on CPU, with a loss of several outputs, up to the last
 bit of leaf values: the round's code is compiled inside the loop there).
@@ -20,12 +21,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, histogram_buffer,
                        round_tree_template, seed_key_data, starting_value)
 from .dataset import Dataset
-from .devices import (MODEL_AXIS, float32_jax, kernel_threads, models_mesh, replicated, row_mesh, row_sharding,
+from .devices import (float32_jax, kernel_threads, model_split, models_mesh, replicated, row_mesh, row_sharding,
                       solve_threads)
 from .grower import GrowthParams, tree_feature_slots
 from .host_memory import collection_paused
@@ -139,12 +139,9 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
 
     monotone = monotone_array(monotone_constraints, dataset.feature_names, dataset.n_features)
     groups = interaction_groups(interaction_constraints, dataset.feature_names, dataset.n_features)
-    if split is None:
-        def model_sharding(ndim):
-            return row_sharding(mesh, ndim, row_axis=1)
-    else:
-        def model_sharding(ndim):
-            return NamedSharding(split, PartitionSpec(MODEL_AXIS))
+    def model_sharding(ndim):
+        """Arrays ``(models, rows, ...)``: the rows sharded as the mesh's, or the models split."""
+        return row_sharding(mesh, ndim, row_axis=1) if split is None else model_split(split)
     rows = _DeviceRows(dataset, resolved, mesh, margin=None, base_score=None)
     padded = rows.y.shape[0]
     padded_weights = np.ascontiguousarray(rows.pad(model_weights.T.astype(np.float32), 0.0).T)
@@ -154,7 +151,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                                                mesh.devices.flat[0])
     with collection_paused():
         base_scores = np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, y_one, w, params))(
-            weights_one, stacked_loss_params))  # (M, K)
+            weights_one, stacked_loss_params))  # (M_run, K)
     raw_prediction = jax.device_put(np.ascontiguousarray(np.broadcast_to(base_scores[:, None, :], (M_run, padded, K))),
                                     model_sharding(3))
     if leaf_refit is None:
@@ -218,10 +215,9 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     if split is None:
         params, seed_keys = jax.device_put((params, seed_keys), replicated(mesh))
     else:
-        by_model, whole = NamedSharding(split, PartitionSpec(MODEL_AXIS)), NamedSharding(split, PartitionSpec())
         params = jax.device_put(params, jax.tree_util.tree_unflatten(
-            params_axes[0], [by_model if axis == 0 else whole for axis in params_axes[1]]))
-        seed_keys = jax.device_put(seed_keys, by_model)
+            params_axes[0], [model_split(split) if axis == 0 else replicated(split) for axis in params_axes[1]]))
+        seed_keys = jax.device_put(seed_keys, model_split(split))
     sampled = [min(v["colsample_bytree"], v["colsample_bylevel"], v["colsample_bynode"]) for v in per_model]
     shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
                        leaf_refit=bool(leaf_refit), sample_columns=min(sampled) < 1,
@@ -234,8 +230,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        feature_slots=many_feature_slots([v["colsample_bytree"] for v in per_model], dataset.n_features))
     boosting_rounds = compiled_many_rounds(shape, params_axes, split)
     # The data every model reads, on each of the split's devices (small data: a copy each).
-    shared = ((lambda array: array) if split is None
-              else partial(jax.device_put, device=NamedSharding(split, PartitionSpec())))
+    shared = (lambda array: array) if split is None else partial(jax.device_put, device=replicated(split))
     X_binned_T, row_offsets, y_device = (shared(a) for a in (rows.X_binned_T_device, rows.row_offsets_device,
                                                               rows.y_device))
     row_index = shared(rows.row_index_device) if shape.sample_rows else None
