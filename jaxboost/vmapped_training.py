@@ -6,7 +6,7 @@ cross-validation folds as 0/1 weights) share the binned data and the labels, and
 all M is one compiled call (``boosting.compiled_many_rounds``: a loop over the models on CPU,
 ``vmap`` elsewhere), traced once. On a CPU of several cores where the rows train on one device
 (small data), the models are split over the cores, each core's device looping over its share
-(``devices.models_mesh``: 16 models of 4k rows, 1.7-1.9 -> 1.0-1.1 s on 2 cores). The bin
+(``devices.many_models_meshes``). The bin
 edges are built once, from the unweighted data (or
 taken from a given ``Dataset``), so model ``k`` equals the model ``jb.train`` grows alone with
 the same settings and the same edges (on CPU, with a loss of several outputs, up to the last
@@ -25,8 +25,8 @@ import numpy as np
 from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, histogram_buffer,
                        round_tree_template, seed_key_data, starting_value)
 from .dataset import Dataset
-from .devices import (float32_jax, kernel_threads, model_split, models_mesh, replicated, row_mesh, row_sharding,
-                      solve_threads)
+from .devices import (float32_jax, kernel_threads, many_models_meshes, model_split, replicated, replicated_in_place,
+                      row_sharding, solve_threads)
 from .grower import GrowthParams, tree_feature_slots
 from .host_memory import collection_paused
 from .model import Model
@@ -93,8 +93,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     dataset = _as_dataset(data, y, None, max_bin, None)
     if dataset.y is None:
         raise ValueError("training needs labels: pass y, or a Dataset built with y")
-    mesh = row_mesh(dataset.n_rows, dataset.n_features, dataset.max_bin)
-    split = models_mesh(mesh, M, kernel_threads(mesh, dataset.n_features, dataset.max_bin))
+    mesh, split = many_models_meshes(dataset.n_rows, dataset.n_features, dataset.max_bin, M)
     # Split over cores, the models run in equal shares: the last is filled up with copies of the
     # first model, whose results are dropped.
     M_run = M if split is None else -(-M // split.devices.shape[0]) * split.devices.shape[0]
@@ -231,8 +230,10 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     boosting_rounds = compiled_many_rounds(shape, params_axes, split)
     # The data every model reads, on each of the split's devices (small data: a copy each).
     shared = (lambda array: array) if split is None else partial(jax.device_put, device=replicated(split))
-    X_binned_T, row_offsets, y_device = (shared(a) for a in (rows.X_binned_T_device, rows.row_offsets_device,
-                                                              rows.y_device))
+    row_offsets, y_device = shared(rows.row_offsets_device), shared(rows.y_device)
+    # The Dataset's code table, which the native kernels read in place, is placed the same way.
+    X_binned_T = (replicated_in_place(dataset.X_binned_T, split) if split is not None and rows.shared_codes
+                  else shared(rows.X_binned_T_device))
     row_index = shared(rows.row_index_device) if shape.sample_rows else None
     eval_inputs = [tuple(shared(a) for a in (r.X_binned_device, r.y_device, r.sample_weight_device))
                    for r in eval_rows]

@@ -406,23 +406,25 @@ def test_train_many_on_few_rows_splits_the_models_over_the_cores(monkeypatch, re
     over them, one device each looping over its share (three models on two: the last share is
     filled up with a copy, dropped), and grow the models of one loop over them all, with eval
     histories, row samples and the shared data read on every device."""
-    from jaxboost import boosting, vmapped_training
+    from jaxboost import boosting, devices, vmapped_training
 
     X, y = regression_data
     splits = []
-    original = vmapped_training.models_mesh
+    original = vmapped_training.many_models_meshes
 
     def recorded(*args):
-        splits.append(original(*args))
-        return splits[-1]
+        splits.append(original(*args)[1])
+        return original(*args)
 
     common = dict(batch={"reg_lambda": [0.5, 3.0, 1.0], "learning_rate": [0.3, 0.1, 0.2]}, seeds=[1, 2, 3],
                   num_rounds=4, max_depth=4, subsample=0.8, eval_set=[(X[:200], y[:200])])
     boosting.compiled_many_rounds.cache_clear()
     try:
-        monkeypatch.setattr(vmapped_training, "models_mesh", recorded)
+        monkeypatch.setattr(vmapped_training, "many_models_meshes", recorded)
         split = jb.train_many(X, y, **common)
-        monkeypatch.setattr(vmapped_training, "models_mesh", lambda *args: None)
+        monkeypatch.setattr(vmapped_training, "many_models_meshes",
+                            lambda n_rows, n_features, max_bin, models: (devices.row_mesh(n_rows, n_features, max_bin),
+                                                                        None))
         looped = jb.train_many(X, y, **common)
     finally:
         boosting.compiled_many_rounds.cache_clear()
