@@ -670,9 +670,9 @@ def compiled_many_rounds(shape: RoundShape, params_axes: tuple, models_mesh=None
     labels are shared. On CPU (``MODELS_IN_A_LOOP_PLATFORMS``) a loop over the models
     (``_models_one_at_a_time``), elsewhere the round ``vmap``-ed over them.
 
-    ``models_mesh`` (``devices.many_models_meshes``, CPU only): the models are split over its devices,
-    equal shares (M a multiple of its size), each device looping over its own; the batched
-    arguments and results are sharded along ``MODEL_AXIS``, the shared ones replicated."""
+    ``models_mesh`` (``devices.many_models_meshes``, CPU only): the models are split over its
+    devices, equal shares (M a multiple of its size), each device looping over its own; the
+    batched arguments and results are sharded along ``MODEL_AXIS``, the shared ones replicated."""
     treedef, leaf_axes = params_axes
     platform = mesh_platform(shape.mesh)
     if models_mesh is not None:

@@ -6,8 +6,7 @@ cross-validation folds as 0/1 weights) share the binned data and the labels, and
 all M is one compiled call (``boosting.compiled_many_rounds``: a loop over the models on CPU,
 ``vmap`` elsewhere), traced once. On a CPU of several cores where the rows train on one device
 (small data), the models are split over the cores, each core's device looping over its share
-(``devices.many_models_meshes``). The bin
-edges are built once, from the unweighted data (or
+(``devices.many_models_meshes``). The bin edges are built once, from the unweighted data (or
 taken from a given ``Dataset``), so model ``k`` equals the model ``jb.train`` grows alone with
 the same settings and the same edges (on CPU, with a loss of several outputs, up to the last
 bit of leaf values: the round's code is compiled inside the loop there).
