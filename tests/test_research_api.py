@@ -413,8 +413,9 @@ def test_train_many_on_few_rows_splits_the_models_over_the_cores(monkeypatch, re
     original = vmapped_training.many_models_meshes
 
     def recorded(*args):
-        splits.append(original(*args)[1])
-        return original(*args)
+        meshes = original(*args)
+        splits.append(meshes[1])
+        return meshes
 
     common = dict(batch={"reg_lambda": [0.5, 3.0, 1.0], "learning_rate": [0.3, 0.1, 0.2]}, seeds=[1, 2, 3],
                   num_rounds=4, max_depth=4, subsample=0.8, eval_set=[(X[:200], y[:200])])
