@@ -140,13 +140,15 @@ def test_compiler_options_leave_out_what_this_xla_does_not_know(monkeypatch):
     import jaxboost as jb
     from jaxboost import boosting, devices
 
-    if jax.default_backend() != "cpu":
-        pytest.skip("CPU compiler options: JAX's default backend is not the CPU")
-    unknown = "xla_cpu_option_that_no_release_has"
-    monkeypatch.setattr(devices, "CPU_COMPILER_OPTIONS", {**devices.CPU_COMPILER_OPTIONS, unknown: True})
-    options = devices.compiler_options("cpu")
-    assert unknown not in options
-    assert options.items() <= devices.CPU_COMPILER_OPTIONS.items()
+    for platform in ("cpu", "gpu"):  # both tried on the CPU, so both checked here
+        table = f"{platform.upper()}_COMPILER_OPTIONS"
+        unknown = f"xla_{platform}_option_that_no_release_has"
+        monkeypatch.setattr(devices, table, {**getattr(devices, table), unknown: True})
+        options = devices.compiler_options(platform)
+        assert unknown not in options
+        assert options and options.items() <= getattr(devices, table).items()
+    if jax.default_backend() not in ("cpu", "gpu"):
+        pytest.skip(f"training with the options: jaxboost sets none on {jax.default_backend()}")
     boosting.compiled_round.cache_clear()  # rounds take their options when compiled
     try:
         rng = np.random.default_rng(0)
