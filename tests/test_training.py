@@ -255,6 +255,63 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
         boosting.compiled_round.cache_clear()
 
 
+@pytest.mark.parametrize("settings", [dict(), dict(subsample=0.5, eval_set=True, loss="logistic")])
+def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_starting_value(monkeypatch, settings):
+    """The round is compiled ahead of its first call, for the raw predictions' shapes, while a
+    thread finds the starting value: the call then takes that program (a mismatch, such as
+    another sharding, would lower and compile the round a second time)."""
+    import threading
+
+    from jaxboost import training
+
+    X, y = _regression_data(seed=6)
+    settings = dict(settings)
+    if settings.pop("eval_set", False):
+        y = (y > np.median(y)).astype(np.float32)
+        settings["eval_set"] = [(X[:300], y[:300])]
+    lowered, starting_threads, steps = [], [], []
+
+    def listener(name, duration, **kwargs):
+        if "boosting_round" not in str(kwargs.get("fun_name")):
+            return
+        if name.endswith("jaxpr_to_mlir_module_duration"):
+            lowered.append(threading.get_ident())
+            steps.append("round lowered")
+        elif name.endswith("backend_compile_duration"):  # also a persistent-cache hit
+            steps.append("round compiled")
+
+    def recording_starting_value(*args, **kwargs):
+        starting_threads.append(threading.get_ident())
+        return boosting.starting_value(*args, **kwargs)
+
+    original_start = training._DeviceRows.initial_raw_prediction
+
+    def recording_start(rows, base_score):
+        steps.append("raw predictions")
+        return original_start(rows, base_score)
+
+    monkeypatch.setattr(training, "starting_value", recording_starting_value)
+    monkeypatch.setattr(training._DeviceRows, "initial_raw_prediction", recording_start)
+    boosting.compiled_round.cache_clear()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        model = jb.train(X, y, num_rounds=3, max_depth=3, **settings)
+        first_fit_steps, first_fit_threads = list(steps), list(starting_threads)
+        # A second fit of those shapes finds the round compiled: no thread, no compile.
+        again = jb.train(X, y, num_rounds=3, max_depth=3, **settings)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        boosting.compiled_round.cache_clear()
+    assert lowered == [threading.get_ident()], "the round was lowered more than once, or not by the caller"
+    assert first_fit_threads and threading.get_ident() not in first_fit_threads
+    # Compiled before the raw predictions existed, and once.
+    assert first_fit_steps[:2] == ["round lowered", "round compiled"], first_fit_steps
+    assert steps.count("round compiled") == 1, steps
+    assert starting_threads[len(first_fit_threads):] == [threading.get_ident()]
+    assert model.num_rounds == 3 and np.all(np.isfinite(model.predict_raw(X)))
+    assert_same_training(again.predict_raw(X), model.predict_raw(X))
+
+
 @pytest.mark.skipif(not repeatable_sums(), reason="a GPU's float atomic adds sum the rows in a varying order, "
                     "so near ties may split differently between runs; XLA_FLAGS=--xla_gpu_deterministic_ops=true "
                     "makes them repeatable")
@@ -395,6 +452,7 @@ def test_rounds_donate_raw_predictions_and_read_row_indices_only_when_sampling(m
                 after = [shard.data.unsafe_buffer_pointer() for shard in result[0].addressable_shards]
                 written_over.append(before == after)
                 return result
+            call.lower = compiled.lower  # a first fit compiles the round ahead of its first call
             return call
 
         monkeypatch.setattr(training, "compiled_round", recording)
@@ -450,6 +508,7 @@ def test_trees_never_read_what_their_histogram_buffer_held(n_rows, settings, mon
             in_place.append(buffer.is_deleted() and before == [
                 shard.data.unsafe_buffer_pointer() for shard in result[-1].addressable_shards])
             return result
+        call.lower = compiled.lower
         return call
 
     monkeypatch.setattr(training, "histogram_buffer", garbage_filled)
