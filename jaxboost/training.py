@@ -157,11 +157,30 @@ def _as_dataset(data, y, sample_weight, max_bin, base_margin, reference=None) ->
     return Dataset(data, y, sample_weight, max_bin=max_bin, reference=reference, base_margin=base_margin)
 
 
-# A first fit finds its starting value in a thread of its own while the caller's compiles the
-# round, once for each compiled round and row counts: asking again costs a cached compile's
-# lookup, 0.3 ms of a 2.4 ms fit on small data. (Weak keys: rounds evicted from
-# ``compiled_round``'s cache are compiled ahead again when made anew.)
+# The rounds compiled ahead, each for the row counts it was compiled for (weak keys: rounds
+# evicted from the caches of compiled rounds are compiled ahead again when made anew).
 _ROUNDS_COMPILED_FOR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def found_while_compiling(compiled_round, arguments: tuple, row_counts: tuple, find: Callable):
+    """``find()`` (the starting value, a program of its own), in the first fit of
+    ``compiled_round`` for ``row_counts`` found in a thread while this one compiles the round
+    ahead of its first call for ``arguments``, in which ``jax.ShapeDtypeStruct``s stand for the
+    raw predictions that wait for ``find``'s result (XLA compiles without holding the GIL).
+    Later fits just call ``find``: asking again for the compiled round costs a cached compile's
+    lookup, 0.3 ms of a 2.4 ms fit on small data."""
+    compiled_for = _ROUNDS_COMPILED_FOR.setdefault(compiled_round, set())
+    with collection_paused():
+        if row_counts in compiled_for:
+            return find()
+        # A pool of the fit's own: a process forked after a fit would inherit a pool's
+        # bookkeeping without its thread.
+        with concurrent.futures.ThreadPoolExecutor(1, "jaxboost-starting-value") as thread:
+            pending = thread.submit(find)
+            compiled_round.lower(*arguments).compile()
+            found = pending.result()
+    compiled_for.add(row_counts)
+    return found
 
 
 def _starting_value(resolved: ResolvedLoss, rows: _DeviceRows, mesh) -> np.ndarray:
@@ -503,26 +522,15 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         hessian_floor=f32(hessian_floor))
     params = jax.device_put(params, replicated(mesh))
     seed_key = jax.device_put(seed_key_data(seed), replicated(mesh))
-    row_counts = (train_rows.y.shape[0], tuple(rows.y.shape[0] for rows in eval_rows))
-    compiled_for = _ROUNDS_COMPILED_FOR.setdefault(boosting_round, set())
-    if base_score is None and row_counts in compiled_for:
-        base_score = _starting_value(resolved, train_rows, mesh)
-    elif base_score is None:
-        # The starting value is a program of its own: in a first fit it compiles and runs in a
-        # thread while this one compiles the round for the raw predictions' shapes (XLA
-        # compiles without holding the GIL).
-        # A pool of the fit's own: a process forked after a fit would inherit a pool's
-        # bookkeeping without its thread.
-        with collection_paused(), concurrent.futures.ThreadPoolExecutor(1, "jaxboost-starting-value") as thread:
-            pending = thread.submit(_starting_value, resolved, train_rows, mesh)
-            eval_data = tuple((rows.X_binned_device, rows.y_device, rows.sample_weight_device,
-                               rows.raw_prediction_shape(K)) for rows in eval_rows)
-            boosting_round.lower(
-                params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
-                train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
-                train_rows.raw_prediction_shape(K), seed_key, np.int32(first_round), eval_data, histograms).compile()
-            base_score = pending.result()
-        compiled_for.add(row_counts)
+    if base_score is None:
+        eval_data = tuple((rows.X_binned_device, rows.y_device, rows.sample_weight_device,
+                           rows.raw_prediction_shape(K)) for rows in eval_rows)
+        arguments = (params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
+                     train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
+                     train_rows.raw_prediction_shape(K), seed_key, np.int32(first_round), eval_data, histograms)
+        base_score = found_while_compiling(boosting_round, arguments,
+                                           (train_rows.y.shape[0], tuple(rows.y.shape[0] for rows in eval_rows)),
+                                           lambda: _starting_value(resolved, train_rows, mesh))
     if not raw_predictions_started:
         start_raw_predictions(base_score)
 

@@ -32,8 +32,8 @@ from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .regularizer import Regularization, check_regularization
 from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
-                       interaction_groups, monotone_array, positives_weighted, release_memory_now_and_then,
-                       vector_leaves)
+                       found_while_compiling, interaction_groups, monotone_array, positives_weighted,
+                       release_memory_now_and_then, vector_leaves)
 
 # Hyperparameters that may differ between the models, with jb.train's defaults.
 BATCHABLE = dict(learning_rate=0.1, reg_lambda=1.0, reg_alpha=0.0, gamma=0.0, min_child_weight=1.0, subsample=1.0,
@@ -147,24 +147,27 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     # On one device, as jb.train finds it: each model's starting value is train's bit for bit.
     zeros, y_one, weights_one = jax.device_put([np.zeros((padded, K), np.float32), rows.y, padded_weights],
                                                mesh.devices.flat[0])
-    with collection_paused():
-        base_scores = np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, y_one, w, params))(
-            weights_one, stacked_loss_params))  # (M_run, K)
-    raw_prediction = jax.device_put(np.ascontiguousarray(np.broadcast_to(base_scores[:, None, :], (M_run, padded, K))),
-                                    model_sharding(3))
-    if leaf_refit is None:
+
+    def find_base_scores() -> np.ndarray:  # (M_run, K)
+        return np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, y_one, w, params))(
+            weights_one, stacked_loss_params))
+
+    base_scores = None  # found below, while the rounds compile
+    if leaf_refit is None and resolved.leaf_refit is None:
+        # A custom loss: whether leaves are refit depends on its Hessians at the start.
+        with collection_paused():
+            base_scores = find_base_scores()
         rows.initial_raw_prediction(base_scores[0])
         resolved_first = resolved._replace(loss_params={name: v[0] for name, v in stacked_loss_params.items()})
-        leaf_refit = resolved.leaf_refit if resolved.leaf_refit is not None else _leaf_refit_needed(resolved_first, rows)
+        leaf_refit = _leaf_refit_needed(resolved_first, rows)
+    elif leaf_refit is None:
+        leaf_refit = resolved.leaf_refit
 
     eval_rows = []
     for entry in eval_set or []:
         X_eval, y_eval = (entry, None) if isinstance(entry, Dataset) else entry
         eval_rows.append(_DeviceRows(_as_dataset(X_eval, y_eval, None, max_bin, None, reference=dataset), resolved,
                                      mesh, margin=None, base_score=None, evaluation=True))
-    eval_raw = tuple(jax.device_put(np.broadcast_to(base_scores[:, None, :], (M_run, r.y.shape[0], K)).copy(),
-                                    model_sharding(3))
-                     for r in eval_rows)
     metrics = resolve_metrics(eval_metric, resolved)
 
     regularizers = []
@@ -237,6 +240,22 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     eval_inputs = [tuple(shared(a) for a in (r.X_binned_device, r.y_device, r.sample_weight_device))
                    for r in eval_rows]
     histograms = histogram_buffer(shape, dataset.n_features, models=M_run, models_mesh=split)
+
+    def raw_prediction_shape(n_rows: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((M_run, n_rows, K), np.float32, sharding=model_sharding(3))
+
+    if base_scores is None:
+        eval_data = tuple(inputs + (raw_prediction_shape(r.y.shape[0]),) for inputs, r in zip(eval_inputs, eval_rows))
+        arguments = (params, X_binned_T, row_offsets, y_device, weights_device, row_index,
+                     raw_prediction_shape(padded), seed_keys, np.int32(0), eval_data, histograms)
+        base_scores = found_while_compiling(boosting_rounds, arguments,
+                                            (M_run, padded, tuple(r.y.shape[0] for r in eval_rows)),
+                                            find_base_scores)
+    raw_prediction = jax.device_put(np.ascontiguousarray(np.broadcast_to(base_scores[:, None, :], (M_run, padded, K))),
+                                    model_sharding(3))
+    eval_raw = tuple(jax.device_put(np.broadcast_to(base_scores[:, None, :], (M_run, r.y.shape[0], K)).copy(),
+                                    model_sharding(3))
+                     for r in eval_rows)
 
     history = [[] for _ in eval_rows]
     round_trees = RoundTrees(mesh, round_tree_template(shape))

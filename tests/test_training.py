@@ -255,14 +255,18 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
         boosting.compiled_round.cache_clear()
 
 
-@pytest.mark.parametrize("settings", [dict(), dict(subsample=0.5, eval_set=True, loss="logistic")])
-def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_starting_value(monkeypatch, settings):
+@pytest.mark.parametrize("trainer, settings", [("train", dict()),
+                                               ("train", dict(subsample=0.5, eval_set=True, loss="logistic")),
+                                               ("train_many", dict(eval_set=True, loss="logistic"))])
+def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_starting_value(monkeypatch, trainer,
+                                                                                         settings):
     """The round is compiled ahead of its first call, for the raw predictions' shapes, while a
     thread finds the starting value: the call then takes that program (a mismatch, such as
-    another sharding, would lower and compile the round a second time)."""
+    another sharding, would lower and compile the round a second time). A second fit of the
+    same shapes finds it compiled, and finds its starting value in the caller's thread."""
     import threading
 
-    from jaxboost import training
+    from jaxboost import training, vmapped_training
 
     X, y = _regression_data(seed=6)
     settings = dict(settings)
@@ -272,7 +276,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     lowered, starting_threads, steps = [], [], []
 
     def listener(name, duration, **kwargs):
-        if "boosting_round" not in str(kwargs.get("fun_name")):
+        if "round" not in str(kwargs.get("fun_name")):
             return
         if name.endswith("jaxpr_to_mlir_module_duration"):
             lowered.append(threading.get_ident())
@@ -284,32 +288,47 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         starting_threads.append(threading.get_ident())
         return boosting.starting_value(*args, **kwargs)
 
-    original_start = training._DeviceRows.initial_raw_prediction
+    module, factory_name = ((training, "compiled_round") if trainer == "train"
+                            else (vmapped_training, "compiled_many_rounds"))
+    factory = getattr(module, factory_name)
 
-    def recording_start(rows, base_score):
-        steps.append("raw predictions")
-        return original_start(rows, base_score)
+    @functools.lru_cache(maxsize=None)  # one round a shape, as the library's cache gives
+    def recording_factory(*key):
+        compiled = factory(*key)
 
-    monkeypatch.setattr(training, "starting_value", recording_starting_value)
-    monkeypatch.setattr(training._DeviceRows, "initial_raw_prediction", recording_start)
+        def call(*args):
+            steps.append("round called")
+            return compiled(*args)
+        call.lower = compiled.lower
+        return call
+
+    def fit():
+        if trainer == "train":
+            return jb.train(X, y, num_rounds=3, max_depth=3, **settings).predict_raw(X)
+        models = jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0, 3.0]}, num_rounds=3, max_depth=3, **settings)
+        return np.stack([model.predict_raw(X) for model in models])
+
+    monkeypatch.setattr(module, "starting_value", recording_starting_value)
+    monkeypatch.setattr(module, factory_name, recording_factory)
     boosting.compiled_round.cache_clear()
+    boosting.compiled_many_rounds.cache_clear()
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        model = jb.train(X, y, num_rounds=3, max_depth=3, **settings)
+        first = fit()
         first_fit_steps, first_fit_threads = list(steps), list(starting_threads)
-        # A second fit of those shapes finds the round compiled: no thread, no compile.
-        again = jb.train(X, y, num_rounds=3, max_depth=3, **settings)
+        again = fit()
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
         boosting.compiled_round.cache_clear()
+        boosting.compiled_many_rounds.cache_clear()
     assert lowered == [threading.get_ident()], "the round was lowered more than once, or not by the caller"
     assert first_fit_threads and threading.get_ident() not in first_fit_threads
-    # Compiled before the raw predictions existed, and once.
-    assert first_fit_steps[:2] == ["round lowered", "round compiled"], first_fit_steps
+    # Compiled before its first call, and once.
+    assert first_fit_steps[:3] == ["round lowered", "round compiled", "round called"], first_fit_steps
     assert steps.count("round compiled") == 1, steps
-    assert starting_threads[len(first_fit_threads):] == [threading.get_ident()]
-    assert model.num_rounds == 3 and np.all(np.isfinite(model.predict_raw(X)))
-    assert_same_training(again.predict_raw(X), model.predict_raw(X))
+    assert starting_threads[len(first_fit_threads):] == [threading.get_ident()] * len(first_fit_threads)
+    assert np.all(np.isfinite(first))
+    assert_same_training(again, first)
 
 
 @pytest.mark.skipif(not repeatable_sums(), reason="a GPU's float atomic adds sum the rows in a varying order, "
