@@ -176,7 +176,8 @@ def found_while_compiling(compiled_round, arguments: tuple, row_counts: tuple, f
         # A pool of the fit's own: a process forked after a fit would inherit a pool's
         # bookkeeping without its thread.
         with concurrent.futures.ThreadPoolExecutor(1, "jaxboost-starting-value") as thread:
-            pending = thread.submit(find)
+            # The caller's 32-bit mode is its thread's alone (JAX's config contexts are per thread).
+            pending = thread.submit(float32_jax(find))
             compiled_round.lower(*arguments).compile()
             found = pending.result()
     compiled_for.add(row_counts)

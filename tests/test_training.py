@@ -273,7 +273,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     if settings.pop("eval_set", False):
         y = (y > np.median(y)).astype(np.float32)
         settings["eval_set"] = [(X[:300], y[:300])]
-    lowered, starting_threads, steps = [], [], []
+    lowered, starting_threads, steps, in_64_bits = [], [], [], []
 
     def listener(name, duration, **kwargs):
         if "round" not in str(kwargs.get("fun_name")):
@@ -286,6 +286,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
 
     def recording_starting_value(*args, **kwargs):
         starting_threads.append(threading.get_ident())
+        in_64_bits.append(jax.config.jax_enable_x64)
         return boosting.starting_value(*args, **kwargs)
 
     module, factory_name = ((training, "compiled_round") if trainer == "train"
@@ -313,11 +314,15 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     boosting.compiled_round.cache_clear()
     boosting.compiled_many_rounds.cache_clear()
     jax.monitoring.register_event_duration_secs_listener(listener)
+    # JAX's 64-bit mode on for the process: jaxboost's float32 context is the caller's
+    # thread's, and the starting value's thread must compute in 32 bits too.
+    jax.config.update("jax_enable_x64", True)
     try:
         first = fit()
         first_fit_steps, first_fit_threads = list(steps), list(starting_threads)
         again = fit()
     finally:
+        jax.config.update("jax_enable_x64", False)
         jax.monitoring.unregister_event_duration_listener(listener)
         boosting.compiled_round.cache_clear()
         boosting.compiled_many_rounds.cache_clear()
@@ -327,6 +332,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     assert first_fit_steps[:3] == ["round lowered", "round compiled", "round called"], first_fit_steps
     assert steps.count("round compiled") == 1, steps
     assert starting_threads[len(first_fit_threads):] == [threading.get_ident()] * len(first_fit_threads)
+    assert not any(in_64_bits), in_64_bits
     assert np.all(np.isfinite(first))
     assert_same_training(again, first)
 
