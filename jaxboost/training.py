@@ -31,7 +31,7 @@ from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
                       float32_jax, replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
-from .grower import GrowthParams, empty_tree, tree_feature_slots
+from .grower import GrowthParams, tree_feature_slots
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import collection_paused, release_free_memory_after
 from .model import Model
@@ -168,10 +168,11 @@ def found_while_compiling(compiled_round, arguments: tuple, row_counts: tuple, f
     ahead of its first call for ``arguments``, in which ``jax.ShapeDtypeStruct``s stand for the
     raw predictions that wait for ``find``'s result (XLA compiles without holding the GIL).
     Later fits just call ``find``: asking again for the compiled round costs a cached compile's
-    lookup, 0.3 ms of a 2.4 ms fit on small data."""
-    compiled_for = _ROUNDS_COMPILED_FOR.setdefault(compiled_round, set())
+    lookup, 0.3 ms of a 2.4 ms fit on small data. ``compiled_round`` None: no round will run
+    (none asked for), so ``find`` alone."""
+    compiled_for = set() if compiled_round is None else _ROUNDS_COMPILED_FOR.setdefault(compiled_round, set())
     with collection_paused():
-        if row_counts in compiled_for:
+        if compiled_round is None or row_counts in compiled_for:
             return find()
         # A pool of the fit's own: a process forked after a fit would inherit a pool's
         # bookkeeping without its thread.
@@ -229,9 +230,12 @@ class RoundTrees:
     another when the model is built. A CPU's are on the host already (asking cost 60 us a
     round, a quarter of a round on 200 rows)."""
 
-    def __init__(self, mesh, template: Tree):
+    def __init__(self, mesh, template: Tree, models: int | None = None):
+        """``template``: ``round_tree_template``'s; ``models``: ``train_many``'s M, a round's
+        trees then lead with a model axis."""
         self.rounds: list[jax.Array] = []
         self.template = template
+        self.models = () if models is None else (models,)
         self.copy_ahead = mesh_platform(mesh) != "cpu"
 
     def append(self, packed_trees: jax.Array) -> None:
@@ -243,7 +247,10 @@ class RoundTrees:
         return len(self.rounds)
 
     def stacked(self) -> Tree:
-        """Host arrays with a leading round axis (at least one round)."""
+        """Host arrays with a leading round axis (then the model axis, if any), of length 0 when
+        no round ran."""
+        if not self.rounds:
+            return Tree(*(np.zeros((0, *self.models, *field.shape), field.dtype) for field in self.template))
         return unpack_fields(np.stack([np.asarray(packed) for packed in self.rounds]), self.template)
 
 
@@ -529,7 +536,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         arguments = (params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
                      train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
                      train_rows.raw_prediction_shape(K), seed_key, np.int32(first_round), eval_data, histograms)
-        base_score = found_while_compiling(boosting_round, arguments,
+        base_score = found_while_compiling(boosting_round if num_rounds else None, arguments,
                                            (train_rows.y.shape[0], tuple(rows.y.shape[0] for rows in eval_rows)),
                                            lambda: _starting_value(resolved, train_rows, mesh))
     if not raw_predictions_started:
@@ -540,8 +547,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     round_trees = RoundTrees(mesh, round_tree_template(shape))
 
     def stacked_trees() -> Tree:
-        grown = (round_trees.stacked() if round_trees
-                 else jax.tree_util.tree_map(lambda a: np.zeros((0, K) + a.shape, a.dtype), empty_tree(num_nodes)))
+        grown = round_trees.stacked()
         if previous_trees is None:
             return grown
         return Tree(*(np.concatenate([old, new]) for old, new in zip(previous_trees, grown)))

@@ -248,7 +248,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         eval_data = tuple(inputs + (raw_prediction_shape(r.y.shape[0]),) for inputs, r in zip(eval_inputs, eval_rows))
         arguments = (params, X_binned_T, row_offsets, y_device, weights_device, row_index,
                      raw_prediction_shape(padded), seed_keys, np.int32(0), eval_data, histograms)
-        base_scores = found_while_compiling(boosting_rounds, arguments,
+        base_scores = found_while_compiling(boosting_rounds if num_rounds else None, arguments,
                                             (M_run, padded, tuple(r.y.shape[0] for r in eval_rows)),
                                             find_base_scores)
     raw_prediction = jax.device_put(np.ascontiguousarray(np.broadcast_to(base_scores[:, None, :], (M_run, padded, K))),
@@ -258,7 +258,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                      for r in eval_rows)
 
     history = [[] for _ in eval_rows]
-    round_trees = RoundTrees(mesh, round_tree_template(shape))
+    round_trees = RoundTrees(mesh, round_tree_template(shape), models=M_run)
     for round_index in range(num_rounds):
         eval_data = tuple(inputs + (raw,) for inputs, raw in zip(eval_inputs, eval_raw))
         with collection_paused(round_index == 0):  # the rounds compile in their first call

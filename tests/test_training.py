@@ -303,10 +303,11 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         call.lower = compiled.lower
         return call
 
-    def fit():
+    def fit(num_rounds=3):
         if trainer == "train":
-            return jb.train(X, y, num_rounds=3, max_depth=3, **settings).predict_raw(X)
-        models = jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0, 3.0]}, num_rounds=3, max_depth=3, **settings)
+            return jb.train(X, y, num_rounds=num_rounds, max_depth=3, **settings).predict_raw(X)
+        models = jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0, 3.0]}, num_rounds=num_rounds, max_depth=3,
+                               **settings)
         return np.stack([model.predict_raw(X) for model in models])
 
     monkeypatch.setattr(module, "starting_value", recording_starting_value)
@@ -318,6 +319,10 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     # thread's, and the starting value's thread must compute in 32 bits too.
     jax.config.update("jax_enable_x64", True)
     try:
+        zero_rounds = fit(num_rounds=0)  # no round to run: none compiled, the starting value alone
+        assert not steps and starting_threads == [threading.get_ident()], (steps, starting_threads)
+        assert np.all(np.ptp(zero_rounds, axis=-1) == 0), "a model of no rounds predicts one constant"
+        starting_threads.clear()
         first = fit()
         first_fit_steps, first_fit_threads = list(steps), list(starting_threads)
         again = fit()
