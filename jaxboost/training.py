@@ -163,13 +163,14 @@ _ROUNDS_COMPILED_FOR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def found_while_compiling(compiled_round, arguments: tuple, row_counts: tuple, find: Callable):
-    """``find()`` (the starting value, a program of its own), in the first fit of
-    ``compiled_round`` for ``row_counts`` found in a thread while this one compiles the round
-    ahead of its first call for ``arguments``, in which ``jax.ShapeDtypeStruct``s stand for the
-    raw predictions that wait for ``find``'s result (XLA compiles without holding the GIL).
-    Later fits just call ``find``: asking again for the compiled round costs a cached compile's
-    lookup, 0.3 ms of a 2.4 ms fit on small data. ``compiled_round`` None: no round will run
-    (none asked for), so ``find`` alone."""
+    """Runs ``find()`` (a fit's starting value, a program of its own) and returns its result.
+
+    In the first fit of ``compiled_round`` for ``row_counts``, ``find`` runs in a thread of its
+    own while this thread compiles the round ahead of its first call, for ``arguments`` (with
+    ``jax.ShapeDtypeStruct``s in place of the raw predictions, which wait for ``find``'s
+    result); XLA compiles without holding the GIL. Later fits just call ``find``: asking for the
+    compiled round again costs a cached compile's lookup (0.3 ms of a 2.4 ms fit on small data).
+    ``compiled_round`` None (no rounds asked for): ``find`` alone."""
     compiled_for = set() if compiled_round is None else _ROUNDS_COMPILED_FOR.setdefault(compiled_round, set())
     with collection_paused():
         if compiled_round is None or row_counts in compiled_for:
