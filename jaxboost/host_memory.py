@@ -8,6 +8,10 @@ classification fit of 100 rounds on 2 cores peaked at 733-861 MB with glibc's de
 694-696 MB with four arenas, its compiled round loaded from the cache (802-859 against 861-892
 MB when it compiles, as LLVM's own peak comes on top). One arena slowed XLA's compilation by a
 third (threads queue on its lock); two per core kept it, and training's speed, as they were.
+Measured again once training handed pages back (below): on 2 cores one arena held 15 MB less at
+the benchmark's peak (522-530 MB against 530-552, four runs each), as fast a tree, but a compile
+took 8% longer (1.02-1.04 -> 1.11-1.14 s) and the test suite, mostly compiles, 16% (113 -> 131
+s). Not adopted.
 
 At import, on glibc, jaxboost caps the arenas at two per core with ``mallopt`` unless the user
 chose already: ``MALLOC_ARENA_MAX`` in the environment is left to glibc, and
