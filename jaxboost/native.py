@@ -129,8 +129,11 @@ def _registered_targets() -> frozenset[str]:
 
 def native_target(name: str) -> str | None:
     """The registered FFI target ``name`` for CPU, building the kernels on first use; None when
-    native kernels are off or could not be built (the caller then uses its XLA version)."""
-    if not native_enabled():
+    native kernels are off or could not be built (the caller then uses its XLA version), and
+    for code lowered for another platform alone (``lowering_for``): a GPU's round asked for them
+    while tracing, and a fresh machine's first fit built them there (a C++ compile, 6.3 s on 2
+    cores) for a branch its lowering drops."""
+    if not native_enabled() or getattr(_lowering, "platform", None) not in (None, "cpu"):
         return None
     return name if name in _registered_targets() else None
 

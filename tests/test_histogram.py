@@ -548,6 +548,33 @@ def test_auto_kernel_uses_the_native_kernel_on_cpu_with_and_without_a_mask():
     assert HISTOGRAM_TARGET not in xla
 
 
+def test_code_lowered_for_another_platform_neither_builds_nor_calls_the_native_kernels(monkeypatch):
+    """A GPU's round is lowered for the GPU alone (``native.lowering_for``): its kernels must not
+    ask for the native ones, whose first use builds them (a C++ compile of seconds on a fresh
+    machine, for a branch the lowering drops)."""
+    from jaxboost.line_search import segment_sums
+    from jaxboost.predictor import add_position_values
+
+    def no_build():
+        raise AssertionError("the native kernels were asked for")
+
+    monkeypatch.setattr(native, "_registered_targets", no_build)
+    codes, nodes, ones = jnp.zeros((2, 10), jnp.uint8), jnp.zeros(10, jnp.int32), jnp.ones(10)
+
+    def kernels(codes, nodes, ones):
+        histogram = build_histogram(codes, nodes, ones, ones, 1, 4)
+        return (cumulative_over_bins(histogram), first_maximum(histogram[0]), segment_sums(ones, nodes, 2),
+                add_position_values(ones[:, None], jnp.ones((1, 2)), nodes[None]))
+
+    with native.lowering_for("gpu"):
+        assert native.native_target(HISTOGRAM_TARGET) is None
+        lowered = jax.jit(kernels).lower(codes, nodes, ones).as_text()
+    assert "jaxboost_" not in lowered  # no native custom call
+    # For the CPU the same code asks for them.
+    with native.lowering_for("cpu"), pytest.raises(AssertionError, match="asked for"):
+        native.native_target(HISTOGRAM_TARGET)
+
+
 def test_native_build_failures_are_reported_not_raised(monkeypatch, tmp_path):
     # No compiler: a clear error from the loader, and the registry reports no native kernel.
     monkeypatch.setenv("JAXBOOST_NATIVE_DIR", str(tmp_path))
