@@ -133,7 +133,7 @@ def native_target(name: str) -> str | None:
     for code lowered for another platform alone (``lowering_for``): a GPU's round asked for them
     while tracing, and a fresh machine's first fit built them there (a C++ compile, 6.3 s on 2
     cores) for a branch its lowering drops."""
-    if not native_enabled() or getattr(_lowering, "platform", None) not in (None, "cpu"):
+    if not native_enabled() or _known_lowering_platform() not in (None, "cpu"):
         return None
     return name if name in _registered_targets() else None
 
@@ -145,7 +145,7 @@ _lowering = threading.local()
 def lowering_for(backend: str):
     """Code traced inside will be lowered for the platform ``backend`` alone (a round compiled
     for its mesh's devices): ``per_platform`` then traces only that platform's branch."""
-    previous = getattr(_lowering, "platform", None)
+    previous = _known_lowering_platform()
     _lowering.platform = backend
     try:
         yield
@@ -153,17 +153,22 @@ def lowering_for(backend: str):
         _lowering.platform = previous
 
 
+def _known_lowering_platform() -> str | None:
+    """``lowering_for``'s platform around the code traced now, None outside it."""
+    return getattr(_lowering, "platform", None)
+
+
 def lowering_platform() -> str:
     """The platform that code traced now is lowered for: ``lowering_for``'s, else JAX's default
     backend."""
-    return getattr(_lowering, "platform", None) or jax.default_backend()
+    return _known_lowering_platform() or jax.default_backend()
 
 
 def per_platform(*args, cpu: Callable, default: Callable):
     """``lax.platform_dependent(*args, cpu=cpu, default=default)``, but tracing only one branch
     where the platform is known (``lowering_for``). Tracing the accelerators' XLA kernels for a
     branch that a CPU round drops took 0.7 s of a first fit with 10-output vector leaves."""
-    known = getattr(_lowering, "platform", None)
+    known = _known_lowering_platform()
     if known is None:
         return lax.platform_dependent(*args, cpu=cpu, default=default)
     return (cpu if known == "cpu" else default)(*args)

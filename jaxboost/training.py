@@ -162,15 +162,18 @@ def _as_dataset(data, y, sample_weight, max_bin, base_margin, reference=None) ->
 _ROUNDS_COMPILED_FOR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def found_while_compiling(compiled_round, arguments: tuple, row_counts: tuple, find: Callable):
+def found_while_compiling(compiled_round, arguments: tuple, find: Callable):
     """Runs ``find()`` (a fit's starting value, a program of its own) and returns its result.
 
-    In the first fit of ``compiled_round`` for ``row_counts``, ``find`` runs in a thread of its
-    own while this thread compiles the round ahead of its first call, for ``arguments`` (with
-    ``jax.ShapeDtypeStruct``s in place of the raw predictions, which wait for ``find``'s
-    result); XLA compiles without holding the GIL. Later fits just call ``find``: asking for the
-    compiled round again costs a cached compile's lookup (0.3 ms of a 2.4 ms fit on small data).
-    ``compiled_round`` None (no rounds asked for): ``find`` alone."""
+    In the first fit of ``compiled_round`` for ``arguments``, in which ``jax.ShapeDtypeStruct``s
+    stand for the raw predictions that wait for ``find``'s result (their shapes, the row counts,
+    tell one fit's program from another's), ``find`` runs in a thread of its own while this
+    thread compiles the round ahead of its first call; XLA compiles without holding the GIL.
+    Later fits just call ``find``: asking for the compiled round again costs a cached compile's
+    lookup (0.3 ms of a 2.4 ms fit on small data). ``compiled_round`` None (no rounds asked
+    for): ``find`` alone."""
+    row_counts = tuple(leaf.shape for leaf in jax.tree_util.tree_leaves(arguments)
+                       if isinstance(leaf, jax.ShapeDtypeStruct))
     compiled_for = set() if compiled_round is None else _ROUNDS_COMPILED_FOR.setdefault(compiled_round, set())
     with collection_paused():
         if compiled_round is None or row_counts in compiled_for:
@@ -532,14 +535,18 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         hessian_floor=f32(hessian_floor))
     params = jax.device_put(params, replicated(mesh))
     seed_key = jax.device_put(seed_key_data(seed), replicated(mesh))
+
+    def round_arguments(params, raw_prediction, eval_raw, round_index, histograms) -> tuple:
+        eval_data = tuple((rows.X_binned_device, rows.y_device, rows.sample_weight_device, raw)
+                          for rows, raw in zip(eval_rows, eval_raw))
+        return (params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
+                train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
+                raw_prediction, seed_key, np.int32(round_index), eval_data, histograms)
+
     if base_score is None:
-        eval_data = tuple((rows.X_binned_device, rows.y_device, rows.sample_weight_device,
-                           rows.raw_prediction_shape(K)) for rows in eval_rows)
-        arguments = (params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
-                     train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
-                     train_rows.raw_prediction_shape(K), seed_key, np.int32(first_round), eval_data, histograms)
+        arguments = round_arguments(params, train_rows.raw_prediction_shape(K),
+                                    [rows.raw_prediction_shape(K) for rows in eval_rows], first_round, histograms)
         base_score = found_while_compiling(boosting_round if num_rounds else None, arguments,
-                                           (train_rows.y.shape[0], tuple(rows.y.shape[0] for rows in eval_rows)),
                                            lambda: _starting_value(resolved, train_rows, mesh))
     if not raw_predictions_started:
         start_raw_predictions(base_score)
@@ -600,13 +607,9 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         if callable(learning_rate) and round_index > first_round:
             params = params._replace(growth=params.growth._replace(
                 learning_rate=jax.device_put(f32(schedule(round_index)), replicated(mesh))))
-        eval_data = tuple((rows.X_binned_device, rows.y_device, rows.sample_weight_device, raw)
-                          for rows, raw in zip(eval_rows, eval_raw))
         with collection_paused(round_index == first_round):  # the round compiles in its first call
             raw_prediction, trees, health, eval_raw, metric_values, histograms = boosting_round(
-                params, train_rows.X_binned_T_device, train_rows.row_offsets_device, train_rows.y_device,
-                train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
-                raw_prediction, seed_key, np.int32(round_index), eval_data, histograms)
+                *round_arguments(params, raw_prediction, eval_raw, round_index, histograms))
         # Ask an accelerator for the flags now: a copy requested only when they are read would
         # queue behind the next round, and the host would wait for that round before dispatching
         # another.
@@ -632,6 +635,6 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     model = build_model(state.best_iteration)
     # The rounds' device buffers go now, and their pages back to the system with the arenas'
     # other free pages, rather than sitting in XLA's threads' arenas while the caller predicts.
-    train_rows = eval_rows = eval_data = raw_prediction = eval_raw = histograms = None
+    train_rows = eval_rows = raw_prediction = eval_raw = histograms = None
     release_free_memory_after(dataset.n_rows)
     return model

@@ -244,13 +244,15 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     def raw_prediction_shape(n_rows: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((M_run, n_rows, K), np.float32, sharding=model_sharding(3))
 
+    def round_arguments(raw_prediction, eval_raw, round_index, histograms) -> tuple:
+        eval_data = tuple(inputs + (raw,) for inputs, raw in zip(eval_inputs, eval_raw))
+        return (params, X_binned_T, row_offsets, y_device, weights_device, row_index, raw_prediction, seed_keys,
+                np.int32(round_index), eval_data, histograms)
+
     if base_scores is None:
-        eval_data = tuple(inputs + (raw_prediction_shape(r.y.shape[0]),) for inputs, r in zip(eval_inputs, eval_rows))
-        arguments = (params, X_binned_T, row_offsets, y_device, weights_device, row_index,
-                     raw_prediction_shape(padded), seed_keys, np.int32(0), eval_data, histograms)
-        base_scores = found_while_compiling(boosting_rounds if num_rounds else None, arguments,
-                                            (M_run, padded, tuple(r.y.shape[0] for r in eval_rows)),
-                                            find_base_scores)
+        arguments = round_arguments(raw_prediction_shape(padded), [raw_prediction_shape(r.y.shape[0])
+                                                                   for r in eval_rows], 0, histograms)
+        base_scores = found_while_compiling(boosting_rounds if num_rounds else None, arguments, find_base_scores)
     raw_prediction = jax.device_put(np.ascontiguousarray(np.broadcast_to(base_scores[:, None, :], (M_run, padded, K))),
                                     model_sharding(3))
     eval_raw = tuple(jax.device_put(np.broadcast_to(base_scores[:, None, :], (M_run, r.y.shape[0], K)).copy(),
@@ -260,11 +262,9 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     history = [[] for _ in eval_rows]
     round_trees = RoundTrees(mesh, round_tree_template(shape), models=M_run)
     for round_index in range(num_rounds):
-        eval_data = tuple(inputs + (raw,) for inputs, raw in zip(eval_inputs, eval_raw))
         with collection_paused(round_index == 0):  # the rounds compile in their first call
             raw_prediction, trees, health, eval_raw, metric_values, histograms = boosting_rounds(
-                params, X_binned_T, row_offsets, y_device, weights_device, row_index, raw_prediction, seed_keys,
-                np.int32(round_index), eval_data, histograms)
+                *round_arguments(raw_prediction, eval_raw, round_index, histograms))
         _raise_if_unhealthy(health, resolved.name, round_index)
         round_trees.append(trees)
         release_memory_now_and_then(round_index, dataset.n_rows)
