@@ -67,3 +67,9 @@ def repeatable_sums() -> bool:
     on a GPU only with XLA's deterministic ops."""
     return (jax.default_backend() == "cpu"
             or "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", ""))
+
+
+# For tests of two trainings that must grow the same trees: near ties in a GPU's sums may not.
+needs_repeatable_sums = pytest.mark.skipif(
+    not repeatable_sums(), reason="a GPU's float atomic adds sum the rows in a varying order, so near ties may "
+    "split differently between runs; XLA_FLAGS=--xla_gpu_deterministic_ops=true makes them repeatable")

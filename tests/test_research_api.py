@@ -17,7 +17,7 @@ import pytest
 import xgboost as xgb
 
 import jaxboost as jb
-from conftest import assert_same_training, repeatable_sums
+from conftest import assert_same_training, needs_repeatable_sums
 from jaxboost.regularizer import leaf_value, node_score, objective_at, split_loss_change
 
 F32 = jnp.float32
@@ -368,10 +368,7 @@ def test_train_many_deep_trees_equal_models_trained_alone(regression_data):
     dict(loss="squared_error", colsample_bytree=0.6, subsample=0.8),
     dict(loss="softmax", multi_strategy="multi_output_tree"),
 ])
-@pytest.mark.skipif(not repeatable_sums(), reason="a GPU's float atomic adds sum the rows in a varying order, "
-                    "so near ties may split differently between the two programs (on an H100 a multi-output "
-                    "split did, the eval loss 1% apart); XLA_FLAGS=--xla_gpu_deterministic_ops=true makes them "
-                    "repeatable")
+@needs_repeatable_sums  # on an H100 a multi-output split did, the eval loss 1% apart
 def test_train_many_vmapped_over_models_grows_the_models_of_the_loop_over_them(monkeypatch, regression_data,
                                                                                settings):
     """Accelerators vmap train_many's round over the models, the CPU loops over them: both grow

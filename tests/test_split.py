@@ -454,6 +454,9 @@ def test_gamma_pruning_matches_numpy_rule_on_random_trees(seed):
     X_binned = rng.integers(0, max_bin, size=(n, PRUNE_FEATURES)).astype(np.uint8)
     g = (rng.normal(size=n) + (X_binned[:, 0] > 7) - 0.7 * (X_binned[:, 2] < 4)).astype(np.float32)
     h = rng.uniform(0.5, 1.5, size=n).astype(np.float32)
+    # Multiples of 1/64: every sum of them is exact in float32, in any order, so the two grows
+    # below split alike on a GPU too (its atomic adds take the rows in a varying order).
+    g, h = np.round(g * 64) / 64, np.round(h * 64) / 64
     args = (jnp.asarray(X_binned.T), jnp.asarray(g), jnp.asarray(h))
     tree, row_leaf = jax.tree.map(np.asarray, _jit_grow(*args, growth_params(0.0), max_depth=max_depth,
                                                         max_bin=max_bin))

@@ -17,7 +17,7 @@ import jaxboost as jb
 from jaxboost import boosting
 from jaxboost.derivatives import gradients_and_hessians
 
-from conftest import assert_same_training, repeatable_sums
+from conftest import assert_same_training, needs_repeatable_sums, repeatable_sums
 
 # Most tests share one shape (1000 rows -> one padded bucket, 5 features, depth 4) so the
 # compiled round is reused across them.
@@ -342,9 +342,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     assert_same_training(again, first)
 
 
-@pytest.mark.skipif(not repeatable_sums(), reason="a GPU's float atomic adds sum the rows in a varying order, "
-                    "so near ties may split differently between runs; XLA_FLAGS=--xla_gpu_deterministic_ops=true "
-                    "makes them repeatable")
+@needs_repeatable_sums
 def test_same_seed_identical_and_other_seed_different():
     X, y = _regression_data()
     sampled = dict(COMMON, subsample=0.7, colsample_bytree=0.8, colsample_bylevel=0.8, colsample_bynode=0.8)
@@ -506,6 +504,7 @@ def test_rounds_donate_raw_predictions_and_read_row_indices_only_when_sampling(m
     (N_ROWS, dict(loss="softmax", max_depth=4)),  # the shallow loop's buffer
     (90_000, dict(loss="squared_error", max_depth=6, multi_strategy="multi_output_tree")),
 ])
+@needs_repeatable_sums  # on an H100 two zeroed fits of softmax at depth 7 differed in a split
 def test_trees_never_read_what_their_histogram_buffer_held(n_rows, settings, monkeypatch):
     """Trees grow their widest level loop (the deep levels', or a tree of depth 6 or less its
     shallow one) in a histogram buffer that the rounds pass on, donated and written in place (so
