@@ -21,7 +21,10 @@ Even so, the arenas keep the freed blocks of XLA's per-round buffers, and as the
 fragment them, a process could hold hundreds of MB that nothing uses (a 1M x 28 fit of 100
 rounds peaked at 599-1154 MB over eight runs, three of them above 780). Training hands those
 free pages back every few rounds (``release_free_memory``, glibc's ``malloc_trim``): the same
-fit then peaked at 564-628 MB, no slower.
+fit then peaked at 564-628 MB, no slower. A fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_`` of
+256 KB or 1 MB, so that large blocks go straight back to the system when freed) took the
+benchmark's peak from 534-546 to 518-523 MB, but every round's buffers then came as fresh
+zeroed pages: 22.7-23.0 -> 28.3-30.0 ms a tree, binning 2-3x slower. Not adopted.
 
 Python's cyclic garbage collector pauses while training traces and compiles its programs
 (``collection_paused``): tracing makes many short-lived objects, so the collector ran again and
