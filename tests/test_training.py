@@ -262,8 +262,9 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
                                                                                          settings):
     """The round is compiled ahead of its first call, for the raw predictions' shapes, while a
     thread finds the starting value: the call then takes that program (a mismatch, such as
-    another sharding, would lower and compile the round a second time). A second fit of the
-    same shapes finds it compiled, and finds its starting value in the caller's thread."""
+    another sharding, would lower and compile the round a second time). The memory the compiler
+    freed is handed back before the first round. A second fit of the same shapes finds the
+    round compiled, and finds its starting value in the caller's thread."""
     import threading
 
     from jaxboost import training, vmapped_training
@@ -310,8 +311,14 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
                                **settings)
         return np.stack([model.predict_raw(X) for model in models])
 
+    def recording_release():
+        steps.append("pages handed back")
+        return release_free_memory()
+
+    release_free_memory = training.release_free_memory
     monkeypatch.setattr(module, "starting_value", recording_starting_value)
     monkeypatch.setattr(module, factory_name, recording_factory)
+    monkeypatch.setattr(training, "release_free_memory", recording_release)
     boosting.compiled_round.cache_clear()
     boosting.compiled_many_rounds.cache_clear()
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -333,9 +340,11 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         boosting.compiled_many_rounds.cache_clear()
     assert lowered == [threading.get_ident()], "the round was lowered more than once, or not by the caller"
     assert first_fit_threads and threading.get_ident() not in first_fit_threads
-    # Compiled before its first call, and once.
-    assert first_fit_steps[:3] == ["round lowered", "round compiled", "round called"], first_fit_steps
-    assert steps.count("round compiled") == 1, steps
+    # Compiled before its first call, and once; the free pages the compiler left are handed back
+    # before the rounds' buffers come on top of them.
+    assert first_fit_steps[:4] == ["round lowered", "round compiled", "pages handed back", "round called"], \
+        first_fit_steps
+    assert steps.count("round compiled") == 1 and steps.count("pages handed back") == 1, steps
     assert starting_threads[len(first_fit_threads):] == [threading.get_ident()] * len(first_fit_threads)
     assert not any(in_64_bits), in_64_bits
     assert np.all(np.isfinite(first))
