@@ -46,7 +46,8 @@ How it is measured (``bench_worker.py`` does one run):
   placement, starting value, sklearn's binning inside ``fit``) cancel out.
 * ms/tree vs XGBoost: the ratio of the medians, and "run by run": the median (range) of the ratios
   of runs taken in the same turn, which share a busy machine's slow spells.
-* predict s: predicting the test set, second (warm) call; XGBoost uses ``inplace_predict``.
+* predict s: predicting the test set, the median of 3 warm calls (one call could catch Python's
+  first full garbage collection after training); XGBoost uses ``inplace_predict``.
   predict all s: the same on all rows (train and test: 1M on the full classification task),
   timed after the memory figures are taken. predict 1 row ms: the median latency of one-row
   predictions (serving one request at a time).
@@ -494,7 +495,7 @@ def method_notes(args) -> str:
         "compile s = first 1-round train - second 1-round train; JAX's persistent compilation cache is off).",
         "- binning s: jb.Dataset / xgb.QuantileDMatrix / lgb.Dataset(...).construct(); sklearn bins inside fit "
         "(its boosting s includes binning, its ms/tree does not).",
-        "- predict s: the test set, second (warm) call; XGBoost: inplace_predict. predict all s: the same on all "
+        "- predict s: the test set, the median of 3 warm calls; XGBoost: inplace_predict. predict all s: the same on all "
         "rows (train and test), timed after the memory figures are taken. predict 1 row ms: the median of "
         "200 one-row predictions (after 200 warm-up calls), the latency of serving one request at a time.",
         f"- ms/tree vs {REFERENCE_LIBRARY}: the ratio of the medians; run by run: the median (and range) of the "
