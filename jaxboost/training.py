@@ -176,7 +176,8 @@ def found_while_compiling(compiled_round, arguments: tuple, find: Callable):
     After a compile, the memory the compiler freed goes back to the system before the rounds'
     buffers come on top of it: held until training's first hand-back, 16 rounds on, it had set a
     one-fit process's peak (1M x 28, 100 rounds: 500-524 -> 489-498 MB; 10 classes at 160k rows:
-    442-516 -> 419-498; the benchmark, whose compile is a fit of its own, 540-548 -> 533-540).
+    442-516 -> 419-498). The benchmark's, whose compile is a 1-round fit of its own, stayed within
+    its spread (533-540 against 540-548 MB in alternating runs; 540-550 in two full runs after).
     A custom loss's first fit, which compiles its round in its first call, gained nothing
     measurable from a compile ahead and a hand-back (focal loss, 1M x 28: 498-508 MB against
     501-511)."""
