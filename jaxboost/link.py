@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+import contextlib
+from functools import lru_cache
 from typing import Callable, Union
 
 import jax
@@ -122,12 +123,14 @@ def apply_link(link: Callable, raw_prediction: np.ndarray) -> np.ndarray:
     padded[:n_rows] = raw_prediction
     platform = link_platform()
     compiled = _compiled_link(link, in_steps, platform)
-    # Committed to the platform's device, a chunk's program runs there, not on the default
-    # device (a GPU); on the default platform a host array goes in as it is (a device_put
-    # doubled one row's prediction on CPU, 0.032 -> 0.071 ms).
-    place = ((lambda chunk: chunk) if platform == jax.default_backend()
-             else partial(jax.device_put, device=jax.devices(platform)[0]))
-    if padded.shape[0] == chunk_rows:  # one chunk: no list to join (a tenth of one row's prediction)
-        return np.asarray(compiled(place(padded)))[:n_rows].copy()  # writable: not a view of the result buffer
-    chunks = [compiled(place(padded[start:start + chunk_rows])) for start in range(0, padded.shape[0], chunk_rows)]
-    return np.concatenate([np.asarray(chunk) for chunk in chunks])[:n_rows]
+    # Host arrays go in as they are, run on the platform's device by making it the default one
+    # where it is not (a GPU machine's): committing each chunk there with a device_put had cost
+    # 24.5 us a chunk against 7.3 (on CPU; on the default platform a device_put doubled one row's
+    # prediction, 0.032 -> 0.071 ms).
+    on_platform = (contextlib.nullcontext() if platform == jax.default_backend()
+                   else jax.default_device(jax.devices(platform)[0]))
+    with on_platform:
+        if padded.shape[0] == chunk_rows:  # one chunk: no list to join (a tenth of one row's prediction)
+            return np.asarray(compiled(padded))[:n_rows].copy()  # writable: not a view of the result buffer
+        chunks = [compiled(padded[start:start + chunk_rows]) for start in range(0, padded.shape[0], chunk_rows)]
+        return np.concatenate([np.asarray(chunk) for chunk in chunks])[:n_rows]

@@ -1246,23 +1246,33 @@ def test_identity_link_is_returned_without_compiling(monkeypatch):
 
 def test_the_link_runs_on_the_host_cpu_when_the_default_backend_is_another(monkeypatch):
     """Raw predictions of host rows are host arrays whatever JAX's default backend: with another
-    default (a GPU's), each chunk is committed to the CPU device before the link runs on it, and
-    the predictions are the same."""
+    default (a GPU's), the link runs on the CPU device, made the default one around its chunks,
+    and the predictions are the same."""
     from jaxboost import link as links
 
     X, y = _regression_data()
     model = jb.train(X, (y > 0).astype(np.float32), loss="logistic", num_rounds=3, max_depth=DEPTH)
     expected = model.predict(X)
-    placed = []
-    put = jax.device_put
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "device_put", lambda x, device=None: placed.append(device) or put(x, device))
+    compiled_link = links._compiled_link
+    default_devices = []
+
+    def recording(*key):
+        compiled = compiled_link(*key)
+
+        def call(chunk):
+            default_devices.append(jax.config.jax_default_device)
+            return compiled(chunk)
+        return call
+
+    monkeypatch.setattr(links, "_compiled_link", recording)
     np.testing.assert_array_equal(model.predict(X), expected)
-    # One chunk, put on the CPU device (the XLA predictor, without native kernels, puts its own
-    # inputs by sharding).
-    assert [device for device in placed if isinstance(device, jax.Device)] == [jax.devices("cpu")[0]], placed
-    # Committed inputs are another entry of the compiled link's cache: leave none to other tests.
-    links._compiled_link.cache_clear()
+    assert default_devices == [None], "on the default platform the link needs no default device"
+    default_devices.clear()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    np.testing.assert_array_equal(model.predict(np.concatenate([X] * 3)), np.concatenate([expected] * 3))
+    assert default_devices == [jax.devices("cpu")[0]] * 2, default_devices  # 3000 rows: two chunks
+    # A default device is another entry of the compiled link's cache: leave none to other tests.
+    compiled_link.cache_clear()
 
 
 def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
