@@ -49,7 +49,7 @@ from . import differentiable  # noqa: E402
 from . import regularizer as regularizers  # noqa: E402
 from .binning import BinEdges  # noqa: E402
 from .dataset import Dataset  # noqa: E402
-from .cores import available_cpu_cores  # noqa: E402
+from .cores import available_cpu_cores, cpu_cores  # noqa: E402
 from .devices import use_cpu_cores  # noqa: E402
 from .model import Model  # noqa: E402
 from .interop import to_shap, to_xgboost_booster  # noqa: E402
@@ -75,5 +75,5 @@ def __getattr__(name):
 
 __all__ = ["BinEdges", "Dataset", "Model", "ModelFormatError", "importance", "load", "plotting",
            "callbacks", "differentiable", "losses", "metrics", "regularizers",
-           "train", "train_many", "available_cpu_cores", "use_cpu_cores", "__version__", *_SKLEARN_ESTIMATORS,
+           "train", "train_many", "available_cpu_cores", "cpu_cores", "use_cpu_cores", "__version__", *_SKLEARN_ESTIMATORS,
            "export_xgboost", "to_shap", "to_treelite", "to_xgboost_booster", "to_xgboost_json"]

@@ -6,29 +6,96 @@ container's ``--cpus``, a Kubernetes CPU limit). One host device per machine cor
 devices on few cores, and every level each device waits for the slowest at the sum over devices:
 400k x 28 rows at depth 6 on a 2-core machine took 27.9 ms a tree on 16 devices, 20.0 on 8 and
 11.7 on 2. XGBoost reads the same quota for its default thread count.
+
+``OMP_NUM_THREADS`` caps the count too, as it caps XGBoost's and LightGBM's OpenMP threads:
+joblib sets it in its process workers (scikit-learn's ``GridSearchCV(n_jobs=...)``,
+``cross_val_score``) to the cores over the workers, so that each worker's library does not take
+every core and the workers do not wait on each other's threads.
+
+Inside a ``cpu_cores(n)`` block (the scikit-learn estimators' ``n_jobs``) jaxboost takes at most
+``n`` of them: its rows are sharded over that many host devices, and its binning, histogram and
+prediction threads are as many.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import os
+from collections.abc import Iterator
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"
 
 
+# The innermost cpu_cores block's limit (None outside any): a context variable, so that threads
+# and asyncio tasks each see their own.
+_block_limit: contextvars.ContextVar[int | None] = contextvars.ContextVar("jaxboost_cpu_cores", default=None)
+
+
 def available_cpu_cores() -> int:
+    """The CPU cores jaxboost may use here: ``process_cpu_cores()``, capped by the limit of the
+    ``cpu_cores`` block this runs in, if any; at least 1."""
+    cores = process_cpu_cores()
+    limit = _block_limit.get()
+    return cores if limit is None else min(cores, limit)
+
+
+def process_cpu_cores() -> int:
     """The CPU cores this process may use: the cores in its affinity mask, capped by its control
-    group's CPU quota (rounded up to whole cores); at least 1."""
+    group's CPU quota (rounded up to whole cores) and by ``OMP_NUM_THREADS`` when it is set; at
+    least 1."""
     if hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
     else:
         cores = os.cpu_count() or 1
-    quota = _process_cgroup_limit()
-    if quota is not None:
-        cores = min(cores, quota)
+    for limit in (_process_cgroup_limit(), omp_thread_limit()):
+        if limit is not None:
+            cores = min(cores, limit)
     return max(1, cores)
+
+
+@contextlib.contextmanager
+def cpu_cores(n_jobs: int | None) -> Iterator[None]:
+    """Train and predict with at most ``n_jobs`` CPU cores inside the block: ``None`` or -1 for
+    all the process may use (``process_cpu_cores``), a positive count for that many (never more
+    than the process may use), -2 for all but one and so on (joblib's convention).
+
+    A fit in the block shards its rows over at most that many host devices (another set of
+    devices than a fit outside it, so its round compiles anew), and the binning, the wide-data
+    histogram kernel and the host predictor take at most that many threads. JAX's own CPU thread
+    pool keeps the size it was given when JAX started.
+
+    Raises:
+      ValueError: ``n_jobs`` is 0 or not an integer.
+    """
+    if n_jobs is not None and (isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0):
+        raise ValueError(f"n_jobs must be None or a non-zero integer (-1 for every core), got {n_jobs!r}")
+    if n_jobs is None:
+        limit = None
+    elif n_jobs > 0:
+        limit = n_jobs
+    else:
+        limit = max(1, process_cpu_cores() + 1 + n_jobs)
+    token = _block_limit.set(limit)
+    try:
+        yield
+    finally:
+        _block_limit.reset(token)
+
+
+def omp_thread_limit(value: str | None = None) -> int | None:
+    """The thread count ``OMP_NUM_THREADS`` (or ``value``) asks for, or None when it is unset or
+    not a positive count. OpenMP reads a comma-separated list as counts for nested levels; the
+    first is the outermost, the one a library's own threads run at."""
+    if value is None:
+        value = os.environ.get("OMP_NUM_THREADS", "")
+    first = value.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        return None
+    return int(first)
 
 
 @functools.cache

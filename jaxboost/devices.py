@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .cores import available_cpu_cores
+from .cores import available_cpu_cores, process_cpu_cores
 from .host_memory import HOST_ALIGNMENT, aligned_empty
 from .native import per_platform
 
@@ -51,12 +51,12 @@ def _backends_initialized() -> bool:
 
 def use_cpu_cores(n: int | None = None) -> None:
     """Give JAX ``n`` host CPU devices (default: one per core this process may use,
-    ``cores.available_cpu_cores``). Call before JAX starts.
+    ``cores.process_cpu_cores``). Call before JAX starts.
 
     Raises RuntimeError if JAX's backends are already initialised (then set
     ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before starting Python instead).
     """
-    n = n or available_cpu_cores()
+    n = n or process_cpu_cores()
     if _backends_initialized():
         raise RuntimeError("jaxboost.use_cpu_cores must be called before JAX initialises its backends "
                            "(before any JAX computation); set XLA_FLAGS=--xla_force_host_platform_device_count="
@@ -66,11 +66,11 @@ def use_cpu_cores(n: int | None = None) -> None:
 
 def configure_default_cpu_devices() -> None:
     """At import: one CPU device per core this process may use (its affinity mask and CPU quota,
-    ``cores.available_cpu_cores``) unless the user has already chosen, or JAX has started."""
+    ``cores.process_cpu_cores``) unless the user has already chosen, or JAX has started."""
     user_chose = _DEVICE_FLAG in os.environ.get("XLA_FLAGS", "") or jax.config.jax_num_cpu_devices not in (-1, None)
     if user_chose or _backends_initialized() or os.environ.get("JAXBOOST_NO_DEVICE_SETUP"):
         return
-    cores = available_cpu_cores()
+    cores = process_cpu_cores()
     if cores > 1:
         jax.config.update("jax_num_cpu_devices", cores)
 
@@ -261,13 +261,15 @@ def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = N
             # JAX may have more CPU devices than the process has cores (set up before jaxboost,
             # or by a user's flag); they would wait on each other at every level's sum (16
             # devices on 2 cores: 27.9 ms a tree against 2 devices' 11.7).
-            cores = available_cpu_cores()
-            if len(devices) > cores and not _warned_extra_devices:
+            cores, process_cores = available_cpu_cores(), process_cpu_cores()
+            # Fewer cores inside a cpu_cores block are the caller's choice: no warning for those.
+            if len(devices) > process_cores and not _warned_extra_devices:
                 _warned_extra_devices = True
-                warnings.warn(f"JAX has {len(devices)} CPU devices but this process may use {cores} cores: jaxboost "
-                              f"shards rows over {cores} of them, and the others' threads still slow training (16 "
+                warnings.warn(f"JAX has {len(devices)} CPU devices but this process may use {process_cores} cores (its "
+                              "affinity mask, CPU quota and OMP_NUM_THREADS): jaxboost "
+                              f"shards rows over {process_cores} of them, and the others' threads still slow training (16 "
                               "devices on 2 cores: 21 against 13 ms a tree); set XLA_FLAGS=--xla_force_host_platform_"
-                              f"device_count={cores} or call jaxboost.use_cpu_cores() before JAX starts",
+                              f"device_count={process_cores} or call jaxboost.use_cpu_cores() before JAX starts",
                               RuntimeWarning, stacklevel=3)
             used = min(used, cores)
     return _row_mesh_of(tuple(devices[:used]))

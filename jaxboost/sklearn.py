@@ -3,9 +3,9 @@
 The estimators validate input the scikit-learn way (``validate_data``: feature counts, feature
 names, dtypes, NaN allowed as missing), map class labels to ``0..K-1``, call ``jb.train`` and
 keep the trained ``Model`` (``get_booster()``). Parameter names follow XGBoost's scikit-learn
-API: ``n_estimators`` is ``num_rounds``, ``random_state`` is ``seed``, and early stopping is
-set in the constructor (``early_stopping_rounds``, ``eval_metric``) with ``eval_set`` passed
-to ``fit``.
+API: ``n_estimators`` is ``num_rounds``, ``random_state`` is ``seed``, ``n_jobs`` caps the CPU
+cores of a fit and its predictions (``jb.cpu_cores``), and early stopping is set in the
+constructor (``early_stopping_rounds``, ``eval_metric``) with ``eval_set`` passed to ``fit``.
 
 Two choices that make ``sample_weight`` mean "repeat this row that many times":
 rows with zero weight are dropped before training, so they move neither the bin edges nor
@@ -26,6 +26,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, column_or_1d, validate_data
 
 from . import losses
+from .cores import cpu_cores
 from .link import LINKS, resolve_link
 from .training import train
 
@@ -60,7 +61,7 @@ class _JaxBoostEstimator(BaseEstimator):
                  gamma=0.0, min_child_weight=1.0, max_bin=256, subsample=1.0, colsample_bytree=1.0,
                  colsample_bylevel=1.0, colsample_bynode=1.0, max_delta_step=0.0, scale_pos_weight=1.0,
                  loss=None, early_stopping_rounds=None, eval_metric=None, importance_type="gain",
-                 random_state=None, multi_strategy="one_output_per_tree"):
+                 random_state=None, multi_strategy="one_output_per_tree", n_jobs=None):
         self.n_estimators = n_estimators
         self.max_depth = max_depth
         self.learning_rate = learning_rate
@@ -81,6 +82,7 @@ class _JaxBoostEstimator(BaseEstimator):
         self.importance_type = importance_type
         self.random_state = random_state
         self.multi_strategy = multi_strategy
+        self.n_jobs = n_jobs
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -103,16 +105,17 @@ class _JaxBoostEstimator(BaseEstimator):
         if eval_set is not None:
             eval_pairs = [(self._validate_X(X_eval, reset=False), self._encode_eval_labels(y_eval))
                           for X_eval, y_eval in eval_set]
-        booster = train(
-            X, encoded_y, **loss_arguments, num_rounds=self.n_estimators, max_depth=self.max_depth,
-            learning_rate=self.learning_rate, reg_lambda=self.reg_lambda, reg_alpha=self.reg_alpha,
-            gamma=self.gamma, min_child_weight=self.min_child_weight, max_bin=self.max_bin,
-            subsample=self.subsample, colsample_bytree=self.colsample_bytree,
-            colsample_bylevel=self.colsample_bylevel, colsample_bynode=self.colsample_bynode,
-            max_delta_step=self.max_delta_step, scale_pos_weight=self.scale_pos_weight,
-            sample_weight=sample_weight, eval_set=eval_pairs, eval_metric=self.eval_metric,
-            early_stopping_rounds=self.early_stopping_rounds, verbose=verbose, seed=_seed(self.random_state),
-            multi_strategy=self.multi_strategy)
+        with cpu_cores(self.n_jobs):  # the fit's devices and threads
+            booster = train(
+                X, encoded_y, **loss_arguments, num_rounds=self.n_estimators, max_depth=self.max_depth,
+                learning_rate=self.learning_rate, reg_lambda=self.reg_lambda, reg_alpha=self.reg_alpha,
+                gamma=self.gamma, min_child_weight=self.min_child_weight, max_bin=self.max_bin,
+                subsample=self.subsample, colsample_bytree=self.colsample_bytree,
+                colsample_bylevel=self.colsample_bylevel, colsample_bynode=self.colsample_bynode,
+                max_delta_step=self.max_delta_step, scale_pos_weight=self.scale_pos_weight,
+                sample_weight=sample_weight, eval_set=eval_pairs, eval_metric=self.eval_metric,
+                early_stopping_rounds=self.early_stopping_rounds, verbose=verbose, seed=_seed(self.random_state),
+                multi_strategy=self.multi_strategy)
         if hasattr(self, "feature_names_in_"):
             booster = dataclasses.replace(booster, feature_names=tuple(str(name) for name in self.feature_names_in_))
         self._booster = booster
@@ -131,8 +134,14 @@ class _JaxBoostEstimator(BaseEstimator):
         return _check_sample_weight(sample_weight, X, dtype=np.float64, ensure_non_negative=True)
 
     def _raw(self, X) -> np.ndarray:
+        return self._predicted(X, raw=True)
+
+    def _predicted(self, X, *, raw: bool) -> np.ndarray:
+        """The booster's raw predictions or predictions (after the link) of ``X``, with ``n_jobs``."""
         check_is_fitted(self)
-        return self._booster.predict_raw(self._validate_X(X, reset=False))
+        X = self._validate_X(X, reset=False)
+        with cpu_cores(self.n_jobs):
+            return self._booster.predict_raw(X) if raw else self._booster.predict(X)
 
     def get_booster(self):
         """The trained ``jaxboost.Model``."""
@@ -176,7 +185,8 @@ class JaxBoostRegressor(RegressorMixin, _JaxBoostEstimator):
     """Gradient-boosted trees for regression, in the scikit-learn API.
 
     Parameters mean what ``jb.train``'s do (``n_estimators`` is ``num_rounds``,
-    ``random_state`` is ``seed``). ``loss`` is a built-in name (default ``"squared_error"``),
+    ``random_state`` is ``seed``; ``n_jobs``: the CPU cores of a fit and its predictions, all
+    by default, see ``jb.cpu_cores``). ``loss`` is a built-in name (default ``"squared_error"``),
     a built-in function with bound parameters, or any JAX function
     ``loss(raw_prediction, y) -> scalar`` of one example; ``link`` is the inverse link
     ``predict`` applies for a custom loss (default identity).
@@ -186,14 +196,15 @@ class JaxBoostRegressor(RegressorMixin, _JaxBoostEstimator):
                  gamma=0.0, min_child_weight=1.0, max_bin=256, subsample=1.0, colsample_bytree=1.0,
                  colsample_bylevel=1.0, colsample_bynode=1.0, max_delta_step=0.0, scale_pos_weight=1.0,
                  loss="squared_error", link=None, early_stopping_rounds=None, eval_metric=None,
-                 importance_type="gain", random_state=None, multi_strategy="one_output_per_tree"):
+                 importance_type="gain", random_state=None, multi_strategy="one_output_per_tree", n_jobs=None):
         super().__init__(n_estimators=n_estimators, max_depth=max_depth, learning_rate=learning_rate,
                          reg_lambda=reg_lambda, reg_alpha=reg_alpha, gamma=gamma, min_child_weight=min_child_weight,
                          max_bin=max_bin, subsample=subsample, colsample_bytree=colsample_bytree,
                          colsample_bylevel=colsample_bylevel, colsample_bynode=colsample_bynode,
                          max_delta_step=max_delta_step, scale_pos_weight=scale_pos_weight, loss=loss,
                          early_stopping_rounds=early_stopping_rounds, eval_metric=eval_metric,
-                         importance_type=importance_type, random_state=random_state, multi_strategy=multi_strategy)
+                         importance_type=importance_type, random_state=random_state, multi_strategy=multi_strategy,
+                         n_jobs=n_jobs)
         self.link = link
 
     def fit(self, X, y, sample_weight=None, eval_set=None, verbose=False):
@@ -214,8 +225,7 @@ class JaxBoostRegressor(RegressorMixin, _JaxBoostEstimator):
 
     def predict(self, X) -> np.ndarray:
         """Predictions after the loss's link (the mean for squared error)."""
-        check_is_fitted(self)
-        return self._booster.predict(self._validate_X(X, reset=False))
+        return self._predicted(X, raw=False)
 
 
 class JaxBoostClassifier(ClassifierMixin, _JaxBoostEstimator):
@@ -226,6 +236,8 @@ class JaxBoostClassifier(ClassifierMixin, _JaxBoostEstimator):
     may name another built-in loss, or be any JAX function ``loss(raw_prediction, y)`` of one
     example on the encoded label ``y`` in ``0..K-1`` (passed as a float): a scalar logit with
     the sigmoid link for two classes, a length-K vector with the softmax link otherwise.
+    ``n_jobs`` caps the CPU cores of a fit and its predictions (all by default, see
+    ``jb.cpu_cores``).
     """
 
     def fit(self, X, y, sample_weight=None, eval_set=None, verbose=False):
@@ -283,8 +295,7 @@ class JaxBoostClassifier(ClassifierMixin, _JaxBoostEstimator):
 
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities ``(n, K)``, columns in the order of ``classes_``; rows sum to 1."""
-        check_is_fitted(self)
-        probability = np.asarray(self._booster.predict(self._validate_X(X, reset=False)), dtype=np.float64)
+        probability = np.asarray(self._predicted(X, raw=False), dtype=np.float64)
         if probability.ndim == 1:
             probability = np.column_stack([1.0 - probability, probability])
         return probability / probability.sum(axis=1, keepdims=True)

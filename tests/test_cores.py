@@ -1,6 +1,6 @@
 """Cores (``jaxboost.cores``): the cores a process may use, from its affinity mask and its
-control group's CPU quota (cgroup v1 and v2 files laid out in a temporary folder), and the host
-devices jaxboost sets up from them."""
+control group's CPU quota (cgroup v1 and v2 files laid out in a temporary folder) and
+``OMP_NUM_THREADS``, and the host devices jaxboost sets up from them."""
 
 from __future__ import annotations
 
@@ -86,6 +86,52 @@ def test_available_cores_are_the_affinity_mask_capped_by_the_quota(monkeypatch):
     assert cores.available_cpu_cores() == 4
 
 
+@pytest.mark.parametrize("value, expected", [("3", 3), (" 2 ", 2), ("4,2", 4), ("1", 1), ("", None), ("0", None),
+                                             ("-2", None), ("four", None), ("2.5", None)])
+def test_omp_thread_limit_reads_the_outer_level_of_a_positive_count(value, expected):
+    assert cores.omp_thread_limit(value) == expected
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="affinity masks are Linux-only")
+def test_omp_num_threads_caps_the_available_cores(monkeypatch):
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(cores, "_process_cgroup_limit", lambda: 3)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cores.available_cpu_cores() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cores.available_cpu_cores() == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # never more than the mask and the quota allow
+    assert cores.available_cpu_cores() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")  # not a count: ignored, as OpenMP ignores it
+    assert cores.available_cpu_cores() == 3
+
+
+def _worker_devices():
+    import jax
+
+    import jaxboost
+
+    return os.environ.get("OMP_NUM_THREADS"), len(jax.devices("cpu")), jaxboost.available_cpu_cores()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a Linux process allowed on two or more cores")
+def test_joblib_workers_get_their_share_of_the_cores(monkeypatch):
+    """joblib's process workers (GridSearchCV's n_jobs) are given OMP_NUM_THREADS = cores over
+    workers; jaxboost imported there sets up that many host devices, not one per core, so the
+    workers' devices do not outnumber the cores."""
+    joblib = pytest.importorskip("joblib")
+    for name in ("XLA_FLAGS", "JAXBOOST_NO_DEVICE_SETUP", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    workers = 2
+    with joblib.parallel_config(backend="loky", n_jobs=workers):
+        seen = joblib.Parallel()(joblib.delayed(_worker_devices)() for _ in range(workers))
+    for omp_threads, devices, available in seen:
+        assert omp_threads is not None, "joblib no longer sets OMP_NUM_THREADS in its workers"
+        assert devices == available == int(omp_threads), seen
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs a Linux process allowed on two or more cores")
 def test_import_gives_one_device_per_core_of_the_affinity_mask(tmp_path):
@@ -120,6 +166,7 @@ def test_rows_are_sharded_over_no_more_devices_than_cores(monkeypatch):
     monkeypatch.setattr(devices, "_warned_extra_devices", False)
     for available in (1, 2, 64):
         monkeypatch.setattr(devices, "available_cpu_cores", lambda available=available: available)
+        monkeypatch.setattr(devices, "process_cpu_cores", lambda available=available: available)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert devices.row_mesh(rows).devices.size == min(n_devices, available)
@@ -157,3 +204,45 @@ def test_compiler_options_leave_out_what_this_xla_does_not_know(monkeypatch):
     finally:
         boosting.compiled_round.cache_clear()
     assert np.corrcoef(model.predict(X), X[:, 0])[0, 1] > 0.9
+
+
+def test_a_cpu_cores_block_caps_the_cores_and_restores_them(monkeypatch):
+    monkeypatch.setattr(cores, "process_cpu_cores", lambda: 4)
+    assert cores.available_cpu_cores() == 4
+    for n_jobs, expected in ((None, 4), (-1, 4), (1, 1), (3, 3), (64, 4), (-2, 3), (-4, 1), (-9, 1)):
+        with cores.cpu_cores(n_jobs):
+            assert cores.available_cpu_cores() == expected, n_jobs
+    with cores.cpu_cores(2):
+        with cores.cpu_cores(1):
+            assert cores.available_cpu_cores() == 1
+        assert cores.available_cpu_cores() == 2  # the outer block's limit again
+    assert cores.available_cpu_cores() == 4
+    with pytest.raises(RuntimeError, match="inside"), cores.cpu_cores(1):
+        raise RuntimeError("inside")
+    assert cores.available_cpu_cores() == 4  # restored after an error too
+
+
+@pytest.mark.parametrize("n_jobs", [0, 1.5, "2", True])
+def test_cpu_cores_rejects_zero_and_non_integers(n_jobs):
+    with pytest.raises(ValueError, match="n_jobs must be None or a non-zero integer"):
+        with cores.cpu_cores(n_jobs):
+            pass
+
+
+def test_rows_are_sharded_over_the_cores_of_the_cpu_cores_block_without_a_warning():
+    """A block's limit is the caller's choice: rows go to that many devices, and the warning
+    about more devices than cores is not given."""
+    import warnings
+
+    import jax
+
+    from jaxboost import devices
+
+    rows = 100 * devices.MIN_ROWS_PER_DEVICE
+    outside = devices.row_mesh(rows).devices.size
+    assert outside == min(len(jax.local_devices()), cores.process_cpu_cores())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with cores.cpu_cores(1):
+            assert devices.row_mesh(rows).devices.size == 1
+            assert devices.predictor_threads(devices.row_mesh(rows), rows) == 1

@@ -309,3 +309,36 @@ def test_package_exports_the_estimators():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert JaxBoostRegressor().get_params()["n_estimators"] == 100
+
+
+@pytest.mark.parametrize("estimator_class", [JaxBoostRegressor, JaxBoostClassifier])
+def test_n_jobs_sets_the_devices_of_the_fit_and_the_threads_of_predict(estimator_class, monkeypatch):
+    """n_jobs caps the host devices a fit shards its rows over and the predictor's threads (as
+    XGBoost's n_jobs caps its threads); n_jobs=0 is refused before training."""
+    from jaxboost import devices, model, training
+
+    rows = 2 * devices.MIN_ROWS_PER_DEVICE
+    X, y = make_classification(n_samples=rows, n_features=6, random_state=0)
+    meshes, threads = [], []
+
+    def recording_mesh(*args, **kwargs):
+        mesh = devices.row_mesh(*args, **kwargs)
+        meshes.append(mesh.devices.size)
+        return mesh
+
+    def recording_threads(mesh, n_rows):
+        threads.append(devices.predictor_threads(mesh, n_rows))
+        return threads[-1]
+
+    monkeypatch.setattr(training, "row_mesh", recording_mesh)
+    monkeypatch.setattr(model, "predictor_threads", recording_threads)
+    estimator = estimator_class(n_estimators=2, max_depth=3, n_jobs=1).fit(X, y)
+    estimator.predict(X)
+    assert meshes == [1] and threads and set(threads) == {1}, (meshes, threads)
+    if min(len(jax.devices("cpu")), jb.available_cpu_cores()) >= 2 and jax.default_backend() == "cpu":
+        meshes.clear()
+        threads.clear()
+        clone(estimator).set_params(n_jobs=None).fit(X, y).predict(X)
+        assert meshes == [2] and set(threads) == {2}, (meshes, threads)
+    with pytest.raises(ValueError, match="n_jobs must be"):
+        clone(estimator).set_params(n_jobs=0).fit(X, y)
