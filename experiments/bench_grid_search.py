@@ -8,17 +8,24 @@ XGBoost's OpenMP threads follow (and jaxboost's host devices and threads,
 ``jaxboost.available_cpu_cores``).
 
 Usage: python experiments/bench_grid_search.py [--rows 150000] [--jobs 1,2] [--repeats 3]
-Prints one line a process and a Markdown table; nothing is written.
+           [--output experiments/results/grid_search.md]
+Prints one line a process and a Markdown table, written to ``--output`` with the command and
+the versions when given.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
 import time
+from importlib.metadata import version
+from pathlib import Path
 
 GRID = {"max_depth": [4, 6], "learning_rate": [0.1, 0.3]}
 FOLDS = 3
@@ -52,6 +59,7 @@ def main():
     parser.add_argument("--jobs", default="1,2", help="comma-separated GridSearchCV n_jobs values")
     parser.add_argument("--libraries", default="jaxboost,xgboost")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path, help="also write the table here")
     parser.add_argument("--child", nargs=2, metavar=("LIBRARY", "JOBS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -66,12 +74,22 @@ def main():
             result = json.loads(output.strip().splitlines()[-1])
             results[(library, jobs)].append(result)
             print(f"{library}, n_jobs={jobs}: {result['seconds']:.2f} s, best AUC {result['best_auc']:.4f}", flush=True)
-    print(f"\n{args.rows:,} rows x 28 features, {len(GRID['max_depth']) * len(GRID['learning_rate'])} settings x "
-          f"{FOLDS} folds, {ROUNDS} rounds\n\n| library | n_jobs | seconds, each run | median | best AUC |\n|---|---|---|---|---|")
+    lines = [f"{args.rows:,} rows x 28 features, {len(GRID['max_depth']) * len(GRID['learning_rate'])} settings x "
+             f"{FOLDS} folds, {ROUNDS} rounds, runs alternating", "",
+             "| library | n_jobs | seconds, each run | median | best AUC |", "|---|---|---|---|---|"]
     for (library, jobs), runs in results.items():
         seconds = [run["seconds"] for run in runs]
-        print(f"| {library} | {jobs} | {', '.join(f'{value:.2f}' for value in seconds)} | "
-              f"{statistics.median(seconds):.2f} | {runs[0]['best_auc']:.4f} |")
+        lines.append(f"| {library} | {jobs} | {', '.join(f'{value:.2f}' for value in seconds)} | "
+                     f"{statistics.median(seconds):.2f} | {runs[0]['best_auc']:.4f} |")
+    print("\n" + "\n".join(lines))
+    if args.output:
+        versions = ", ".join(f"{name} {version(name)}" for name in ("jax", "scikit-learn", "joblib", "xgboost"))
+        header = ["# GridSearchCV: folds one at a time and in worker processes", "",
+                  f"- command: `python experiments/bench_grid_search.py {' '.join(sys.argv[1:])}`",
+                  f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+                  f"- machine: {os.cpu_count()} CPUs, {platform.platform()}; Python {platform.python_version()}; {versions}",
+                  ""]
+        args.output.write_text("\n".join(header + lines) + "\n")
 
 
 if __name__ == "__main__":
