@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import numbers
 import os
 from collections.abc import Iterator
 
@@ -71,14 +72,14 @@ def cpu_cores(n_jobs: int | None) -> Iterator[None]:
     Raises:
       ValueError: ``n_jobs`` is 0 or not an integer.
     """
-    if n_jobs is not None and (isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0):
+    if n_jobs is not None and (isinstance(n_jobs, bool) or not isinstance(n_jobs, numbers.Integral) or n_jobs == 0):
         raise ValueError(f"n_jobs must be None or a non-zero integer (-1 for every core), got {n_jobs!r}")
     if n_jobs is None:
         limit = None
     elif n_jobs > 0:
-        limit = n_jobs
+        limit = int(n_jobs)
     else:
-        limit = max(1, process_cpu_cores() + 1 + n_jobs)
+        limit = max(1, process_cpu_cores() + 1 + int(n_jobs))
     token = _block_limit.set(limit)
     try:
         yield

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from jaxboost import cores
@@ -209,7 +210,7 @@ def test_compiler_options_leave_out_what_this_xla_does_not_know(monkeypatch):
 def test_a_cpu_cores_block_caps_the_cores_and_restores_them(monkeypatch):
     monkeypatch.setattr(cores, "process_cpu_cores", lambda: 4)
     assert cores.available_cpu_cores() == 4
-    for n_jobs, expected in ((None, 4), (-1, 4), (1, 1), (3, 3), (64, 4), (-2, 3), (-4, 1), (-9, 1)):
+    for n_jobs, expected in ((None, 4), (-1, 4), (1, 1), (3, 3), (64, 4), (-2, 3), (-4, 1), (-9, 1), (np.int64(2), 2)):
         with cores.cpu_cores(n_jobs):
             assert cores.available_cpu_cores() == expected, n_jobs
     with cores.cpu_cores(2):
