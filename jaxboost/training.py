@@ -439,6 +439,9 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         and round ``r`` of the continuation samples like round ``init_model.num_rounds + r``.
       seed: seeds row and column sampling; round ``r`` uses a key derived from (seed, r).
 
+    On CPU the rows are sharded over one host device per core the process may use (fewer for
+    small data); ``with jb.cpu_cores(n):`` around the call caps them at ``n``.
+
     Returns:
       The trained ``Model``.
     """
