@@ -176,8 +176,8 @@ def describe_quietness(label: str, sample: dict) -> str:
 
 # ----------------------------------------------------------------------------- running the workers
 
-def child_environment(device: str = "cpu") -> dict:
-    env = dict(os.environ)
+def child_environment(device: str = "cpu", extra: dict | None = None) -> dict:
+    env = dict(os.environ, **(extra or {}))
     env["JAXBOOST_CACHE_DIR"] = ""  # measure real compilation in every repeat
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if device == "cpu":
@@ -190,12 +190,15 @@ def child_environment(device: str = "cpu") -> dict:
     return env
 
 
-def run_worker(worker_args: list[str], meter: OtherCpuMeter | None = None, device: str = "cpu") -> dict:
-    """Run ``bench_worker.py`` once and return its JSON result (or a failure record)."""
+def run_worker(worker_args: list[str], meter: OtherCpuMeter | None = None, device: str = "cpu",
+               extra_env: dict | None = None) -> dict:
+    """Run ``bench_worker.py`` once (``extra_env`` added to its environment) and return its JSON
+    result (or a failure record)."""
     meter and meter.start()
     try:
         completed = subprocess.run([sys.executable, str(WORKER), *worker_args, "--device", device], capture_output=True,
-                                   text=True, cwd=REPO_ROOT, env=child_environment(device), timeout=RUN_TIMEOUT_S)
+                                   text=True, cwd=REPO_ROOT, env=child_environment(device, extra_env),
+                                   timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"status": f"failed: timed out after {RUN_TIMEOUT_S} s"}
     finally:
