@@ -30,6 +30,7 @@ from .histogram import paired_width
 from .line_search import minimise_segment_offsets, segment_sums
 from .native import lowering_for
 from .predictor import add_position_values, predict_round
+from .program_store import ready, stored_program
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
 from .tree import Tree, num_heap_nodes, pack_fields
 
@@ -173,23 +174,36 @@ def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array
     platform = jax.default_backend()
     # A host array: jnp.zeros would compile two small programs of its own in a first fit (15-25 ms).
     start = np.zeros(objective.num_outputs, raw_prediction.dtype)
+
+    def run(method: str, *arguments):
+        return _starting_value_program(platform, method, objective, arguments)(*arguments)
+
     if objective.num_outputs == 1:
-        return _compiled_starting_value(platform, "sweeps")(objective, raw_prediction, y, weights, loss_params, start)
-    constant, converged = _compiled_starting_value(platform, "newton")(objective, raw_prediction, y, weights,
-                                                                        loss_params)
-    sweeps = _compiled_starting_value(platform, "sweeps")
+        return run("sweeps", raw_prediction, y, weights, loss_params, start)
+    constant, converged = run("newton", raw_prediction, y, weights, loss_params)
     if isinstance(converged, jax.core.Tracer):
         # Traced (train_many vmaps this over its models): each model takes its own result.
-        return jnp.where(converged, constant, sweeps(objective, raw_prediction, y, weights, loss_params, constant))
+        return jnp.where(converged, constant, run("sweeps", raw_prediction, y, weights, loss_params, constant))
     if bool(converged):
         return constant
-    return sweeps(objective, raw_prediction, y, weights, loss_params, constant)
+    return run("sweeps", raw_prediction, y, weights, loss_params, constant)
 
 
 @lru_cache(maxsize=None)
 def _compiled_starting_value(platform: str, method: str):
-    function = newton_constant if method == "newton" else _coordinate_sweeps
-    return jax.jit(function, static_argnames="objective", compiler_options=compiler_options(platform))
+    return jax.jit(_STARTING_VALUE_METHODS[method], static_argnames="objective",
+                   compiler_options=compiler_options(platform))
+
+
+def _starting_value_program(platform: str, method: str, objective: Objective, arguments: tuple) -> Callable:
+    """``starting_value``'s program ``method`` for ``objective``, called on ``arguments``:
+    through the program store where it can hold it, else jitted here."""
+    options = dict(compiler_options=compiler_options(platform))
+    stored = stored_program(f"starting_value_{method}", partial(_STARTING_VALUE_METHODS[method], objective),
+                            (objective, method), arguments, platform, options)
+    if stored is None:
+        return partial(_compiled_starting_value(platform, method), objective)
+    return ready(stored)
 
 
 def _coordinate_sweeps(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
@@ -312,6 +326,9 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
     constant, converged, _, _ = jax.lax.while_loop(unfinished, newton_step,
                                                    (start, jnp.bool_(False), jnp.bool_(False), 0))
     return constant, converged
+
+
+_STARTING_VALUE_METHODS = {"newton": newton_constant, "sweeps": _coordinate_sweeps}
 
 
 def _apply_hessian_mode(shape: RoundShape, params: RoundParams, h: jax.Array) -> jax.Array:
@@ -654,6 +671,16 @@ def compiled_round(shape: RoundShape):
     over the old, so a round holds one copy of them, not two."""
     return jax.jit(round_function(shape), donate_argnums=DONATED_ARGUMENTS,
                    compiler_options=compiler_options(mesh_platform(shape.mesh)))
+
+
+def stored_round(shape: RoundShape, arguments: tuple):
+    """``compiled_round(shape)``'s round through the program store (``program_store``: lowered
+    once, by this process or an earlier one), for rounds called with arguments like
+    ``arguments`` (the first round's, with ``ShapeDtypeStruct``s where its raw predictions are
+    still to come); None where the store is off or cannot hold it."""
+    platform = mesh_platform(shape.mesh)
+    return stored_program("boosting_round", round_function(shape), shape, arguments, platform,
+                          dict(donate_argnums=DONATED_ARGUMENTS, compiler_options=compiler_options(platform)))
 
 
 # Platforms whose train_many rounds loop over the models (``_models_one_at_a_time``); the

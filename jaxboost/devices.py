@@ -95,7 +95,7 @@ def configure_compilation_cache() -> None:
     """
     if jax.config.jax_compilation_cache_dir:
         return
-    folder = os.environ.get("JAXBOOST_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxboost", "xla"))
+    folder = cache_folder()
     if not folder:
         return
     max_bytes = cache_max_bytes()
@@ -107,6 +107,12 @@ def configure_compilation_cache() -> None:
         trim_compilation_cache(folder, max_bytes)
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_SECONDS)
+
+
+def cache_folder() -> str:
+    """jaxboost's cache folder: ``JAXBOOST_CACHE_DIR``, by default ``~/.cache/jaxboost/xla``
+    (empty: no cache)."""
+    return os.environ.get("JAXBOOST_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxboost", "xla"))
 
 
 def cache_max_bytes() -> int:

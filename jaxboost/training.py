@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .boosting import (HESSIAN_MODES, RoundHealth, RoundParams, RoundShape, compiled_round, compiled_zero_hessian_count,
-                       histogram_buffer, round_tree_template, seed_key_data, starting_value)
+                       histogram_buffer, round_tree_template, seed_key_data, starting_value, stored_round)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
+from .program_store import ready
 from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
                       float32_jax, replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
 from .grower import GrowthParams, tree_feature_slots
@@ -537,7 +538,6 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
                        sample_level_columns=min(colsample_bylevel, colsample_bynode) < 1,
                        feature_slots=tree_feature_slots(colsample_bytree, dataset.n_features))
-    boosting_round = compiled_round(shape)
     histograms = histogram_buffer(shape, dataset.n_features)
     schedule = _Schedule(learning_rate)
     first_round = 0 if init_model is None else init_model.num_rounds
@@ -560,11 +560,13 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                 train_rows.sample_weight_device, train_rows.row_index_device if shape.sample_rows else None,
                 raw_prediction, seed_key, np.int32(round_index), eval_data, histograms)
 
+    arguments = round_arguments(params, train_rows.raw_prediction_shape(K),
+                                [rows.raw_prediction_shape(K) for rows in eval_rows], first_round, histograms)
+    boosting_round = stored_round(shape, arguments) or compiled_round(shape)
     if base_score is None:
-        arguments = round_arguments(params, train_rows.raw_prediction_shape(K),
-                                    [rows.raw_prediction_shape(K) for rows in eval_rows], first_round, histograms)
         base_score = found_while_compiling(boosting_round if num_rounds else None, arguments,
                                            lambda: _starting_value(resolved, train_rows, mesh))
+    boosting_round = ready(boosting_round) if num_rounds else None
     if not raw_predictions_started:
         start_raw_predictions(base_score)
 

@@ -1,0 +1,299 @@
+"""Program store: a fit's programs (its round and starting value), traced and lowered once,
+kept on disk for later processes.
+
+JAX's persistent compilation cache (``devices.configure_compilation_cache``) spares a new
+process XLA's compile, but not the tracing and lowering that come before it: a fit of a
+built-in loss spent 0.7-1.3 s there on a 2-core machine, most of a warm process's first fit.
+Here each lowered program is kept as a serialized ``jax.export.Exported`` under a key that
+names everything its tracing read, and a later process with the same key calls it instead of
+tracing it again (the call's own small program then finds its compile in the persistent cache).
+
+The key is built only from values whose meaning is fixed by jaxboost's own source: built-in
+losses, links and metrics (functions of jaxboost's modules, found under their names), records of
+jaxboost's types, numbers, strings, array shapes and shardings, and the mesh, with the digest of
+jaxboost's source files, the JAX and jaxlib versions, the native kernels available and the
+compiler options. A program that holds anything else (a custom loss, regularizer or metric) is
+traced as before: its meaning lives in code the key cannot see. Unreadable entries are traced
+anew and written again; nothing in the store can change a model, only skip a trace.
+
+``JAXBOOST_CACHE_DIR`` holds the store (``programs/`` inside it; an empty value turns it off, as
+it turns off the compilation cache), and ``JAXBOOST_PROGRAM_STORE=0`` turns the store alone off.
+Serializing needs the ``flatbuffers`` package (the ``fast-start`` extra); without it rounds are
+traced as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import importlib
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+from . import native
+from .devices import cache_folder
+
+logger = logging.getLogger(__name__)
+
+# The packages whose functions and record types a key may name: their meaning is their source,
+# which the key's digest covers.
+OWN_PACKAGES = ("jaxboost", "losses")
+# Stored programs kept (about 50 KB each); the oldest written go first past this.
+MAX_STORED_PROGRAMS = 2000
+_SUFFIX = ".jaxexport"
+
+
+class NotStorable(Exception):
+    """A value whose meaning the key cannot name (a user's function or object)."""
+
+
+def _own(module_name: str | None) -> bool:
+    return bool(module_name) and module_name.split(".")[0] in OWN_PACKAGES
+
+
+def _named_function(function: Callable) -> str:
+    """``module:qualname`` of a function of jaxboost's modules that is found under that name."""
+    module_name, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", "")
+    if not _own(module_name) or "<" in qualname:
+        raise NotStorable(f"function {qualname or function!r} of {module_name}")
+    found = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if found is not function:  # replaced at run time, or not reachable by its name
+        raise NotStorable(f"{module_name}.{qualname} is not the function of that name")
+    return f"{module_name}:{qualname}"
+
+
+def describe(value) -> str:
+    """A description of ``value`` that names all its tracing can read, or ``NotStorable``."""
+    if isinstance(value, jax.core.Tracer):
+        raise NotStorable("a traced argument (the program is part of another)")
+    if value is None or isinstance(value, (bool, int, float, str, np.generic)):
+        return f"{type(value).__name__}:{value!r}"
+    if isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        sharding = getattr(value, "sharding", None) if not isinstance(value, np.ndarray) else None
+        return f"array{tuple(value.shape)}:{np.dtype(value.dtype).name}:{_describe_sharding(sharding)}"
+    if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
+        return f"dtype:{np.dtype(value).name}"
+    if isinstance(value, jax.sharding.Mesh):
+        return _describe_mesh(value)
+    if isinstance(value, functools.partial):
+        return (f"partial({_named_function(value.func)},{describe(value.args)},"
+                f"{describe(dict(value.keywords))})")
+    kind = type(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields") or dataclasses.is_dataclass(value):
+        if not _own(kind.__module__):
+            raise NotStorable(f"record of type {kind.__qualname__}")
+        names = value._fields if isinstance(value, tuple) else [f.name for f in dataclasses.fields(value)]
+        inner = ",".join(f"{name}={describe(getattr(value, name))}" for name in names)
+        return f"{kind.__module__}.{kind.__qualname__}({inner})"
+    if kind in (tuple, list):
+        return f"{kind.__name__}[{','.join(describe(item) for item in value)}]"
+    if kind is dict:
+        if not all(isinstance(name, str) for name in value):
+            raise NotStorable("dict with keys that are not strings")
+        return "dict{" + ",".join(f"{name}:{describe(value[name])}" for name in sorted(value)) + "}"
+    if callable(value):
+        return f"function:{_named_function(value)}"
+    raise NotStorable(f"value of type {kind.__qualname__}")
+
+
+def _describe_mesh(mesh: jax.sharding.Mesh) -> str:
+    devices = ",".join(f"{device.platform}{device.id}" for device in mesh.devices.flat)
+    return f"mesh{tuple(mesh.shape.items())}[{devices}]"
+
+
+def _describe_sharding(sharding) -> str:
+    if sharding is None:
+        return "none"
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return f"named({_describe_mesh(sharding.mesh)},{sharding.spec})"
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        device = next(iter(sharding.device_set))
+        return f"single({device.platform}{device.id})"
+    raise NotStorable(f"sharding {type(sharding).__qualname__}")
+
+
+@functools.cache
+def _source_digest() -> str:
+    """The digest of jaxboost's and the built-in losses' source files."""
+    digest = hashlib.sha256()
+    for package in OWN_PACKAGES:
+        folder = Path(importlib.import_module(package).__file__).parent
+        for path in sorted(folder.glob("*.py")) + sorted(folder.glob("*.cc")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _environment(compiler_options: dict | None) -> str:
+    config = jax.config
+    return ";".join([
+        _source_digest(), jax.__version__, importlib.import_module("jaxlib").__version__, str(native.native_enabled()),
+        ",".join(sorted(native._registered_targets())) if native.native_enabled() else "",
+        describe(compiler_options or {}), str(config.jax_enable_x64), str(config.jax_default_matmul_precision),
+        str(config.jax_numpy_dtype_promotion), str(config.jax_numpy_rank_promotion),
+        str(config.jax_default_prng_impl), str(config.jax_threefry_partitionable)])
+
+
+def store_folder() -> Path | None:
+    """Where programs are stored, or None when the store is off (or ``flatbuffers``, which
+    serializing needs, is not installed)."""
+    if os.environ.get("JAXBOOST_PROGRAM_STORE", "1") == "0":
+        return None
+    cache = cache_folder()
+    if not cache:
+        return None
+    try:
+        importlib.import_module("flatbuffers")
+    except ImportError:
+        return None
+    return Path(cache) / "programs"
+
+
+def program_key(name: str, static, arguments: tuple, compiler_options: dict | None) -> str | None:
+    """The store's key for program ``name`` of ``static`` (its static structure) called with
+    ``arguments``; None when something in them is not storable."""
+    try:
+        description = f"{name}|{describe(static)}|{describe(arguments)}|{_environment(compiler_options)}"
+    except NotStorable as reason:
+        logger.debug("program %s not stored: %s", name, reason)
+        return None
+    return hashlib.sha256(description.encode()).hexdigest()
+
+
+def _load(path: Path, specs: list) -> jax.export.Exported | None:
+    try:
+        exported = jax.export.deserialize(bytearray(path.read_bytes()))
+    except FileNotFoundError:
+        return None
+    except Exception as error:  # noqa: BLE001 - any unreadable entry is replaced
+        logger.debug("stored program %s unreadable, traced anew: %s", path.name, error)
+        return None
+    if [(a.shape, a.dtype) for a in exported.in_avals] != [(s.shape, s.dtype) for s in specs]:
+        logger.debug("stored program %s has other arguments, traced anew", path.name)
+        return None
+    return exported
+
+
+def _save(folder: Path, path: Path, exported: jax.export.Exported) -> None:
+    written = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as file:
+            written = file.name
+            file.write(exported.serialize())
+        os.replace(written, path)  # whole or not at all, for processes reading meanwhile
+        _trim(folder)
+    except OSError as error:
+        logger.debug("program not stored in %s: %s", folder, error)
+        if written is not None and os.path.exists(written):
+            os.unlink(written)
+
+
+def _trim(folder: Path, keep: int = MAX_STORED_PROGRAMS) -> None:
+    entries = []
+    for path in folder.glob("*" + _SUFFIX):
+        try:
+            entries.append((path.stat().st_mtime, path))
+        except OSError:
+            continue
+    for _, path in sorted(entries)[:max(len(entries) - keep, 0)]:
+        path.unlink(missing_ok=True)
+
+
+def _spec(leaf) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
+
+
+def _exported(function: Callable, arguments: tuple, platform: str) -> jax.export.Exported:
+    """``function`` traced and lowered for ``arguments``, taking their leaves as a flat list."""
+    leaves, tree = jax.tree_util.tree_flatten(arguments)
+
+    def flat(*flat_leaves):
+        return function(*jax.tree_util.tree_unflatten(tree, flat_leaves))
+
+    # The native kernels are FFI calls of jaxboost's own, registered again by every process.
+    checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in native._SYMBOLS]
+    return jax.export.export(jax.jit(flat), platforms=[platform], disabled_checks=checks)(
+        *[_spec(leaf) for leaf in leaves])
+
+
+class StoredProgram:
+    """A program from the store, made when first lowered or asked for (``jitted``): loaded
+    when a process stored it before, else traced now and stored. Lazily, so that a first fit
+    traces its round while the starting value is found in another thread, as without the store."""
+
+    def __init__(self, folder: Path, key: str, function: Callable, arguments: tuple, platform: str,
+                 jit_options: dict):
+        self.path = folder / (key + _SUFFIX)
+        self._made = None
+        self._making = threading.Lock()
+        self._make_arguments = (folder, function, arguments, platform, jit_options)
+
+    def jitted(self) -> Callable:
+        """The program, jitted with the options it was asked for."""
+        with self._making:
+            if self._made is None:
+                self._make()
+        return self._made
+
+    def _make(self) -> None:
+        folder, function, arguments, platform, jit_options = self._make_arguments
+        leaves = jax.tree_util.tree_leaves(arguments)
+        exported = _load(self.path, [_spec(leaf) for leaf in leaves])
+        if exported is None:
+            exported = _exported(function, arguments, platform)
+            _save(folder, self.path, exported)
+
+        def call(*call_arguments):
+            return exported.call(*jax.tree_util.tree_leaves(call_arguments))
+
+        self._made, self._make_arguments = jax.jit(call, **jit_options), None
+
+    def lower(self, *arguments):
+        return self.jitted().lower(*arguments)
+
+
+def ready(program) -> Callable:
+    """The callable program of ``stored_program``'s result, or ``program`` as it is."""
+    return program.jitted() if isinstance(program, StoredProgram) else program
+
+
+# The programs of this process, by key (the most recently asked for kept, as many as the
+# compiled rounds' cache keeps).
+_IN_PROCESS: collections.OrderedDict[str, StoredProgram] = collections.OrderedDict()
+IN_PROCESS_PROGRAMS = 64
+_IN_PROCESS_LOCK = threading.Lock()
+
+
+def stored_program(name: str, function: Callable, static, arguments: tuple, platform: str,
+                   jit_options: dict) -> StoredProgram | None:
+    """The program that runs ``function`` (unjitted; its static structure ``static``) on
+    arguments like ``arguments`` (arrays or ``ShapeDtypeStruct``s with their shardings) through
+    the store; None when the store is off or the program cannot be stored (the caller then jits
+    ``function`` itself). ``jit_options``: ``jax.jit``'s (donation, compiler options). One
+    object per key in a process; ``ready`` gives its callable."""
+    folder = store_folder()
+    if folder is None:
+        return None
+    key = program_key(name, static, arguments, jit_options.get("compiler_options"))
+    if key is None:
+        return None
+    with _IN_PROCESS_LOCK:  # a first fit asks for its starting value's program in a thread of its own
+        program = _IN_PROCESS.get(key)
+        if program is None:
+            program = _IN_PROCESS[key] = StoredProgram(folder, key, function, arguments, platform, jit_options)
+            while len(_IN_PROCESS) > IN_PROCESS_PROGRAMS:
+                _IN_PROCESS.popitem(last=False)
+        _IN_PROCESS.move_to_end(key)
+    return program

@@ -1,0 +1,108 @@
+"""The program store (``jaxboost.program_store``): a round lowered once, loaded by later
+processes instead of traced, giving the same models; rounds whose meaning lies in user code
+are never stored."""
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jaxboost as jb
+from jaxboost import losses, program_store
+from jaxboost.program_store import NotStorable, describe
+
+pytest.importorskip("flatbuffers")
+
+
+def test_descriptions_name_jaxboost_code_and_refuse_user_code(monkeypatch):
+    logistic = losses.get("logistic").function
+    assert describe(logistic) == f"function:{logistic.__module__}:logistic"
+    # Bound parameters are part of the description; array values are not (they are traced).
+    tau = [describe(functools.partial(losses.quantile, tau=t)) for t in (0.5, 0.9)]
+    assert tau[0] != tau[1]
+    assert describe(np.zeros((3, 2), np.float32)) == describe(np.ones((3, 2), np.float32))
+    assert describe(np.zeros((3, 2), np.float32)) != describe(np.zeros((3, 3), np.float32))
+    assert describe(np.float32(1.0)) != describe(np.float32(2.0))
+
+    def user_loss(raw_prediction, y):
+        return (raw_prediction - y) ** 2
+
+    for user_value in (user_loss, lambda r, y: r, functools.partial(user_loss), object(), {1: 2}):
+        with pytest.raises(NotStorable):
+            describe(user_value)
+    # A jaxboost function replaced at run time is not the function its name says.
+    quantile = losses.BUILTINS["quantile"].function
+    monkeypatch.setattr(sys.modules[quantile.__module__], "quantile", lambda raw_prediction, y, tau: raw_prediction)
+    with pytest.raises(NotStorable):
+        describe(quantile)
+
+
+def _fit_in_process(tmp_path, monkeypatch, store: str, loss="logistic"):
+    monkeypatch.setenv("JAXBOOST_PROGRAM_STORE", store)
+    monkeypatch.setenv("JAXBOOST_CACHE_DIR", str(tmp_path))
+    program_store._IN_PROCESS.clear()
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(257, 5)).astype(np.float32)
+    y = (X[:, 0] + 0.5 * rng.normal(size=257) > 0).astype(np.float32)
+    model = jb.train(X, y, loss=loss, num_rounds=3, max_depth=3)
+    return model.predict_raw(X)
+
+
+def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_are_not_stored(tmp_path, monkeypatch):
+    """In one process: the round and the starting value exported to the store, then loaded from
+    it, predict what the programs traced without the store do, bit for bit. A custom loss's
+    programs are not stored."""
+    traced = _fit_in_process(tmp_path, monkeypatch, "0")
+    folder = tmp_path / "programs"
+    assert not folder.exists()
+    exported = _fit_in_process(tmp_path, monkeypatch, "1")
+    stored = sorted(folder.iterdir())
+    assert len(stored) == 2  # the round and the starting value
+    loaded = _fit_in_process(tmp_path, monkeypatch, "1")
+    np.testing.assert_array_equal(exported, traced)
+    np.testing.assert_array_equal(loaded, traced)
+
+    def custom_logistic(raw_prediction, y):
+        return jax.nn.softplus(raw_prediction) - y * raw_prediction
+
+    _fit_in_process(tmp_path, monkeypatch, "1", loss=custom_logistic)
+    assert sorted(folder.iterdir()) == stored
+
+
+def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
+    """The first process traces the round and the starting value (each as ``flat``, the
+    exported form) and stores them; the next loads them and traces neither; both predict what a
+    process without the store predicts, bit for bit. A corrupt entry is traced anew and replaced."""
+    code = ("import numpy as np, jaxboost as jb\n"
+            "X = np.random.default_rng(0).normal(size=(300, 4)).astype(np.float32)\n"
+            "model = jb.train(X, (X[:, 0] + X[:, 1] > 0).astype(np.float32), loss='logistic', num_rounds=3,"
+            " max_depth=3)\n"
+            "print(model.predict_raw(X[:50]).tobytes().hex())\n")
+
+    def run(store: str):
+        env = dict(os.environ, JAXBOOST_CACHE_DIR=str(tmp_path), JAXBOOST_PROGRAM_STORE=store, JAX_LOG_COMPILES="1",
+                   JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()[-1], done.stderr
+
+    without, log_without = run("0")
+    first, log_first = run("1")
+    second, log_second = run("1")
+    traced = ("Finished tracing boosting_round", "Finished tracing _coordinate_sweeps")
+    assert all(name in log_without for name in traced)
+    assert log_first.count("Finished tracing flat") == 2 and not any(name in log_first for name in traced)
+    assert "Finished tracing flat" not in log_second and not any(name in log_second for name in traced)
+    assert first == without and second == without
+
+    entries = sorted((tmp_path / "programs").iterdir())
+    assert len(entries) == 2
+    entries[0].write_bytes(b"not a program")
+    after_corruption, log_after = run("1")
+    assert log_after.count("Finished tracing flat") == 1
+    assert after_corruption == without
+    assert entries[0].stat().st_size > 1000  # written again
