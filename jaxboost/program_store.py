@@ -44,9 +44,11 @@ from .devices import cache_folder
 
 logger = logging.getLogger(__name__)
 
-# The packages whose functions and record types a key may name: their meaning is their source,
-# which the key's digest covers.
-OWN_PACKAGES = ("jaxboost", "losses")
+# The package whose functions and record types a key may name: their meaning is their source,
+# which the key's digest covers (``SOURCE_PACKAGES``' files; the built-in losses live in a folder
+# of their own, installed as ``jaxboost.losses``).
+OWN_PACKAGE = "jaxboost"
+SOURCE_PACKAGES = ("jaxboost", "jaxboost.losses")
 # Stored programs kept (about 50 KB each); the oldest written go first past this.
 MAX_STORED_PROGRAMS = 2000
 _SUFFIX = ".jaxexport"
@@ -57,7 +59,7 @@ class NotStorable(Exception):
 
 
 def _own(module_name: str | None) -> bool:
-    return bool(module_name) and module_name.split(".")[0] in OWN_PACKAGES
+    return bool(module_name) and module_name.split(".")[0] == OWN_PACKAGE
 
 
 def _named_function(function: Callable) -> str:
@@ -127,7 +129,7 @@ def _describe_sharding(sharding) -> str:
 def _source_digest() -> str:
     """The digest of jaxboost's and the built-in losses' source files."""
     digest = hashlib.sha256()
-    for package in OWN_PACKAGES:
+    for package in SOURCE_PACKAGES:
         folder = Path(importlib.import_module(package).__file__).parent
         for path in sorted(folder.glob("*.py")) + sorted(folder.glob("*.cc")):
             digest.update(path.name.encode())
@@ -212,11 +214,16 @@ def _trim(folder: Path, keep: int = MAX_STORED_PROGRAMS) -> None:
 
 
 def _spec(leaf) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
+    """The shape, dtype, weak type and sharding of an argument: all its program depends on."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    aval = jax.typeof(leaf)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=getattr(leaf, "sharding", None),
+                                weak_type=aval.weak_type)
 
 
 def _exported(function: Callable, arguments: tuple, platform: str) -> jax.export.Exported:
-    """``function`` traced and lowered for ``arguments``, taking their leaves as a flat list."""
+    """``function`` traced and lowered for ``arguments`` (specs), taking their leaves as a flat list."""
     leaves, tree = jax.tree_util.tree_flatten(arguments)
 
     def flat(*flat_leaves):
@@ -224,8 +231,7 @@ def _exported(function: Callable, arguments: tuple, platform: str) -> jax.export
 
     # The native kernels are FFI calls of jaxboost's own, registered again by every process.
     checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in native._SYMBOLS]
-    return jax.export.export(jax.jit(flat), platforms=[platform], disabled_checks=checks)(
-        *[_spec(leaf) for leaf in leaves])
+    return jax.export.export(jax.jit(flat), platforms=[platform], disabled_checks=checks)(*leaves)
 
 
 class StoredProgram:
@@ -238,7 +244,8 @@ class StoredProgram:
         self.path = folder / (key + _SUFFIX)
         self._made = None
         self._making = threading.Lock()
-        self._make_arguments = (folder, function, arguments, platform, jit_options)
+        # Their specs, not the arguments: a program never made must not keep a fit's arrays alive.
+        self._make_arguments = (folder, function, jax.tree_util.tree_map(_spec, arguments), platform, jit_options)
 
     def jitted(self) -> Callable:
         """The program, jitted with the options it was asked for."""
@@ -249,8 +256,7 @@ class StoredProgram:
 
     def _make(self) -> None:
         folder, function, arguments, platform, jit_options = self._make_arguments
-        leaves = jax.tree_util.tree_leaves(arguments)
-        exported = _load(self.path, [_spec(leaf) for leaf in leaves])
+        exported = _load(self.path, jax.tree_util.tree_leaves(arguments))
         if exported is None:
             exported = _exported(function, arguments, platform)
             _save(folder, self.path, exported)

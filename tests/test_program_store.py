@@ -86,7 +86,9 @@ def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
     def run(store: str):
         env = dict(os.environ, JAXBOOST_CACHE_DIR=str(tmp_path), JAXBOOST_PROGRAM_STORE=store, JAX_LOG_COMPILES="1",
                    JAX_PLATFORMS="cpu")
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        # Run away from the repository root, whose folders a script elsewhere cannot import.
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.strip().splitlines()[-1], done.stderr
 
