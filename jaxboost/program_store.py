@@ -258,7 +258,12 @@ class StoredProgram:
         folder, function, arguments, platform, jit_options = self._make_arguments
         exported = _load(self.path, jax.tree_util.tree_leaves(arguments))
         if exported is None:
-            exported = _exported(function, arguments, platform)
+            try:
+                exported = _exported(function, arguments, platform)
+            except Exception as error:  # noqa: BLE001 - what cannot be exported is jitted as without the store
+                logger.debug("program %s not exported, jitted instead: %s", self.path.name, error)
+                self._made, self._make_arguments = jax.jit(function, **jit_options), None
+                return
             _save(folder, self.path, exported)
 
         def call(*call_arguments):

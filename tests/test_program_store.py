@@ -108,3 +108,14 @@ def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
     assert log_after.count("Finished tracing flat") == 1
     assert after_corruption == without
     assert entries[0].stat().st_size > 1000  # written again
+
+
+def test_a_program_that_cannot_be_exported_is_jitted_as_without_the_store(tmp_path, monkeypatch):
+    traced = _fit_in_process(tmp_path, monkeypatch, "0")
+
+    def refuse(*args):
+        raise NotImplementedError("no export for this program")
+
+    monkeypatch.setattr(program_store, "_exported", refuse)
+    np.testing.assert_array_equal(_fit_in_process(tmp_path, monkeypatch, "1"), traced)
+    assert not (tmp_path / "programs").exists()
