@@ -19,7 +19,7 @@ anew and written again; nothing in the store can change a model, only skip a tra
 ``JAXBOOST_CACHE_DIR`` holds the store (``programs/`` inside it; an empty value turns it off, as
 it turns off the compilation cache), and ``JAXBOOST_PROGRAM_STORE=0`` turns the store alone off.
 Serializing needs the ``flatbuffers`` package (the ``fast-start`` extra); without it rounds are
-traced as before.
+traced as before. CPU programs only, so far (``STORED_PLATFORMS``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ SOURCE_PACKAGES = ("jaxboost", "jaxboost.losses")
 # Stored programs kept (about 50 KB each); the oldest written go first past this.
 MAX_STORED_PROGRAMS = 2000
 _SUFFIX = ".jaxexport"
+# Platforms whose programs are stored. Accelerators' rounds are traced as before: storing them
+# has not been run on one yet.
+STORED_PLATFORMS = ("cpu",)
 
 
 class NotStorable(Exception):
@@ -295,7 +298,7 @@ def stored_program(name: str, function: Callable, static, arguments: tuple, plat
     ``function`` itself). ``jit_options``: ``jax.jit``'s (donation, compiler options). One
     object per key in a process; ``ready`` gives its callable."""
     folder = store_folder()
-    if folder is None:
+    if folder is None or platform not in STORED_PLATFORMS:
         return None
     key = program_key(name, static, arguments, jit_options.get("compiler_options"))
     if key is None:
