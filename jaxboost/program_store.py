@@ -14,7 +14,10 @@ jaxboost's types, numbers, strings, array shapes and shardings, and the mesh, wi
 jaxboost's source files, the JAX and jaxlib versions, the native kernels available and the
 compiler options. A program that holds anything else (a custom loss, regularizer or metric) is
 traced as before: its meaning lives in code the key cannot see. Unreadable entries are traced
-anew and written again; nothing in the store can change a model, only skip a trace.
+anew and written again, and a program that cannot be exported is jitted as without the store.
+The key cannot see jaxboost's functions or constants replaced at run time (the test suite,
+which does so, turns the store off); short of that, the store changes no model, it only skips
+a trace.
 
 ``JAXBOOST_CACHE_DIR`` holds the store (``programs/`` inside it; an empty value turns it off, as
 it turns off the compilation cache), and ``JAXBOOST_PROGRAM_STORE=0`` turns the store alone off.
