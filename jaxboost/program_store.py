@@ -168,11 +168,22 @@ def store_folder() -> Path | None:
     return Path(cache) / "programs"
 
 
+@functools.lru_cache(maxsize=256)
+def _described(static) -> str:
+    """``describe`` of a hashable static structure, once per structure (a round's took about a
+    millisecond, each fit)."""
+    return describe(static)
+
+
 def program_key(name: str, static, arguments: tuple, compiler_options: dict | None) -> str | None:
     """The store's key for program ``name`` of ``static`` (its static structure) called with
     ``arguments``; None when something in them is not storable."""
     try:
-        description = f"{name}|{describe(static)}|{describe(arguments)}|{_environment(compiler_options)}"
+        try:
+            static_description = _described(static)
+        except TypeError:  # not hashable: described each time
+            static_description = describe(static)
+        description = f"{name}|{static_description}|{describe(arguments)}|{_environment(compiler_options)}"
     except NotStorable as reason:
         logger.debug("program %s not stored: %s", name, reason)
         return None

@@ -29,7 +29,6 @@ from .boosting import (HESSIAN_MODES, RoundHealth, RoundParams, RoundShape, comp
                        histogram_buffer, round_tree_template, seed_key_data, starting_value, stored_round)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
-from .program_store import ready
 from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
                       float32_jax, replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
 from .grower import GrowthParams, tree_feature_slots
@@ -39,6 +38,7 @@ from .model import Model
 from .native import native_target
 from .objective import ResolvedLoss, higher_is_better, resolve_loss, resolve_metrics
 from .predictor import predict_raw_binned
+from .program_store import ready
 from .regularizer import Regularization, VectorLeaves, check_regularization, check_vector_regularization
 from .tree import Tree, num_heap_nodes, unpack_fields
 from .validation import check_base_margin
