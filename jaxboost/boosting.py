@@ -690,6 +690,23 @@ MODELS_IN_A_LOOP_PLATFORMS = ("cpu",)
 
 @lru_cache(maxsize=16)
 def compiled_many_rounds(shape: RoundShape, params_axes: tuple, models_mesh=None):
+    """``many_rounds_function``'s round, jitted (the raw predictions and histogram buffers donated)."""
+    platform = mesh_platform(shape.mesh)
+    return jax.jit(many_rounds_function(shape, params_axes, models_mesh), donate_argnums=DONATED_ARGUMENTS,
+                   compiler_options=compiler_options(platform))
+
+
+def stored_many_rounds(shape: RoundShape, params_axes: tuple, models_mesh, arguments: tuple):
+    """``compiled_many_rounds``' round through the program store, as ``stored_round`` for one
+    model's; None where the store is off or cannot hold it. (The parameters' tree is not part of
+    the static key: the arguments hold it.)"""
+    platform = mesh_platform(shape.mesh)
+    return stored_program("many_rounds", many_rounds_function(shape, params_axes, models_mesh),
+                          (shape, params_axes[1], models_mesh), arguments, platform,
+                          dict(donate_argnums=DONATED_ARGUMENTS, compiler_options=compiler_options(platform)))
+
+
+def many_rounds_function(shape: RoundShape, params_axes: tuple, models_mesh=None) -> Callable:
     """One round of M models at once, batched over their sample weights, raw predictions,
     seeds, eval raw predictions and the parameters marked 0 in ``params_axes`` (``(treedef,
     axes)`` of the RoundParams leaves, 0 or None: parameters shared by all models stay
@@ -719,7 +736,7 @@ def compiled_many_rounds(shape: RoundShape, params_axes: tuple, models_mesh=None
         eval_axes = tuple((None, None, None, 0) for _ in shape.metrics)
         batched = jax.vmap(round_function(shape),
                            in_axes=(params_axes, None, None, None, 0, None, 0, 0, None, eval_axes, 0))
-    return jax.jit(batched, donate_argnums=DONATED_ARGUMENTS, compiler_options=compiler_options(platform))
+    return batched
 
 
 def _models_one_at_a_time(round_function: Callable, params_leaf_axes: tuple) -> Callable:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, histogram_buffer,
-                       round_tree_template, seed_key_data, starting_value)
+                       round_tree_template, seed_key_data, starting_value, stored_many_rounds)
 from .dataset import Dataset
 from .devices import (float32_jax, kernel_threads, many_models_meshes, model_split, replicated, replicated_in_place,
                       row_sharding, solve_threads)
@@ -30,6 +30,7 @@ from .grower import GrowthParams, tree_feature_slots
 from .host_memory import collection_paused
 from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
+from .program_store import ready
 from .regularizer import Regularization, check_regularization
 from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
                        found_while_compiling, interaction_groups, monotone_array, positives_weighted,
@@ -229,7 +230,6 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        sample_level_columns=min(min(v["colsample_bylevel"], v["colsample_bynode"])
                                                 for v in per_model) < 1,
                        feature_slots=many_feature_slots([v["colsample_bytree"] for v in per_model], dataset.n_features))
-    boosting_rounds = compiled_many_rounds(shape, params_axes, split)
     # The data every model reads, on each of the split's devices (small data: a copy each).
     shared = (lambda array: array) if split is None else partial(jax.device_put, device=replicated(split))
     row_offsets, y_device = shared(rows.row_offsets_device), shared(rows.y_device)
@@ -249,10 +249,13 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         return (params, X_binned_T, row_offsets, y_device, weights_device, row_index, raw_prediction, seed_keys,
                 np.int32(round_index), eval_data, histograms)
 
+    arguments = round_arguments(raw_prediction_shape(padded), [raw_prediction_shape(r.y.shape[0])
+                                                               for r in eval_rows], 0, histograms)
+    boosting_rounds = (stored_many_rounds(shape, params_axes, split, arguments)
+                       or compiled_many_rounds(shape, params_axes, split))
     if base_scores is None:
-        arguments = round_arguments(raw_prediction_shape(padded), [raw_prediction_shape(r.y.shape[0])
-                                                                   for r in eval_rows], 0, histograms)
         base_scores = found_while_compiling(boosting_rounds if num_rounds else None, arguments, find_base_scores)
+    boosting_rounds = ready(boosting_rounds) if num_rounds else None
     raw_prediction = jax.device_put(np.ascontiguousarray(np.broadcast_to(base_scores[:, None, :], (M_run, padded, K))),
                                     model_sharding(3))
     eval_raw = tuple(jax.device_put(np.broadcast_to(base_scores[:, None, :], (M_run, r.y.shape[0], K)).copy(),

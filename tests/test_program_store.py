@@ -119,3 +119,22 @@ def test_a_program_that_cannot_be_exported_is_jitted_as_without_the_store(tmp_pa
     monkeypatch.setattr(program_store, "_exported", refuse)
     np.testing.assert_array_equal(_fit_in_process(tmp_path, monkeypatch, "1"), traced)
     assert not (tmp_path / "programs").exists()
+
+
+def test_train_many_stores_its_round_and_grows_the_same_models(tmp_path, monkeypatch):
+    """``train_many``'s round of several models (split over the cores on few rows) goes through
+    the store too: exported, then loaded, it grows what the traced round grows, bit for bit."""
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(300, 4)).astype(np.float32)
+    y = (X[:, 0] + rng.normal(size=300) > 0).astype(np.float32)
+    raw = []
+    for store in ("0", "1", "1"):
+        monkeypatch.setenv("JAXBOOST_PROGRAM_STORE", store)
+        monkeypatch.setenv("JAXBOOST_CACHE_DIR", str(tmp_path))
+        program_store._IN_PROCESS.clear()
+        models = jb.train_many(X, y, loss="logistic", num_rounds=3, max_depth=3, seeds=[0, 1],
+                               batch=dict(reg_lambda=[0.5, 2.0]), subsample=0.8)
+        raw.append(np.stack([model.predict_raw(X) for model in models]))
+    assert len(list((tmp_path / "programs").iterdir())) == 1
+    np.testing.assert_array_equal(raw[1], raw[0])
+    np.testing.assert_array_equal(raw[2], raw[0])
