@@ -1,6 +1,7 @@
-"""The program store (``jaxboost.program_store``): a round lowered once, loaded by later
-processes instead of traced, giving the same models; rounds whose meaning lies in user code
-are never stored."""
+"""The program store (``jaxboost.program_store``): a fit's programs (its round and starting
+value, ``train_many``'s round) lowered once, loaded by later processes instead of traced, giving
+the same models; settings that change a program change its key; programs whose meaning lies in
+user code are never stored."""
 
 import functools
 import os
@@ -41,14 +42,14 @@ def test_descriptions_name_jaxboost_code_and_refuse_user_code(monkeypatch):
         describe(quantile)
 
 
-def _fit_in_process(tmp_path, monkeypatch, store: str, loss="logistic"):
+def _fit_in_process(tmp_path, monkeypatch, store: str, loss="logistic", **settings):
     monkeypatch.setenv("JAXBOOST_PROGRAM_STORE", store)
     monkeypatch.setenv("JAXBOOST_CACHE_DIR", str(tmp_path))
     program_store._IN_PROCESS.clear()
     rng = np.random.default_rng(3)
     X = rng.normal(size=(257, 5)).astype(np.float32)
     y = (X[:, 0] + 0.5 * rng.normal(size=257) > 0).astype(np.float32)
-    model = jb.train(X, y, loss=loss, num_rounds=3, max_depth=3)
+    model = jb.train(X, y, loss=loss, num_rounds=3, max_depth=3, **settings)
     return model.predict_raw(X)
 
 
@@ -138,3 +139,19 @@ def test_train_many_stores_its_round_and_grows_the_same_models(tmp_path, monkeyp
     assert len(list((tmp_path / "programs").iterdir())) == 1
     np.testing.assert_array_equal(raw[1], raw[0])
     np.testing.assert_array_equal(raw[2], raw[0])
+
+
+def test_settings_that_change_a_program_but_no_shape_get_programs_of_their_own(tmp_path, monkeypatch):
+    """Fits whose arrays have the same shapes but whose programs differ (a static flag of the
+    regularizer, a Hessian mode, a row sample, another built-in loss) each store their own
+    round, and each grows what its traced round grows."""
+    variants = [dict(), dict(max_delta_step=0.7), dict(hessian="floor"), dict(subsample=0.5),
+                dict(loss="hinge")]
+    seen = set()
+    for settings in variants:
+        traced = _fit_in_process(tmp_path, monkeypatch, "0", **settings)
+        stored = _fit_in_process(tmp_path, monkeypatch, "1", **settings)
+        np.testing.assert_array_equal(stored, traced, err_msg=str(settings))
+        entries = set((tmp_path / "programs").iterdir())
+        assert entries - seen, f"{settings} reused a stored program"  # its round at least is new
+        seen = entries
