@@ -199,7 +199,7 @@ def _starting_value_program(platform: str, method: str, objective: Objective, ar
     """``starting_value``'s program ``method`` for ``objective``, called on ``arguments``:
     through the program store where it can hold it, else jitted here."""
     options = dict(compiler_options=compiler_options(platform))
-    stored = stored_program(f"starting_value_{method}", partial(_STARTING_VALUE_METHODS[method], objective),
+    stored = stored_program(f"starting_value_{method}", lambda: partial(_STARTING_VALUE_METHODS[method], objective),
                             (objective, method), arguments, platform, options)
     if stored is None:
         return partial(_compiled_starting_value(platform, method), objective)
@@ -669,8 +669,13 @@ def compiled_round(shape: RoundShape):
 
     The raw predictions and the histogram buffer are donated: the round writes the new ones
     over the old, so a round holds one copy of them, not two."""
-    return jax.jit(round_function(shape), donate_argnums=DONATED_ARGUMENTS,
-                   compiler_options=compiler_options(mesh_platform(shape.mesh)))
+    return jax.jit(round_function(shape), **_round_jit_options(shape))
+
+
+def _round_jit_options(shape: RoundShape) -> dict:
+    """``jax.jit``'s options for a round of ``shape``, one model's or many's, stored or not: its
+    raw predictions and histogram buffer donated, its platform's compiler options."""
+    return dict(donate_argnums=DONATED_ARGUMENTS, compiler_options=compiler_options(mesh_platform(shape.mesh)))
 
 
 def stored_round(shape: RoundShape, arguments: tuple):
@@ -678,9 +683,8 @@ def stored_round(shape: RoundShape, arguments: tuple):
     once, by this process or an earlier one), for rounds called with arguments like
     ``arguments`` (the first round's, with ``ShapeDtypeStruct``s where its raw predictions are
     still to come); None where the store is off or cannot hold it."""
-    platform = mesh_platform(shape.mesh)
-    return stored_program("boosting_round", round_function(shape), shape, arguments, platform,
-                          dict(donate_argnums=DONATED_ARGUMENTS, compiler_options=compiler_options(platform)))
+    return stored_program("boosting_round", lambda: round_function(shape), shape, arguments, mesh_platform(shape.mesh),
+                          _round_jit_options(shape))
 
 
 # Platforms whose train_many rounds loop over the models (``_models_one_at_a_time``); the
@@ -691,19 +695,16 @@ MODELS_IN_A_LOOP_PLATFORMS = ("cpu",)
 @lru_cache(maxsize=16)
 def compiled_many_rounds(shape: RoundShape, params_axes: tuple, models_mesh=None):
     """``many_rounds_function``'s round, jitted (the raw predictions and histogram buffers donated)."""
-    platform = mesh_platform(shape.mesh)
-    return jax.jit(many_rounds_function(shape, params_axes, models_mesh), donate_argnums=DONATED_ARGUMENTS,
-                   compiler_options=compiler_options(platform))
+    return jax.jit(many_rounds_function(shape, params_axes, models_mesh), **_round_jit_options(shape))
 
 
 def stored_many_rounds(shape: RoundShape, params_axes: tuple, models_mesh, arguments: tuple):
     """``compiled_many_rounds``' round through the program store, as ``stored_round`` for one
     model's; None where the store is off or cannot hold it. (The parameters' tree is not part of
     the static key: the arguments hold it.)"""
-    platform = mesh_platform(shape.mesh)
-    return stored_program("many_rounds", many_rounds_function(shape, params_axes, models_mesh),
-                          (shape, params_axes[1], models_mesh), arguments, platform,
-                          dict(donate_argnums=DONATED_ARGUMENTS, compiler_options=compiler_options(platform)))
+    return stored_program("many_rounds", lambda: many_rounds_function(shape, params_axes, models_mesh),
+                          (shape, params_axes[1], models_mesh), arguments, mesh_platform(shape.mesh),
+                          _round_jit_options(shape))
 
 
 def many_rounds_function(shape: RoundShape, params_axes: tuple, models_mesh=None) -> Callable:

@@ -256,13 +256,14 @@ class StoredProgram:
     when a process stored it before, else traced now and stored. Lazily, so that a first fit
     traces its round while the starting value is found in another thread, as without the store."""
 
-    def __init__(self, folder: Path, key: str, function: Callable, arguments: tuple, platform: str,
-                 jit_options: dict):
+    def __init__(self, folder: Path, key: str, make_function: Callable[[], Callable], arguments: tuple,
+                 platform: str, jit_options: dict):
         self.path = folder / (key + _SUFFIX)
         self._made = None
         self._making = threading.Lock()
         # Their specs, not the arguments: a program never made must not keep a fit's arrays alive.
-        self._make_arguments = (folder, function, jax.tree_util.tree_map(_spec, arguments), platform, jit_options)
+        self._make_arguments = (folder, make_function, jax.tree_util.tree_map(_spec, arguments), platform,
+                                jit_options)
 
     def jitted(self) -> Callable:
         """The program, jitted with the options it was asked for."""
@@ -272,7 +273,8 @@ class StoredProgram:
         return self._made
 
     def _make(self) -> None:
-        folder, function, arguments, platform, jit_options = self._make_arguments
+        folder, make_function, arguments, platform, jit_options = self._make_arguments
+        function = make_function()
         exported = _load(self.path, jax.tree_util.tree_leaves(arguments))
         if exported is None:
             try:
@@ -304,12 +306,13 @@ IN_PROCESS_PROGRAMS = 64
 _IN_PROCESS_LOCK = threading.Lock()
 
 
-def stored_program(name: str, function: Callable, static, arguments: tuple, platform: str,
+def stored_program(name: str, make_function: Callable[[], Callable], static, arguments: tuple, platform: str,
                    jit_options: dict) -> StoredProgram | None:
-    """The program that runs ``function`` (unjitted; its static structure ``static``) on
+    """The program that runs ``make_function()`` (unjitted, made only when this process traces
+    or jits it: a round's took 40 us, every fit; its static structure ``static``) on
     arguments like ``arguments`` (arrays or ``ShapeDtypeStruct``s with their shardings) through
     the store; None when the store is off or the program cannot be stored (the caller then jits
-    ``function`` itself). ``jit_options``: ``jax.jit``'s (donation, compiler options). One
+    the function itself). ``jit_options``: ``jax.jit``'s (donation, compiler options). One
     object per key in a process; ``ready`` gives its callable."""
     folder = store_folder()
     if folder is None or platform not in STORED_PLATFORMS:
@@ -320,7 +323,7 @@ def stored_program(name: str, function: Callable, static, arguments: tuple, plat
     with _IN_PROCESS_LOCK:  # a first fit asks for its starting value's program in a thread of its own
         program = _IN_PROCESS.get(key)
         if program is None:
-            program = _IN_PROCESS[key] = StoredProgram(folder, key, function, arguments, platform, jit_options)
+            program = _IN_PROCESS[key] = StoredProgram(folder, key, make_function, arguments, platform, jit_options)
             while len(_IN_PROCESS) > IN_PROCESS_PROGRAMS:
                 _IN_PROCESS.popitem(last=False)
         _IN_PROCESS.move_to_end(key)
