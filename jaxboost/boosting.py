@@ -95,6 +95,8 @@ class RoundShape(NamedTuple):
     # A tree's column sample keeps at most this many features (``grower.tree_feature_slots``):
     # its histograms hold that many feature slots. None: every feature.
     feature_slots: int | None = None
+    # Accelerators sum histograms (and leaf refits) as fixed-point integers: runs repeat bit for bit.
+    deterministic_histogram: bool = False
 
 
 class RoundHealth(NamedTuple):
@@ -117,8 +119,10 @@ def loss_derivatives(objective: Objective, raw_prediction: jax.Array, y: jax.Arr
 
 def minimise_offsets(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
                      segment_ids: jax.Array, num_segments: int, output, reg: Regularization,
-                     axis_name: str | None = None, loss_params: dict | None = None) -> jax.Array:
-    """Per-segment offsets of output ``output`` minimising the weighted loss plus penalty."""
+                     axis_name: str | None = None, loss_params: dict | None = None,
+                     deterministic: bool = False) -> jax.Array:
+    """Per-segment offsets of output ``output`` minimising the weighted loss plus penalty
+    (``deterministic``: sums that do not depend on a GPU's order of adds, ``segment_sums``)."""
     selector = jax.nn.one_hot(output, objective.num_outputs, dtype=raw_prediction.dtype)
     loss = bind_loss(objective, loss_params)
 
@@ -130,8 +134,9 @@ def minimise_offsets(objective: Objective, raw_prediction: jax.Array, y: jax.Arr
             derivative = output_gradient(loss, shifted[:, 0], y, None)
         return jnp.where(weights > 0, weights * derivative, 0.0)
 
-    segment_weights = all_sum(segment_sums(weights, segment_ids, num_segments), axis_name)
-    return minimise_segment_offsets(weighted_derivative, segment_ids, num_segments, segment_weights, reg, axis_name)
+    segment_weights = all_sum(segment_sums(weights, segment_ids, num_segments, deterministic), axis_name)
+    return minimise_segment_offsets(weighted_derivative, segment_ids, num_segments, segment_weights, reg, axis_name,
+                                    deterministic)
 
 
 # Coordinate sweeps for multi-output starting values: outputs interact (softmax), so one
@@ -458,7 +463,7 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
     tree, row_leaves, _, histogram_buffer = grow_tree(
         X_binned_T, gradients, packed_hessians, feature_allowed, tree_key, params.growth, shape.max_depth,
         shape.max_bin, ROW_AXIS, shape.sample_level_columns, leaves, shape.missing_values, row_offset,
-        histogram_buffer, shape.kernel_threads, shape.feature_slots)
+        histogram_buffer, shape.kernel_threads, shape.feature_slots, shape.deterministic_histogram)
     row_leaf = row_leaves.heap_index()
     if shape.leaf_refit:
         num_nodes = num_heap_nodes(shape.max_depth)
@@ -468,7 +473,8 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
             output = step % K
             others = offsets.at[:, output].set(0.0)
             offset = minimise_offsets(objective, raw_prediction + others[row_leaf], y, row_weight, row_leaf,
-                                      num_nodes, output, params.growth.reg, ROW_AXIS, params.loss_params)
+                                      num_nodes, output, params.growth.reg, ROW_AXIS, params.loss_params,
+                                      shape.deterministic_histogram)
             return offsets.at[:, output].set(offset)
 
         offsets = jax.lax.fori_loop(0, VECTOR_REFIT_SWEEPS * K, refit_output, jnp.zeros((num_nodes, K)))
@@ -512,10 +518,11 @@ def _grow_round_scalar_trees(shape: RoundShape, params: RoundParams, X_binned_T,
             jax.random.fold_in(tree_key, output), params.growth, shape.max_depth, shape.max_bin, ROW_AXIS,
             shape.sample_level_columns, missing_values=shape.missing_values, row_offset=row_offset,
             histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads,
-            feature_slots=shape.feature_slots)
+            feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram)
         if shape.leaf_refit:
             offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaves.heap_index(), num_nodes,
-                                       output, params.growth.reg, ROW_AXIS, params.loss_params)
+                                       output, params.growth.reg, ROW_AXIS, params.loss_params,
+                                       shape.deterministic_histogram)
             refit = params.growth.learning_rate * clip_leaf_value(offsets, params.growth.reg, lower, upper)
             tree = tree._replace(value=jnp.where(tree.is_leaf, refit, tree.value))
         return histogram_buffer, (tree, row_leaves)

@@ -358,7 +358,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
               row_offset: jax.Array | None = None,
               histogram_buffer: jax.Array | None = None,
               kernel_threads: int = 1,
-              feature_slots: int | None = None) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
+              feature_slots: int | None = None,
+              deterministic_histogram: bool = False) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
     """Grow one tree.
 
     Args:
@@ -389,6 +390,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         column sample, ``tree_feature_slots``), or None. The histograms then hold that many
         feature slots, the sampled features' in feature order (the rest never allowed), and
         the sums over devices, the subtraction and the split scan run over those slots only.
+      deterministic_histogram: on accelerators, histograms sum fixed-point integers, so a tree
+        does not depend on the order of the atomic adds (``build_histogram``).
 
     Returns:
       ``(tree, row_leaves, (lower, upper), histogram_buffer)``: the tree's node arrays (values
@@ -512,7 +515,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin, split.default_left,
             histogram_splits, left_is_smaller, max_bin, feature_major=sharded, result_features=summed_features,
             row_offset=row_offset, histogram_nodes=parent_slots, live_nodes=chunk * read_chunks,
-            threads=kernel_threads, keep_padding=True, features_used=feature_allowed)
+            threads=kernel_threads, keep_padding=True, features_used=feature_allowed,
+            deterministic=deterministic_histogram)
         histograms = children_histograms_over_parents(state.histograms, smaller, left_is_smaller, histogram_splits,
                                                       summed_nodes, axis_name)
         lower, upper = state.lower, state.upper
@@ -609,7 +613,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     # kernels' work).
     local_root = build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin, feature_major=sharded,
                                             result_features=summed_features, row_offset=row_offset,
-                                            threads=kernel_threads, keep_padding=True, features_used=feature_allowed)
+                                            threads=kernel_threads, keep_padding=True, features_used=feature_allowed,
+                                            deterministic=deterministic_histogram)
     root_histogram = all_sum_scattered(local_root, axis_name, 1)[0]
     # Every row lies in one bin of each feature, so the first sampled feature's bins sum to the
     # root's totals: no separate sums over rows. Every device sums the same feature's, so all

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .fixed_point import float_piece_bits, float_pieces_needed, from_pieces, magnitude_scale, to_pieces
 from .native import (CHANNEL_HISTOGRAM_TARGET, CUMULATIVE_BINS_TARGET, FIRST_MAXIMUM_TARGET, HISTOGRAM_TARGET,
                      KERNELS, ROUTE_HISTOGRAM_TARGET, as_varying_as, available_native_target, per_platform)
 
@@ -60,7 +61,7 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
                     kernel: str = "auto", threads: int = 1, feature_major: bool = False,
                     result_features: int | None = None, row_offset: jax.Array | None = None,
                     channels: int = 2, channel: int = 0, into: jax.Array | None = None,
-                    features_used: jax.Array | None = None) -> jax.Array:
+                    features_used: jax.Array | None = None, deterministic: bool = False) -> jax.Array:
     """Histogram of the local rows.
 
     Args:
@@ -97,6 +98,9 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
         tree's column sample). The native kernel sums only those and leaves the others' cells
         zero (or, compact, has none); the XLA kernel sums every feature for a full result and the
         used ones alone for a compact one. None: all.
+      deterministic: on accelerators, sum the rows as fixed-point integers
+        (``jaxboost.fixed_point``), so the result does not depend on the order of the atomic
+        adds; the CPU kernels add the rows in one order whatever this says.
 
     Returns:
       float32 ``(num_nodes, result_features, max_bin, channels)``: ``[..., channel]`` sums of
@@ -111,8 +115,8 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
             gradients.astype(jnp.float32), hessians.astype(jnp.float32),
             jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool), into,
             _features_used_operand(features_used, X_binned_T, result_features))
-    xla = _xla_result(partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin), result_features, channels,
-                      channel)
+    xla = _xla_result(partial(_xla_histogram, num_nodes=num_nodes, max_bin=max_bin, deterministic=deterministic),
+                      result_features, channels, channel)
     if target is None:
         return xla(*args)
     native = partial(_native_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
@@ -181,7 +185,8 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
                               feature_major: bool = False, result_features: int | None = None,
                               row_offset: jax.Array | None = None, histogram_nodes: int | None = None,
                               live_nodes: jax.Array | None = None, channels: int = 2,
-                              features_used: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                              features_used: jax.Array | None = None,
+                              deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
     """Route the local rows to the children of a level's splits, and histogram the smaller children.
 
     One pass over the rows does what would otherwise be a gather, several element-wise ops and
@@ -198,8 +203,8 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         device when rows are sharded (e.g. from the split's global left/right sums), so that
         every device builds the same children.
       max_bin: static number of bins; the missing code is ``max_bin - 1``.
-      kernel, threads, feature_major, result_features, row_offset, features_used: as for
-        ``build_histogram``; channels too: the pair is channels 0 and 1 of cells of
+      kernel, threads, feature_major, result_features, row_offset, features_used, deterministic:
+        as for ``build_histogram``; channels too: the pair is channels 0 and 1 of cells of
         ``channels`` (the others zero for the XLA kernel, unwritten by the native one), which
         ``build_histogram`` fills.
       histogram_nodes: static; only the smaller children of the first ``histogram_nodes``
@@ -233,8 +238,8 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
             jnp.reshape(jnp.asarray(histogram_nodes if live_nodes is None else live_nodes, jnp.int32), (1,)),
             _earlier_channels(None, (), channels, 0),
             _features_used_operand(features_used, X_binned_T, result_features))
-    xla = _xla_result(partial(_xla_route_histogram, num_nodes=histogram_nodes, max_bin=max_bin), result_features,
-                      channels, 0)
+    xla = _xla_result(partial(_xla_route_histogram, num_nodes=histogram_nodes, max_bin=max_bin,
+                              deterministic=deterministic), result_features, channels, 0)
     if target is None:
         return xla(*args)
     native = partial(_native_route_histogram, target=target, num_nodes=histogram_nodes, max_bin=max_bin,
@@ -332,13 +337,15 @@ def _xla_route(X_binned_T, row_offset, node_of_row, feature, threshold_bin, defa
 
 
 def _xla_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin,
-                         default_left, splits, left_is_smaller, live_nodes, *, num_nodes, max_bin, features=None):
+                         default_left, splits, left_is_smaller, live_nodes, *, num_nodes, max_bin, features=None,
+                         deterministic: bool = False):
     del live_nodes  # every node's cells are summed (zeros where no row lies)
     child_of_row, goes_right = _xla_route(X_binned_T, row_offset, node_of_row, feature, threshold_bin, default_left,
                                           max_bin=max_bin)
     in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, num_nodes)
     return child_of_row, _xla_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, in_smaller_child,
-                                        num_nodes=num_nodes, max_bin=max_bin, features=features)
+                                        num_nodes=num_nodes, max_bin=max_bin, features=features,
+                                        deterministic=deterministic)
 
 
 def _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram_nodes: int) -> jax.Array:
@@ -398,9 +405,11 @@ def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, r
 
 
 def _xla_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
-                   features=None):
+                   features=None, deterministic: bool = False):
     """The XLA kernels' histogram of every feature, or with ``features`` (int32, one a slot; past
-    the last feature: a zero slot) of those alone, their codes taken out before the sums."""
+    the last feature: a zero slot) of those alone, their codes taken out before the sums.
+    ``deterministic``: the accelerators' kernel sums fixed-point integers (the CPU's adds the
+    rows in one order anyway)."""
     X_binned_T = _local_codes(X_binned_T, row_offset, node_index.shape[0])
     n_features = X_binned_T.shape[0]
     if features is not None:
@@ -410,7 +419,7 @@ def _xla_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_
     # Chosen when lowering: complex64 scatters are the faster XLA kernel on CPU, and on a GPU
     # 20 to 1000 times slower than the float32 kernel (an atomic compare-and-swap loop per add).
     histogram = per_platform(*args, cpu=partial(_complex_scatter_histogram, **sizes),
-                             default=partial(_pair_scatter_histogram, **sizes))
+                             default=partial(_pair_scatter_histogram, **sizes, deterministic=deterministic))
     if features is None:
         return histogram
     # Spare slots read code 0 of every row: their sums are dropped.
@@ -469,11 +478,16 @@ def scatter_layout(n_features: int, n_rows: int, num_nodes: int, max_bin: int) -
 
 
 def _pair_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
-                            features_per_scatter: int | None = None):
+                            features_per_scatter: int | None = None, deterministic: bool = False):
     """float32 ``(g, h)`` pairs scattered over all features at once (or in groups,
     ``scatter_layout``) into ``scatter_slots`` node slots, each live node's rows spread over an
     equal share of them, then folded back to ``num_nodes`` nodes. Rows outside the mask or the
-    nodes get an index past the end, which the scatter drops before any add."""
+    nodes get an index past the end, which the scatter drops before any add.
+
+    ``deterministic``: each of ``g`` and ``h`` goes in as whole-number float32 pieces
+    (``jaxboost.fixed_point``), as many as keep 24 bits of a value, with bits a piece from the
+    most rows one copy of a cell can get, so that every partial sum is exact; the copies are
+    folded in int32. No sum then depends on the order of the atomic adds."""
     n_features, n_rows = X_binned_T.shape
     slots, most_features = scatter_layout(n_features, n_rows, num_nodes, max_bin)
     cells = slots * max_bin
@@ -490,15 +504,33 @@ def _pair_scatter_histogram(X_binned_T, node_index, gradients, hessians, row_mas
     slot = node_index.astype(jnp.int32) + live * (jnp.arange(n_rows, dtype=jnp.int32) % copies)
     row_cell = jnp.where(kept, slot * max_bin, size)
     feature_cell = jnp.arange(features_per_scatter, dtype=jnp.int32)[:, None] * cells
-    pairs = jnp.broadcast_to(jnp.stack([gradients, hessians], axis=-1), (features_per_scatter, n_rows, 2))
+    if deterministic:
+        # Row i goes to copy i % copies: a copy's cell gets at most ceil(n_rows / copies) rows,
+        # and a level gets at least slots // num_nodes copies.
+        pieces = float_pieces_needed(-(-n_rows // max(slots // num_nodes, 1)), n_rows)
+        bits = float_piece_bits((n_rows + copies - 1) // copies, n_rows)
+        scales = (magnitude_scale(gradients, bits, kept), magnitude_scale(hessians, bits, kept))
+        per_row = jnp.stack([piece for values, scale in zip((gradients, hessians), scales)
+                             for piece in to_pieces(values, scale, bits, pieces)], axis=-1)
+    else:
+        per_row = jnp.stack([gradients, hessians], axis=-1)
+    width = per_row.shape[-1]
+    per_row = jnp.broadcast_to(per_row, (features_per_scatter, n_rows, width))
     # Slot s holds a copy of node s % live (the slots past live * copies stay zero).
     owner = jnp.arange(slots, dtype=jnp.int32) % live
 
     def one_group(group_codes):
         index = row_cell + feature_cell + group_codes.astype(jnp.int32)
-        sums = jnp.zeros((size, 2), jnp.float32).at[index.reshape(-1)].add(pairs.reshape(-1, 2), mode="drop")
-        sums = sums.reshape(features_per_scatter, slots, max_bin, 2)
-        return jnp.zeros((features_per_scatter, num_nodes, max_bin, 2), jnp.float32).at[:, owner].add(sums)
+        sums = jnp.zeros((size, width), jnp.float32).at[index.reshape(-1)].add(per_row.reshape(-1, width),
+                                                                                mode="drop")
+        sums = sums.reshape(features_per_scatter, slots, max_bin, width)
+        if deterministic:
+            sums = sums.astype(jnp.int32)  # whole numbers: the fold's sums in int32, exact too
+        sums = jnp.zeros((features_per_scatter, num_nodes, max_bin, width), sums.dtype).at[:, owner].add(sums)
+        if not deterministic:
+            return sums
+        return jnp.stack([from_pieces([sums[..., k * pieces + j] for j in range(pieces)], scale, bits)
+                          for k, scale in enumerate(scales)], axis=-1)
 
     per_group = lax.map(one_group, codes.reshape(groups, features_per_scatter, n_rows))
     per_feature = per_group.reshape(groups * features_per_scatter, num_nodes, max_bin, 2)[:n_features]
@@ -544,7 +576,7 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
                                row_mask: jax.Array | None = None, feature_major: bool = False,
                                result_features: int | None = None, row_offset: jax.Array | None = None,
                                threads: int = 1, keep_padding: bool = False,
-                               features_used: jax.Array | None = None) -> jax.Array:
+                               features_used: jax.Array | None = None, deterministic: bool = False) -> jax.Array:
     """``build_histogram`` for any number of per-row channels (vector leaves: K gradients and
     the packed Hessian), two channels per kernel pass.
 
@@ -554,7 +586,7 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
     """
     statistics = statistic_pairs(statistics)
     options = dict(threads=threads, feature_major=feature_major, result_features=result_features,
-                   row_offset=row_offset, features_used=features_used)
+                   row_offset=row_offset, features_used=features_used, deterministic=deterministic)
     if len(statistics.pairs) == 1:
         histogram = build_histogram(X_binned_T, node_index, *statistics.pairs[0], num_nodes, max_bin, row_mask,
                                     **options)
@@ -568,7 +600,8 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
                              num_nodes: int, max_bin: int, row_mask: jax.Array | None = None, kernel: str = "auto",
                              threads: int = 1, feature_major: bool = False, result_features: int | None = None,
                              row_offset: jax.Array | None = None, channel: int = 0,
-                             into: jax.Array | None = None, features_used: jax.Array | None = None) -> jax.Array:
+                             into: jax.Array | None = None, features_used: jax.Array | None = None,
+                             deterministic: bool = False) -> jax.Array:
     """The histogram of the statistics' channels from ``channel`` on, into ``into`` (the histogram
     of the channels before it; None for channel 0, the others then start at zero). Arguments as
     for ``build_histogram``.
@@ -587,7 +620,8 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
             histogram = build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
                                         kernel=kernel, threads=threads, feature_major=feature_major,
                                         result_features=result_features, row_offset=row_offset, channels=width,
-                                        channel=2 * index, into=histogram, features_used=features_used)
+                                        channel=2 * index, into=histogram, features_used=features_used,
+                                        deterministic=deterministic)
         return histogram
 
     target = (None if statistics.matrix is None else
@@ -618,7 +652,8 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
                                          row_offset: jax.Array | None = None, histogram_nodes: int | None = None,
                                          live_nodes: jax.Array | None = None,
                                          threads: int = 1, keep_padding: bool = False,
-                                         features_used: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                                         features_used: jax.Array | None = None,
+                                         deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
     """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
     while routing, the others afterwards over the rows of the smaller children only.
     ``keep_padding`` as for ``build_statistics_histogram``."""
@@ -629,12 +664,13 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
         left_is_smaller, max_bin, threads=threads, feature_major=feature_major, result_features=result_features,
         row_offset=row_offset, histogram_nodes=histogram_nodes, live_nodes=live_nodes, channels=width,
-        features_used=features_used)
+        features_used=features_used, deterministic=deterministic)
     if len(pairs) > 1:
         goes_right = (child_of_row - 2 * node_of_row) == 1
         in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram.shape[0])
         histogram = build_channels_histogram(X_binned_T, node_of_row, statistics, histogram.shape[0], max_bin,
                                              in_smaller_child, threads=threads, feature_major=feature_major,
                                              result_features=result_features, row_offset=row_offset, channel=2,
-                                             into=histogram, features_used=features_used)
+                                             into=histogram, features_used=features_used,
+                                             deterministic=deterministic)
     return child_of_row, histogram if keep_padding else _without_padding(histogram, statistics.channels)

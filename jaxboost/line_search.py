@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .devices import all_sum
+from .fixed_point import fixed_point_segment_sum
 from .native import SEGMENT_SUM_TARGET, as_varying_as, native_target, per_platform
 from .regularizer import Regularization, penalty_derivative
 
@@ -30,15 +31,20 @@ MAX_BISECTIONS = 64
 MIN_FIRST_STEP = 1e-3
 
 
-def segment_sums(per_row: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
+def segment_sums(per_row: jax.Array, segment_ids: jax.Array, num_segments: int,
+                 deterministic: bool = False) -> jax.Array:
     """``jax.ops.segment_sum``; one segment (the starting value) is a plain sum: a scatter
     compiles to a loop of its own and runs on one core. On CPU float32 rows go through a native
     kernel (``native.SEGMENT_SUM_TARGET``) that keeps four partial sums: XLA's scatter adds one
-    row at a time, 30-odd times a round in a leaf refit."""
+    row at a time, 30-odd times a round in a leaf refit. ``deterministic``: on accelerators the
+    rows are summed as fixed-point integers, in a result that does not depend on the order of
+    the atomic adds (the CPU's sums have one order anyway)."""
     if num_segments == 1:
         return jnp.sum(per_row, axis=0, keepdims=True)
 
     def xla(values, ids):
+        if deterministic and values.dtype == jnp.float32:
+            return fixed_point_segment_sum(values, ids, num_segments)
         return jax.ops.segment_sum(values, ids, num_segments)
 
     target = native_target(SEGMENT_SUM_TARGET)
@@ -54,7 +60,7 @@ def segment_sums(per_row: jax.Array, segment_ids: jax.Array, num_segments: int) 
 
 def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Array], segment_ids: jax.Array,
                              num_segments: int, segment_weights: jax.Array, reg: Regularization,
-                             axis_name: str | None = None) -> jax.Array:
+                             axis_name: str | None = None, deterministic: bool = False) -> jax.Array:
     """The minimising offset of every segment.
 
     Args:
@@ -63,6 +69,8 @@ def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Arra
       segment_weights: ``(num_segments,)`` summed sample weights, to scale the first step.
       reg: the leaf penalty (use zeros for an unpenalised problem).
       axis_name: the mapped axis the rows are sharded over, if any.
+      deterministic: sums that do not depend on the order of a GPU's atomic adds
+        (``segment_sums``).
 
     Returns:
       float32 ``(num_segments,)``.
@@ -71,7 +79,8 @@ def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Arra
     def loss_derivative(offsets):
         per_row_offsets = (jnp.broadcast_to(offsets[0], segment_ids.shape) if num_segments == 1
                            else offsets[segment_ids])
-        return all_sum(segment_sums(weighted_derivative(per_row_offsets), segment_ids, num_segments), axis_name)
+        return all_sum(segment_sums(weighted_derivative(per_row_offsets), segment_ids, num_segments, deterministic),
+                       axis_name)
 
     def derivative(offsets, direction):
         # ``direction`` picks the one-sided derivative of alpha |c| at c = 0.

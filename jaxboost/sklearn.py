@@ -4,8 +4,9 @@ The estimators validate input the scikit-learn way (``validate_data``: feature c
 names, dtypes, NaN allowed as missing), map class labels to ``0..K-1``, call ``jb.train`` and
 keep the trained ``Model`` (``get_booster()``). Parameter names follow XGBoost's scikit-learn
 API: ``n_estimators`` is ``num_rounds``, ``random_state`` is ``seed``, ``n_jobs`` caps the CPU
-cores of a fit and its predictions (``jb.cpu_cores``), and early stopping is set in the
-constructor (``early_stopping_rounds``, ``eval_metric``) with ``eval_set`` passed to ``fit``.
+cores of a fit and its predictions (``jb.cpu_cores``), ``deterministic_histogram`` is
+``jb.train``'s (repeatable GPU fits), and early stopping is set in the constructor
+(``early_stopping_rounds``, ``eval_metric``) with ``eval_set`` passed to ``fit``.
 
 Two choices that make ``sample_weight`` mean "repeat this row that many times":
 rows with zero weight are dropped before training, so they move neither the bin edges nor
@@ -61,7 +62,8 @@ class _JaxBoostEstimator(BaseEstimator):
                  gamma=0.0, min_child_weight=1.0, max_bin=256, subsample=1.0, colsample_bytree=1.0,
                  colsample_bylevel=1.0, colsample_bynode=1.0, max_delta_step=0.0, scale_pos_weight=1.0,
                  loss=None, early_stopping_rounds=None, eval_metric=None, importance_type="gain",
-                 random_state=None, multi_strategy="one_output_per_tree", n_jobs=None):
+                 random_state=None, multi_strategy="one_output_per_tree", n_jobs=None,
+                 deterministic_histogram=False):
         self.n_estimators = n_estimators
         self.max_depth = max_depth
         self.learning_rate = learning_rate
@@ -83,6 +85,7 @@ class _JaxBoostEstimator(BaseEstimator):
         self.random_state = random_state
         self.multi_strategy = multi_strategy
         self.n_jobs = n_jobs
+        self.deterministic_histogram = deterministic_histogram
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -115,7 +118,7 @@ class _JaxBoostEstimator(BaseEstimator):
                 max_delta_step=self.max_delta_step, scale_pos_weight=self.scale_pos_weight,
                 sample_weight=sample_weight, eval_set=eval_pairs, eval_metric=self.eval_metric,
                 early_stopping_rounds=self.early_stopping_rounds, verbose=verbose, seed=_seed(self.random_state),
-                multi_strategy=self.multi_strategy)
+                multi_strategy=self.multi_strategy, deterministic_histogram=self.deterministic_histogram)
         if hasattr(self, "feature_names_in_"):
             booster = dataclasses.replace(booster, feature_names=tuple(str(name) for name in self.feature_names_in_))
         self._booster = booster
@@ -196,7 +199,8 @@ class JaxBoostRegressor(RegressorMixin, _JaxBoostEstimator):
                  gamma=0.0, min_child_weight=1.0, max_bin=256, subsample=1.0, colsample_bytree=1.0,
                  colsample_bylevel=1.0, colsample_bynode=1.0, max_delta_step=0.0, scale_pos_weight=1.0,
                  loss="squared_error", link=None, early_stopping_rounds=None, eval_metric=None,
-                 importance_type="gain", random_state=None, multi_strategy="one_output_per_tree", n_jobs=None):
+                 importance_type="gain", random_state=None, multi_strategy="one_output_per_tree", n_jobs=None,
+                 deterministic_histogram=False):
         super().__init__(n_estimators=n_estimators, max_depth=max_depth, learning_rate=learning_rate,
                          reg_lambda=reg_lambda, reg_alpha=reg_alpha, gamma=gamma, min_child_weight=min_child_weight,
                          max_bin=max_bin, subsample=subsample, colsample_bytree=colsample_bytree,
@@ -204,7 +208,7 @@ class JaxBoostRegressor(RegressorMixin, _JaxBoostEstimator):
                          max_delta_step=max_delta_step, scale_pos_weight=scale_pos_weight, loss=loss,
                          early_stopping_rounds=early_stopping_rounds, eval_metric=eval_metric,
                          importance_type=importance_type, random_state=random_state, multi_strategy=multi_strategy,
-                         n_jobs=n_jobs)
+                         n_jobs=n_jobs, deterministic_histogram=deterministic_histogram)
         self.link = link
 
     def fit(self, X, y, sample_weight=None, eval_set=None, verbose=False):

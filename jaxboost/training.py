@@ -56,6 +56,12 @@ def _check_range(name, value, low, high, low_open=False, high_open=False):
         raise ValueError(f"{name} must be in {interval}; got {value}")
 
 
+def check_flag(name: str, value) -> None:
+    """A yes/no setting must be a bool (a string such as "false" would read as true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False; got {value!r}")
+
+
 def _check_params(num_rounds, max_depth, learning_rate, reg_lambda, reg_alpha, gamma, min_child_weight, subsample,
                   colsample_bytree, colsample_bylevel, colsample_bynode, max_delta_step, scale_pos_weight):
     if not isinstance(num_rounds, numbers.Integral) or num_rounds < 0:
@@ -386,7 +392,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
           multi_output_hessian: str = "full", link=None, num_outputs: int | None = None,
           leaf_refit: bool | None = None, eval_set=None,
           eval_metric=None, early_stopping_rounds: int | None = None, verbose: bool | int = False,
-          callbacks: list[Callback] | None = None, init_model: Model | None = None, seed: int = 0) -> Model:
+          callbacks: list[Callback] | None = None, init_model: Model | None = None, seed: int = 0,
+          deterministic_histogram: bool = False) -> Model:
     """Train a gradient-boosted tree ensemble.
 
     Args:
@@ -439,6 +446,14 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
       init_model: continue training this model: its trees come first, its bin edges are used,
         and round ``r`` of the continuation samples like round ``init_model.num_rounds + r``.
       seed: seeds row and column sampling; round ``r`` uses a key derived from (seed, r).
+      deterministic_histogram: on a GPU (or another accelerator), sum the histograms' rows
+        (and leaf refits' sums) as whole-number pieces of fixed point (``jaxboost.fixed_point``),
+        whose sums are exact, so that two runs grow the same model bit for bit, as XGBoost's
+        GPU histograms do. Without it the sums are float atomic adds, whose order varies
+        between runs: the last bits of a sum, and through near ties a split, may differ. Each
+        value keeps 24 bits relative to the level's largest one; it costs time (1.9x a tree on
+        an H100; see the README's GPU section). On CPU the rows are always added in one order,
+        and this changes nothing.
 
     On CPU the rows are sharded over one host device per core the process may use (fewer for
     small data); ``with jb.cpu_cores(n):`` around the call caps them at ``n``.
@@ -451,6 +466,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     if hessian not in HESSIAN_MODES:
         raise ValueError(f"hessian must be one of {HESSIAN_MODES}; got {hessian!r}")
     _check_range("hessian_floor", hessian_floor, 0, np.inf, low_open=True, high_open=True)
+    check_flag("deterministic_histogram", deterministic_histogram)
     if init_model is not None:
         if not isinstance(init_model, Model):
             raise TypeError(f"init_model must be a jaxboost Model; got {type(init_model).__name__}")
@@ -537,7 +553,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        shared_codes=train_rows.shared_codes,
                        kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
                        sample_level_columns=min(colsample_bylevel, colsample_bynode) < 1,
-                       feature_slots=tree_feature_slots(colsample_bytree, dataset.n_features))
+                       feature_slots=tree_feature_slots(colsample_bytree, dataset.n_features),
+                       deterministic_histogram=bool(deterministic_histogram))
     histograms = histogram_buffer(shape, dataset.n_features)
     schedule = _Schedule(learning_rate)
     first_round = 0 if init_model is None else init_model.num_rounds
@@ -591,6 +608,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                                  colsample_bylevel=colsample_bylevel, colsample_bynode=colsample_bynode,
                                  max_delta_step=max_delta_step, scale_pos_weight=scale_pos_weight,
                                  leaf_refit=bool(leaf_refit), hessian=hessian, seed=seed,
+                                 deterministic_histogram=bool(deterministic_histogram),
                                  multi_strategy=multi_strategy,
                                  multi_output_hessian=None if leaves is None else multi_output_hessian,
                                  loss_params={name: np.asarray(value).tolist()

@@ -32,7 +32,7 @@ from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .program_store import ready
 from .regularizer import Regularization, check_regularization
-from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
+from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, check_flag, _leaf_refit_needed, _raise_if_unhealthy,
                        found_while_compiling, interaction_groups, monotone_array, positives_weighted,
                        release_memory_now_and_then, vector_leaves)
 
@@ -67,7 +67,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                scale_pos_weight: float = 1.0, hessian: str = "exact", hessian_floor: float = 1e-3,
                monotone_constraints=None, interaction_constraints=None, multi_strategy: str = "one_output_per_tree",
                multi_output_hessian: str = "full", link=None, num_outputs: int | None = None,
-               leaf_refit: bool | None = None, eval_set=None, eval_metric=None, **settings) -> list[Model]:
+               leaf_refit: bool | None = None, eval_set=None, eval_metric=None, deterministic_histogram: bool = False,
+               **settings) -> list[Model]:
     """Train M models in one compiled program and return them as a list of ordinary Models.
 
     Args:
@@ -90,6 +91,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         raise TypeError(f"train_many got unexpected settings {unknown}; shared hyperparameters are {sorted(BATCHABLE)}")
     if hessian not in HESSIAN_MODES:
         raise ValueError(f"hessian must be one of {HESSIAN_MODES}; got {hessian!r}")
+    check_flag("deterministic_histogram", deterministic_histogram)
     dataset = _as_dataset(data, y, None, max_bin, None)
     if dataset.y is None:
         raise ValueError("training needs labels: pass y, or a Dataset built with y")
@@ -229,7 +231,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
                        sample_level_columns=min(min(v["colsample_bylevel"], v["colsample_bynode"])
                                                 for v in per_model) < 1,
-                       feature_slots=many_feature_slots([v["colsample_bytree"] for v in per_model], dataset.n_features))
+                       feature_slots=many_feature_slots([v["colsample_bytree"] for v in per_model], dataset.n_features),
+                       deterministic_histogram=bool(deterministic_histogram))
     # The data every model reads, on each of the split's devices (small data: a copy each).
     shared = (lambda array: array) if split is None else partial(jax.device_put, device=replicated(split))
     row_offsets, y_device = shared(rows.row_offsets_device), shared(rows.y_device)
@@ -287,6 +290,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
             loss_name=resolved.name, evals_result=evals_result,
             params=dict(loss=resolved.name, num_rounds=num_rounds, max_depth=max_depth, max_bin=dataset.max_bin,
                         scale_pos_weight=scale_pos_weight, leaf_refit=bool(leaf_refit), hessian=hessian,
+                        deterministic_histogram=bool(deterministic_histogram),
                         seed=int(model_seeds[k]), loss_params=model_loss_params[k], multi_strategy=multi_strategy,
                         multi_output_hessian=None if leaves is None else multi_output_hessian, **values),
             feature_names=dataset.feature_names))

@@ -594,20 +594,29 @@ def test_native_build_failures_are_reported_not_raised(monkeypatch, tmp_path):
     assert native._registered_targets.__wrapped__() == frozenset()
 
 
-def train_with_kernel(monkeypatch, X, y, settings, kernel):
+def train_with_patches(monkeypatch, patches, X, y, settings):
+    """``jb.train`` with ``(owner, name, value)`` attributes replaced while its round is traced."""
     import jaxboost as jb
-    from jaxboost import boosting, histogram
+    from jaxboost import boosting
 
-    for name in ("build_histogram", "route_and_build_histogram", "build_channels_histogram"):
-        # Every histogram the grower builds goes through these three, called by the statistics
-        # wrappers it uses: all go to the chosen kernel.
-        monkeypatch.setattr(histogram, name, partial(getattr(histogram, name), kernel=kernel))
-    boosting.compiled_round.cache_clear()  # the kernel is chosen when a round is traced
+    for owner, name, value in patches:
+        monkeypatch.setattr(owner, name, value)
+    boosting.compiled_round.cache_clear()  # kernels are chosen when a round is traced
     try:
         return jb.train(X, y, **settings)
     finally:
         monkeypatch.undo()
         boosting.compiled_round.cache_clear()
+
+
+def train_with_kernel(monkeypatch, X, y, settings, kernel):
+    from jaxboost import histogram
+
+    # Every histogram the grower builds goes through these three, called by the statistics
+    # wrappers it uses: all go to the chosen kernel.
+    names = ("build_histogram", "route_and_build_histogram", "build_channels_histogram")
+    return train_with_patches(monkeypatch, [(histogram, name, partial(getattr(histogram, name), kernel=kernel))
+                                            for name in names], X, y, settings)
 
 
 def kernel_training_data(settings):
