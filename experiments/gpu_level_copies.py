@@ -17,14 +17,19 @@ Before, every node slot of every level got the same copies (``CELLS_PER_COPY // 
 
 Configurations (``--configs``, by name): the library's kernel and the kernels of
 ``scatter_variants.py`` in place of it (other slot counts, the fixed copies it replaced, a scatter
-skipped when no row is summed, order-independent fixed-point sums), and the library under XLA
-flags: deterministic (repeatable) scatters, and two that may shorten the first fit's compile.
+skipped when no row is summed, order-independent fixed-point sums in one int32 or in whole-number
+float32 pieces), the library's
+``deterministic_histogram=True`` (two int32 fixed-point pieces a value, ``jaxboost.fixed_point``),
+and the library under XLA flags: deterministic (repeatable) scatters, and two that may shorten
+the first fit's compile.
 
 Each configuration runs in its own process (fresh compile), the configurations alternating,
 ``--repeats`` turns. In a process: the benchmark's task, ``jb.Dataset`` once, a 1-round fit (the
 compile), then ms a tree by the benchmark's difference method, ``(t(41 rounds) - t(1 round)) / 40``,
-the median of 3 such pairs; and the test metric of the 41-round model (the copies change the
-order of float additions, so the models may differ in the last bits, not more).
+the median of 3 such pairs; the test metric of the 41-round model (the copies change the
+order of float additions, so the models may differ in the last bits, not more); and whether the
+three 41-round fits of the process grew the same trees bit for bit (float atomic adds sum in a
+varying order on a GPU; fixed-point sums do not).
 """
 
 from __future__ import annotations
@@ -44,20 +49,23 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "experiments"))
 
 # name -> (XLA_FLAGS added, kernel: None for the library's, else a name in
-# scatter_variants.VARIANTS); the first is the library's. Earlier runs (see the results file)
+# scatter_variants.VARIANTS, jb.train settings added); the first is the library's. Earlier runs (see the results file)
 # timed the fixed copies at other sizes (64/8, 512/16, 2048/64), and "--xla_gpu_enable_command_buffer="
 # (no command buffers) with 64/8: the same ms a tree as with command buffers.
 CONFIGS = {
-    "library (256 slots)": ("", None),
-    "live copies 128": ("", "live copies 128"),
-    "live copies 512": ("", "live copies 512"),
-    "fixed copies 1024/32": ("", "fixed copies 1024/32"),
-    "skip empty": ("", "skip empty"),
-    "fixed point": ("", "fixed point"),
+    "library (256 slots)": ("", None, {}),
+    "live copies 128": ("", "live copies 128", {}),
+    "live copies 512": ("", "live copies 512", {}),
+    "fixed copies 1024/32": ("", "fixed copies 1024/32", {}),
+    "skip empty": ("", "skip empty", {}),
+    "fixed point": ("", "fixed point", {}),
+    "deterministic histogram": ("", None, {"deterministic_histogram": True}),
+    "float pieces 2": ("", "float pieces 2", {}),
+    "float pieces 4": ("", "float pieces 4", {}),
     # XLA's flags: repeatable scatters (their cost in ms a tree), and the compile.
-    "deterministic ops": ("--xla_gpu_deterministic_ops=true", None),
-    "compile parallelism 16": ("--xla_gpu_force_compilation_parallelism=16", None),
-    "autotune off": ("--xla_gpu_autotune_level=0", None),
+    "deterministic ops": ("--xla_gpu_deterministic_ops=true", None, {}),
+    "compile parallelism 16": ("--xla_gpu_force_compilation_parallelism=16", None, {}),
+    "autotune off": ("--xla_gpu_autotune_level=0", None, {}),
 }
 # The next run's: the library's slots against fewer, more, and the kernel it replaced.
 DEFAULT_CONFIGS = ("library (256 slots)", "live copies 128", "live copies 512", "fixed copies 1024/32")
@@ -74,11 +82,18 @@ def child(config: str, task: str, rows: int, data_file: Path) -> dict:
     kernel = CONFIGS[config][1]
     if kernel is not None:
         import scatter_variants
-        jb.histogram._pair_scatter_histogram = scatter_variants.VARIANTS[kernel]
+        variant = scatter_variants.VARIANTS[kernel]
+
+        def swapped(*args, deterministic=False, **sizes):
+            del deterministic  # the variants sum in their own way
+            return variant(*args, **sizes)
+
+        jb.histogram._pair_scatter_histogram = swapped
     data = np.load(data_file)
     X_train, X_test, y_train, y_test = (data[name] for name in ("X_train", "X_test", "y_train", "y_test"))
     params = dict(loss="logistic" if task == "classification" else "squared_error", max_depth=6,
-                  learning_rate=LEARNING_RATE, reg_lambda=REG_LAMBDA, min_child_weight=MIN_HESSIAN, max_bin=256)
+                  learning_rate=LEARNING_RATE, reg_lambda=REG_LAMBDA, min_child_weight=MIN_HESSIAN, max_bin=256,
+                  **CONFIGS[config][2])
     dataset = jb.Dataset(X_train, y_train, max_bin=256)
 
     def fit(rounds):
@@ -87,13 +102,16 @@ def child(config: str, task: str, rows: int, data_file: Path) -> dict:
         return time.perf_counter() - start, model
 
     compile_s = fit(1)[0]
-    per_tree = []
+    per_tree, models = [], []
     for _ in range(3):
         one = fit(1)[0]
         many, model = fit(ROUNDS)
         per_tree.append(1000 * (many - one) / (ROUNDS - 1))
+        models.append(model)
+    repeatable = all(np.array_equal(np.asarray(a), np.asarray(b))
+                     for other in models[1:] for a, b in zip(models[0].trees, other.trees))
     return dict(config=config, task=task, ms_per_tree=statistics.median(per_tree), first_fit_s=compile_s,
-                metric=score(task, y_test, model.predict(X_test)))
+                metric=score(task, y_test, model.predict(X_test)), repeatable=repeatable)
 
 
 def main():
@@ -140,7 +158,8 @@ def main():
                     continue
                 result = json.loads(lines[-1][len("RESULT "):])
                 print(f"{task} {config} turn {turn + 1}: {result['ms_per_tree']:.2f} ms a tree, "
-                      f"first fit {result['first_fit_s']:.2f} s, metric {result['metric']:.5f}", flush=True)
+                      f"first fit {result['first_fit_s']:.2f} s, metric {result['metric']:.5f}, "
+                      f"3 fits same bits: {result['repeatable']}", flush=True)
                 results.append(result)
 
     import jax
@@ -150,7 +169,8 @@ def main():
              f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; devices: {jax.devices()}",
              f"- JAX {jax.__version__}; every cell the median of {args.repeats} processes (each the median of 3 "
              f"difference-method measurements of {ROUNDS - 1} trees)", "",
-             "| task | configuration | ms a tree | first fit s | test metric | ms a tree, by turn |", "|---|---|---|---|---|---|"]
+             "| task | configuration | ms a tree | first fit s | test metric | ms a tree, by turn | a process's 3 fits "
+             "the same bits, by turn |", "|---|---|---|---|---|---|---|"]
     for task in args.tasks.split(","):
         for config in args.configs.split(","):
             mine = [r for r in results if r["task"] == task and r["config"] == config]
@@ -159,7 +179,8 @@ def main():
             lines.append(f"| {task} | {config} | {statistics.median(r['ms_per_tree'] for r in mine):.2f} | "
                          f"{statistics.median(r['first_fit_s'] for r in mine):.2f} | "
                          f"{statistics.median(r['metric'] for r in mine):.5f} | "
-                         f"{', '.join('%.2f' % r['ms_per_tree'] for r in mine)} |")
+                         f"{', '.join('%.2f' % r['ms_per_tree'] for r in mine)} | "
+                         f"{', '.join('yes' if r['repeatable'] else 'no' for r in mine)} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:

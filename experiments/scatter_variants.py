@@ -16,6 +16,14 @@ for the library's in a child process.
   XGBoost's GPU histograms): each row's ``g`` and ``h`` become int32 multiples of ``1 / scale``,
   with ``scale = 2^30 / (rows x max |value|)`` so that no sum passes 2^31, are scattered as
   integers into fixed copies (1024 cells a copy, at most 32), and turned back into float32.
+* ``float_pieces(pieces)``: order-independent sums through float32 atomics, which a GPU adds
+  several at once (one vector atomic a cell's channels) where int32 ones go one channel at a
+  time: each of ``g`` and ``h`` becomes ``pieces`` whole numbers of ``bits`` bits each,
+  ``bits`` taken, every level, from the most rows one copy of a cell can get (the rows over the
+  copies) so that no partial sum passes 2^22: float32 adds whole numbers below 2^24 exactly,
+  in any order. The copies are then folded in int32 (at most 256 copies: below 2^30). The
+  library's ``deterministic_histogram`` adopted these pieces after this study, with partial sums
+  up to float32's 2^24 and as many pieces as keep 24 bits of a value (``jaxboost.fixed_point``).
 
 ``python experiments/scatter_variants.py`` checks every variant against a NumPy histogram (on any
 backend).
@@ -118,6 +126,61 @@ def fixed_point(X_binned_T, node_index, gradients, hessians, row_mask, *, num_no
     return sums.transpose(1, 0, 2, 3)
 
 
+def _power_of_two(exponent):
+    """float32 2**exponent for a traced int32 exponent in the normal range (exact)."""
+    return jax.lax.bitcast_convert_type((exponent + 127).astype(jnp.int32) << 23, jnp.float32)
+
+
+def float_pieces(pieces: int):
+    """Order-independent sums: ``pieces`` whole-number float32 pieces of each of g and h, scattered
+    into the library's live copies, folded in int32."""
+
+    def kernel(X_binned_T, node_index, gradients, hessians, row_mask, *, num_nodes, max_bin,
+               features_per_scatter=None):
+        del features_per_scatter  # one scatter over all features (the study's shapes fit)
+        n_features, n_rows = X_binned_T.shape
+        slots = histogram.scatter_slots(num_nodes)
+        cells = slots * max_bin
+        size = n_features * cells
+        kept = _kept_rows(node_index, row_mask, num_nodes)
+        live = jnp.maximum(jnp.max(jnp.where(kept, node_index, -1)) + 1, 1)
+        copies = jnp.maximum(slots // live, 1)
+        most_rows = (n_rows + copies - 1) // copies  # rows one copy of a cell can get
+        log_rows = 32 - jax.lax.clz(jnp.maximum(most_rows - 1, 1).astype(jnp.int32))  # ceil(log2), >= 1
+        bits = jnp.maximum(23 - log_rows, 1)  # most_rows * 2**(bits - 1) <= 2**22
+        channels = []
+        scales = []
+        for values in (gradients, hessians):
+            _, exponent = jnp.frexp(jnp.max(jnp.where(kept, jnp.abs(values), 0.0)))
+            scale = _power_of_two(bits - 1 - jnp.clip(exponent, -100, 100))
+            rest = values * scale
+            for _ in range(pieces):
+                piece = jnp.round(rest)
+                channels.append(piece)
+                rest = (rest - piece) * _power_of_two(bits)
+            scales.append(scale)
+        per_row = jnp.stack(channels, axis=-1)
+        width = per_row.shape[-1]
+        slot = node_index.astype(jnp.int32) + live * (jnp.arange(n_rows, dtype=jnp.int32) % copies)
+        row_cell = jnp.where(kept, slot * max_bin, size)
+        index = jnp.arange(n_features, dtype=jnp.int32)[:, None] * cells + row_cell + X_binned_T.astype(jnp.int32)
+        updates = jnp.broadcast_to(per_row, (n_features, n_rows, width))
+        sums = jnp.zeros((size, width), jnp.float32).at[index.reshape(-1)].add(updates.reshape(-1, width),
+                                                                               mode="drop")
+        sums = sums.astype(jnp.int32).reshape(n_features, slots, max_bin, width)
+        owner = jnp.arange(slots, dtype=jnp.int32) % live
+        sums = jnp.zeros((n_features, num_nodes, max_bin, width), jnp.int32).at[:, owner].add(sums)
+        results = []
+        for k, scale in enumerate(scales):
+            value = jnp.zeros(sums.shape[:-1], jnp.float32)
+            for j in reversed(range(pieces)):  # the smallest pieces first
+                value = value * _power_of_two(-bits) + sums[..., k * pieces + j].astype(jnp.float32)
+            results.append(value / scale)
+        return jnp.stack(results, axis=-1).transpose(1, 0, 2, 3)
+
+    return kernel
+
+
 LIBRARY_KERNEL = histogram._pair_scatter_histogram
 VARIANTS = {
     "live copies 128": live_copies(128),
@@ -125,6 +188,8 @@ VARIANTS = {
     "fixed copies 1024/32": fixed_copies(1024, 32),
     "skip empty": skip_empty,
     "fixed point": fixed_point,
+    "float pieces 2": float_pieces(2),
+    "float pieces 4": float_pieces(4),
 }
 
 
@@ -154,11 +219,18 @@ def check() -> None:
                 jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians),
                 jnp.asarray(row_mask))
             error = float(np.abs(np.asarray(actual) - expected).max()) / scale
-            tolerance = 1e-4 if name == "fixed point" else 1e-5
+            tolerance = {"fixed point": 1e-4, "float pieces 2": 1e-3}.get(name, 1e-5)
             status = "ok" if error <= tolerance else "WRONG"
             print(f"{num_nodes:3d} slots, {live} live, {mask_share:.0%} of rows: {name:18s} error/max {error:.1e} {status}")
             if status != "ok":
                 raise SystemExit(f"{name} does not match NumPy")
+            if name.startswith("float pieces"):
+                order = rng.permutation(n_rows)
+                again = jax.jit(lambda *a, kernel=kernel: kernel(*a, num_nodes=num_nodes, max_bin=max_bin))(
+                    jnp.asarray(X_binned[order].T), jnp.asarray(node_index[order]), jnp.asarray(gradients[order]),
+                    jnp.asarray(hessians[order]), jnp.asarray(row_mask[order]))
+                if not np.array_equal(np.asarray(again), np.asarray(actual)):
+                    raise SystemExit(f"{name}: the rows' order changed the sums")
 
 
 if __name__ == "__main__":
