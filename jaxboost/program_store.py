@@ -22,7 +22,7 @@ a trace.
 ``JAXBOOST_CACHE_DIR`` holds the store (``programs/`` inside it; an empty value turns it off, as
 it turns off the compilation cache), and ``JAXBOOST_PROGRAM_STORE=0`` turns the store alone off.
 Serializing needs the ``flatbuffers`` package (the ``fast-start`` extra); without it rounds are
-traced as before. CPU programs only, so far (``STORED_PLATFORMS``).
+traced as before. CPU and GPU programs (``STORED_PLATFORMS``).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ SOURCE_PACKAGES = ("jaxboost", "jaxboost.losses")
 # Stored programs kept (about 50 KB each); the oldest written go first past this.
 MAX_STORED_PROGRAMS = 2000
 _SUFFIX = ".jaxexport"
-# Platforms whose programs are stored. Accelerators' rounds are traced as before: storing them
-# has not been run on one yet.
-STORED_PLATFORMS = ("cpu",)
+# Platforms whose programs are stored (devices' names; a TPU's rounds are traced as before:
+# storing them has not been run on one).
+STORED_PLATFORMS = ("cpu", "gpu")
 
 
 class NotStorable(Exception):
@@ -239,6 +239,18 @@ def _spec(leaf) -> jax.ShapeDtypeStruct:
                                 weak_type=aval.weak_type)
 
 
+def export_platform(platform: str) -> str | None:
+    """``jax.export``'s name for the devices' ``platform`` (a GPU's is "cuda" or "rocm", as the
+    backend present says), or None where there is none."""
+    if platform == "cpu":
+        return platform
+    try:
+        from jax._src.xla_bridge import canonicalize_platform  # what jax.jit itself lowers for
+        return canonicalize_platform(platform)
+    except Exception:  # noqa: BLE001 - no such backend, or a JAX without the function: traced as before
+        return None
+
+
 def _exported(function: Callable, arguments: tuple, platform: str) -> jax.export.Exported:
     """``function`` traced and lowered for ``arguments`` (specs), taking their leaves as a flat list."""
     leaves, tree = jax.tree_util.tree_flatten(arguments)
@@ -316,6 +328,9 @@ def stored_program(name: str, make_function: Callable[[], Callable], static, arg
     object per key in a process; ``ready`` gives its callable."""
     folder = store_folder()
     if folder is None or platform not in STORED_PLATFORMS:
+        return None
+    platform = export_platform(platform)
+    if platform is None:
         return None
     key = program_key(name, static, arguments, jit_options.get("compiler_options"))
     if key is None:
