@@ -3,6 +3,7 @@ value, ``train_many``'s round) lowered once, loaded by later processes instead o
 the same models; settings that change a program change its key; programs whose meaning lies in
 user code are never stored."""
 
+import collections
 import functools
 import os
 import subprocess
@@ -155,3 +156,23 @@ def test_settings_that_change_a_program_but_no_shape_get_programs_of_their_own(t
         entries = set((tmp_path / "programs").iterdir())
         assert entries - seen, f"{settings} reused a stored program"  # its round at least is new
         seen = entries
+
+
+def test_programs_are_stored_for_platforms_with_a_backend_present(tmp_path, monkeypatch):
+    """A CPU's and a GPU's programs are stored under jax.export's name of their backend; a
+    platform with no backend in this process (a GPU here when there is none), or one not yet
+    run with the store (a TPU), gets None: its program is jitted as without the store."""
+    monkeypatch.setenv("JAXBOOST_PROGRAM_STORE", "1")
+    monkeypatch.setenv("JAXBOOST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(program_store, "_IN_PROCESS", collections.OrderedDict())
+    assert program_store.export_platform("cpu") == "cpu"
+    gpu = program_store.export_platform("gpu")
+    has_gpu = any(device.platform == "gpu" for device in jax.devices())
+    assert gpu in (("cuda", "rocm") if has_gpu else (None,))
+    arguments = (jax.ShapeDtypeStruct((4,), np.float32),)
+    stored = program_store.stored_program("double", lambda: lambda x: 2 * x, "double", arguments, "cpu", {})
+    assert stored is not None
+    np.testing.assert_array_equal(program_store.ready(stored)(np.ones(4, np.float32)), 2.0)
+    assert (program_store.stored_program("double", lambda: lambda x: 2 * x, "double", arguments, "gpu", {}) is None) \
+        == (not has_gpu)
+    assert program_store.stored_program("double", lambda: lambda x: 2 * x, "double", arguments, "tpu", {}) is None
