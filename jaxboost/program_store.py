@@ -143,11 +143,15 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def _environment(compiler_options: dict | None) -> str:
+def _environment(compiler_options: dict | None, platform: str) -> str:
     config = jax.config
+    # Only a CPU's programs call the native kernels: asking which are built builds them (a C++
+    # compile, once a machine), which a fresh GPU machine's first fit had paid for nothing.
+    native_kernels = (",".join(sorted(native._registered_targets()))
+                      if platform == "cpu" and native.native_enabled() else "")
     return ";".join([
-        _source_digest(), jax.__version__, importlib.import_module("jaxlib").__version__, str(native.native_enabled()),
-        ",".join(sorted(native._registered_targets())) if native.native_enabled() else "",
+        _source_digest(), jax.__version__, importlib.import_module("jaxlib").__version__, platform,
+        str(native.native_enabled()), native_kernels,
         describe(compiler_options or {}), str(config.jax_enable_x64), str(config.jax_default_matmul_precision),
         str(config.jax_numpy_dtype_promotion), str(config.jax_numpy_rank_promotion),
         str(config.jax_default_prng_impl), str(config.jax_threefry_partitionable)])
@@ -175,15 +179,18 @@ def _described(static) -> str:
     return describe(static)
 
 
-def program_key(name: str, static, arguments: tuple, compiler_options: dict | None) -> str | None:
+def program_key(name: str, static, arguments: tuple, compiler_options: dict | None,
+                platform: str = "cpu") -> str | None:
     """The store's key for program ``name`` of ``static`` (its static structure) called with
-    ``arguments``; None when something in them is not storable."""
+    ``arguments`` and lowered for ``platform`` (``export_platform``'s name); None when something
+    in them is not storable."""
     try:
         try:
             static_description = _described(static)
         except TypeError:  # not hashable: described each time
             static_description = describe(static)
-        description = f"{name}|{static_description}|{describe(arguments)}|{_environment(compiler_options)}"
+        description = (f"{name}|{static_description}|{describe(arguments)}|"
+                       f"{_environment(compiler_options, platform)}")
     except NotStorable as reason:
         logger.debug("program %s not stored: %s", name, reason)
         return None
@@ -332,7 +339,7 @@ def stored_program(name: str, make_function: Callable[[], Callable], static, arg
     platform = export_platform(platform)
     if platform is None:
         return None
-    key = program_key(name, static, arguments, jit_options.get("compiler_options"))
+    key = program_key(name, static, arguments, jit_options.get("compiler_options"), platform)
     if key is None:
         return None
     with _IN_PROCESS_LOCK:  # a first fit asks for its starting value's program in a thread of its own

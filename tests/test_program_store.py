@@ -176,3 +176,17 @@ def test_programs_are_stored_for_platforms_with_a_backend_present(tmp_path, monk
     assert (program_store.stored_program("double", lambda: lambda x: 2 * x, "double", arguments, "gpu", {}) is None) \
         == (not has_gpu)
     assert program_store.stored_program("double", lambda: lambda x: 2 * x, "double", arguments, "tpu", {}) is None
+
+
+def test_only_a_cpu_programs_key_asks_which_native_kernels_are_built(monkeypatch):
+    """Asking builds them (a C++ compile, once a machine): a GPU's program never calls them, and
+    a fresh GPU machine's first fit had paid for that build through its key."""
+    from jaxboost import native
+
+    asked = []
+    monkeypatch.setattr(native, "_registered_targets", lambda: asked.append(True) or {"jaxboost_histogram"})
+    arguments = (jax.ShapeDtypeStruct((4,), np.float32),)
+    gpu_key = program_store.program_key("double", "double", arguments, None, "cuda")
+    assert gpu_key is not None and not asked
+    cpu_key = program_store.program_key("double", "double", arguments, None, "cpu")
+    assert asked and cpu_key != gpu_key
