@@ -54,18 +54,19 @@ def ceil_log2(count) -> jax.Array:
     return (32 - lax.clz(count - 1)).astype(jnp.int32)
 
 
+def _folded_bits(n_terms: int) -> int:
+    """Bits a piece within ``MAX_PIECE_BITS`` such that ``n_terms`` pieces sum within int32's bound."""
+    return min(INT_EXACT_BITS + 1 - math.ceil(math.log2(max(n_terms, 2))), MAX_PIECE_BITS)
+
+
 def int_piece_bits(n_terms: int) -> int:
     """Bits of each int32 piece for sums of ``n_terms`` values: ``n_terms`` pieces of magnitude
     at most ``2**(bits - 1)`` sum to at most ``2**30``."""
-    bits = min(MAX_PIECE_BITS, INT_EXACT_BITS + 1 - math.ceil(math.log2(max(n_terms, 2))))
+    bits = _folded_bits(n_terms)
     if bits < MIN_INT_PIECE_BITS:
         raise ValueError(f"order-independent sums take at most {2 ** (INT_EXACT_BITS + 1 - MIN_INT_PIECE_BITS)} "
                          f"terms a sum; got {n_terms}")
     return bits
-
-
-def _folded_bits(n_terms: int) -> int:
-    return min(INT_EXACT_BITS + 1 - math.ceil(math.log2(max(n_terms, 2))), MAX_PIECE_BITS)
 
 
 def float_piece_bits(most_terms, n_terms: int) -> jax.Array:

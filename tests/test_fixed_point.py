@@ -193,14 +193,14 @@ def test_deterministic_pair_scatter_under_vmap():
                                    atol=rounding_bound(gradient_sets[model][row_mask], fixed_point.TARGET_BITS))
 
 
-def train_as_on_an_accelerator(monkeypatch, X, y, **settings):
-    """``jb.train`` with every platform-dependent choice of the histogram and line-search
-    modules taking the accelerators' branch (their XLA kernels, not the CPU's), on CPU."""
+def train_as_on_an_accelerator(monkeypatch, X, y, train=None, **settings):
+    """``jb.train`` (or ``train``) with every platform-dependent choice of the histogram and
+    line-search modules taking the accelerators' branch (their XLA kernels, not the CPU's), on CPU."""
     def accelerator_branch(*args, cpu, default):
         return default(*args)
 
     patches = [(module, "per_platform", accelerator_branch) for module in (histogram, line_search)]
-    return train_with_patches(monkeypatch, patches, X, y, settings)
+    return train_with_patches(monkeypatch, patches, X, y, settings, train)
 
 
 def same_trees(model, other) -> bool:
@@ -208,37 +208,53 @@ def same_trees(model, other) -> bool:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="runs the accelerators' kernels on CPU, one device")
-@pytest.mark.parametrize("loss", ["logistic", "absolute_error"])
+@pytest.mark.parametrize("loss", ["logistic", "absolute_error", "softmax vector leaves", "train_many"])
 def test_deterministic_histogram_grows_the_same_model_from_permuted_rows(monkeypatch, loss):
     """The sums of a round no longer depend on the order of the rows: a model trained on the
     rows in another order is the same bit for bit (absolute error: its leaf refit's sums too).
     The float kernel's models differ (so the comparison can tell), and the two kernels' models
     agree in their fit. The starting value is fixed (a margin of 0): its sum is a reduction
     over rows whose order would change its last bit. Absolute error gets sample weights: its
-    unweighted gradients and split Hessians are whole numbers, whose float sums are exact."""
+    unweighted gradients and split Hessians are whole numbers, whose float sums are exact.
+    Vector leaves sum their channels a pair at a time; ``train_many`` vmaps the kernel."""
     rng = np.random.default_rng(21)
     n = 3000
     X = rng.normal(size=(n, 5)).astype(np.float32)
     signal = X[:, 0] + np.sin(2 * X[:, 1]) + 0.5 * rng.normal(size=n)
-    y = (signal > 0).astype(np.float32) if loss == "logistic" else signal.astype(np.float32)
+    settings = dict(loss=loss, num_rounds=8, max_depth=5, learning_rate=0.3)
+    margin = np.zeros(n, np.float32)
+    y = (signal > 0).astype(np.float32)
+    if loss == "absolute_error":
+        y = signal.astype(np.float32)
+    elif loss == "softmax vector leaves":
+        y = np.digitize(signal, [-0.5, 0.5]).astype(np.float32)
+        settings.update(loss="softmax", multi_strategy="multi_output_tree", num_rounds=4)
+        margin = np.zeros((n, 3), np.float32)
+    elif loss == "train_many":
+        settings.update(loss="logistic", train=jb.train_many, batch={"learning_rate": [0.3, 0.5]})
+        del settings["learning_rate"]
     weight = rng.uniform(0.5, 2.0, n).astype(np.float32) if loss == "absolute_error" else np.ones(n, np.float32)
     order = rng.permutation(n)
     edges = jb.Dataset(X, y, max_bin=64).bin_edges  # one set of bin edges for both orders
 
     def fit(rows, deterministic):
-        data = jb.Dataset(X[rows], y[rows], weight[rows], bin_edges=edges, base_margin=np.zeros(n, np.float32))
-        return train_as_on_an_accelerator(monkeypatch, data, None, loss=loss, num_rounds=8, max_depth=5,
-                                          learning_rate=0.3, deterministic_histogram=deterministic)
+        data = jb.Dataset(X[rows], y[rows], weight[rows], bin_edges=edges, base_margin=margin[rows])
+        models = train_as_on_an_accelerator(monkeypatch, data, None, deterministic_histogram=deterministic,
+                                            **settings)
+        return models if isinstance(models, list) else [models]
+
+    def same_models(fits, others):
+        return all(same_trees(fit, other) for fit, other in zip(fits, others))
 
     exact = fit(np.arange(n), True)
-    assert same_trees(fit(order, True), exact)
+    assert same_models(fit(order, True), exact)
     floats = fit(np.arange(n), False)
-    assert not same_trees(fit(order, False), floats)
-    assert exact.params["deterministic_histogram"] and not floats.params["deterministic_histogram"]
-    # Same fit: the pieces round each value by 2**-28 of the level's largest (3000 rows).
-    margin = np.zeros(n, np.float32)
-    np.testing.assert_allclose(exact.predict(X, base_margin=margin), floats.predict(X, base_margin=margin),
-                               rtol=1e-4, atol=1e-4)
+    assert not same_models(fit(order, False), floats)
+    assert exact[0].params["deterministic_histogram"] and not floats[0].params["deterministic_histogram"]
+    # Same fit: the pieces keep at least 24 bits of each value (of the level's largest).
+    for exact_model, float_model in zip(exact, floats):
+        np.testing.assert_allclose(exact_model.predict(X, base_margin=margin), float_model.predict(X, base_margin=margin),
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_deterministic_histogram_must_be_a_bool():

@@ -594,19 +594,23 @@ def test_native_build_failures_are_reported_not_raised(monkeypatch, tmp_path):
     assert native._registered_targets.__wrapped__() == frozenset()
 
 
-def train_with_patches(monkeypatch, patches, X, y, settings):
-    """``jb.train`` with ``(owner, name, value)`` attributes replaced while its round is traced."""
+def train_with_patches(monkeypatch, patches, X, y, settings, train=None):
+    """``jb.train`` (or ``train``, e.g. ``jb.train_many``) with ``(owner, name, value)`` attributes
+    replaced while its round is traced."""
     import jaxboost as jb
     from jaxboost import boosting
 
     for owner, name, value in patches:
         monkeypatch.setattr(owner, name, value)
-    boosting.compiled_round.cache_clear()  # kernels are chosen when a round is traced
+    rounds = (boosting.compiled_round, boosting.compiled_many_rounds)
+    for cache in rounds:
+        cache.cache_clear()  # kernels are chosen when a round is traced
     try:
-        return jb.train(X, y, **settings)
+        return (train or jb.train)(X, y, **settings)
     finally:
         monkeypatch.undo()
-        boosting.compiled_round.cache_clear()
+        for cache in rounds:
+            cache.cache_clear()
 
 
 def train_with_kernel(monkeypatch, X, y, settings, kernel):
