@@ -208,7 +208,8 @@ def same_trees(model, other) -> bool:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="runs the accelerators' kernels on CPU, one device")
-@pytest.mark.parametrize("loss", ["logistic", "absolute_error", "softmax vector leaves", "train_many"])
+@pytest.mark.parametrize("loss", ["logistic", "absolute_error", "softmax vector leaves", "train_many",
+                                  "column sample"])
 def test_deterministic_histogram_grows_the_same_model_from_permuted_rows(monkeypatch, loss):
     """The sums of a round no longer depend on the order of the rows: a model trained on the
     rows in another order is the same bit for bit (absolute error: its leaf refit's sums too).
@@ -216,7 +217,8 @@ def test_deterministic_histogram_grows_the_same_model_from_permuted_rows(monkeyp
     agree in their fit. The starting value is fixed (a margin of 0): its sum is a reduction
     over rows whose order would change its last bit. Absolute error gets sample weights: its
     unweighted gradients and split Hessians are whole numbers, whose float sums are exact.
-    Vector leaves sum their channels a pair at a time; ``train_many`` vmaps the kernel."""
+    Vector leaves sum their channels a pair at a time; ``train_many`` vmaps the kernel; a
+    column sample's histograms hold the sampled features alone."""
     rng = np.random.default_rng(21)
     n = 3000
     X = rng.normal(size=(n, 5)).astype(np.float32)
@@ -230,6 +232,8 @@ def test_deterministic_histogram_grows_the_same_model_from_permuted_rows(monkeyp
         y = np.digitize(signal, [-0.5, 0.5]).astype(np.float32)
         settings.update(loss="softmax", multi_strategy="multi_output_tree", num_rounds=4)
         margin = np.zeros((n, 3), np.float32)
+    elif loss == "column sample":
+        settings.update(loss="logistic", colsample_bytree=0.6)
     elif loss == "train_many":
         settings.update(loss="logistic", train=jb.train_many, batch={"learning_rate": [0.3, 0.5]})
         del settings["learning_rate"]
