@@ -30,7 +30,8 @@ RMSE), as training with early stopping does; sklearn, which has no such option, 
 ``--colsample-bytree F`` makes every tree sample F of the features (LightGBM: feature_fraction;
 sklearn, which samples by split only, is left out). ``--subsample F`` makes every round sample F
 of the rows (LightGBM: bagging_fraction with bagging_freq=1; sklearn, which has no row sample, is
-left out).
+left out). ``--deterministic-histogram`` trains jaxboost with ``deterministic_histogram=True``
+(repeatable GPU fits, as XGBoost's GPU histograms are by default; on CPU it changes nothing).
 
 How it is measured (``bench_worker.py`` does one run):
 
@@ -215,9 +216,10 @@ class Runner:
     configuration shared by several tables runs once."""
 
     def __init__(self, repeats: int, rounds: int, device: str = "cpu", eval_set: bool = False,
-                 colsample_bytree: float = 1.0, subsample: float = 1.0):
+                 colsample_bytree: float = 1.0, subsample: float = 1.0, deterministic_histogram: bool = False):
         self.repeats, self.rounds, self.device, self.eval_set = repeats, rounds, device, eval_set
         self.colsample_bytree, self.subsample = colsample_bytree, subsample
+        self.deterministic_histogram = deterministic_histogram
         self.meter = OtherCpuMeter()
         self.results: dict[tuple, list[dict]] = {}
 
@@ -239,6 +241,7 @@ class Runner:
                 worker_args += ["--colsample-bytree", str(self.colsample_bytree)]
             if self.subsample != 1.0:
                 worker_args += ["--subsample", str(self.subsample)]
+            worker_args += ["--deterministic-histogram"] if self.deterministic_histogram else []
             started = time.perf_counter()
             result = run_worker(worker_args, self.meter, self.device)
             print(f"  {library:<9} {task:<14} rows={rows:<9} depth={depth:<3} bins={max_bin:<4} "
@@ -387,6 +390,8 @@ def run_tasks(args, runner: Runner) -> list[str]:
             title += f", {args.colsample_bytree:g} of the features sampled for each tree"
         if args.subsample != 1.0:
             title += f", {args.subsample:g} of the rows sampled for each round"
+        if args.deterministic_histogram:
+            title += ", jaxboost with deterministic_histogram=True"
         config = (task, args.rows, args.depth, args.max_bin)
         ratios = {library: turn_ratios(runner, library, config) for library in args.libraries}
         section = (f"{title}\n\n{task_table(task, summaries, args.device, ratios)}\n\nMemory (MB, medians):\n\n"
@@ -522,6 +527,9 @@ def method_notes(args) -> str:
         *([f"- Row sample (--subsample {args.subsample:g}): each round draws that fraction of the rows "
             f"(jaxboost and XGBoost subsample, LightGBM bagging_fraction with bagging_freq=1); scikit-learn has no "
             f"row sample and is left out."] if args.subsample != 1.0 else []),
+        *([f"- Repeatable sums (--deterministic-histogram): jaxboost trains with deterministic_histogram=True "
+            f"(on a GPU its histograms add whole-number pieces, exact in any order; XGBoost's GPU histograms are "
+            f"repeatable by default; on CPU every library's are)."] if args.deterministic_histogram else []),
         f"- Settings: learning rate 0.1, lambda 1 (0 for absolute_error: jaxboost's exact leaf refit "
         f"includes the penalty, the others' weighted medians do not), depth {args.depth} (LightGBM/sklearn: "
         f"at most "
@@ -575,6 +583,8 @@ def parse_args(argv=None):
     parser.add_argument("--subsample", type=float, default=1.0,
                         help="fraction of the rows each round samples (scikit-learn, which has no row sample, is "
                              "left out by default)")
+    parser.add_argument("--deterministic-histogram", action="store_true",
+                        help="jaxboost with deterministic_histogram=True (repeatable GPU fits)")
     args = parser.parse_args(argv)
     for option, fraction in [("--colsample-bytree", args.colsample_bytree), ("--subsample", args.subsample)]:
         if not 0.0 < fraction <= 1.0:
@@ -604,7 +614,8 @@ def main(argv=None):
     if warning:
         print(warning.replace("**", ""), file=sys.stderr)
 
-    runner = Runner(args.repeats, args.rounds, args.device, args.eval_set, args.colsample_bytree, args.subsample)
+    runner = Runner(args.repeats, args.rounds, args.device, args.eval_set, args.colsample_bytree, args.subsample,
+                    args.deterministic_histogram)
     sections = run_tasks(args, runner)
     if args.scaling:
         sections.append(run_scaling(args, runner))

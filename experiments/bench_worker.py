@@ -244,6 +244,9 @@ class JaxboostRunner:
     def sample_rows(self, fraction):
         self.params.update(subsample=fraction)
 
+    def sum_repeatably(self):
+        self.params.update(deterministic_histogram=True)
+
     def train(self, dataset, rounds, eval_set=None):
         if eval_set is None:
             return self.jb.train(dataset, num_rounds=rounds, **self.params)
@@ -467,6 +470,8 @@ def measure(args) -> dict:
         if not hasattr(runner, "sample_rows"):
             return {"status": "no row sample", "detail": f"the {args.library} runner samples no rows by round"}
         runner.sample_rows(args.subsample)
+    if args.deterministic_histogram and hasattr(runner, "sum_repeatably"):
+        runner.sum_repeatably()  # the other libraries' histograms are repeatable as they are
     since_reset = reset_peak_rss()
     rss_start_mb = current_rss_mb()
     anonymous_memory = anonymous_memory_sampler()
@@ -555,6 +560,8 @@ def parse_args(argv=None):
                         help="the fraction of rows sampled for each round (LightGBM: bagging_fraction)")
     parser.add_argument("--eval-set", action="store_true",
                         help="train with the test split as an eval set, its loss computed every round")
+    parser.add_argument("--deterministic-histogram", action="store_true",
+                        help="jaxboost: deterministic_histogram=True (repeatable GPU fits)")
     args = parser.parse_args(argv)
     if not args.info and (args.library is None or args.task is None):
         parser.error("--library and --task are required")
