@@ -17,7 +17,7 @@ for the library's in a child process.
   with ``scale = 2^30 / (rows x max |value|)`` so that no sum passes 2^31, are scattered as
   integers into fixed copies (1024 cells a copy, at most 32), and turned back into float32.
 * ``float_pieces(pieces)``: order-independent sums through float32 atomics, which a GPU adds
-  several at once (one vector atomic a cell's channels) where int32 ones go one channel at a
+  several at once (presumably one vector atomic a cell's channels) where int32 ones go one channel at a
   time: each of ``g`` and ``h`` becomes ``pieces`` whole numbers of ``bits`` bits each,
   ``bits`` taken, every level, from the most rows one copy of a cell can get (the rows over the
   copies) so that no partial sum passes 2^22: float32 adds whole numbers below 2^24 exactly,

@@ -10,8 +10,8 @@ relative to a power of two ``scale`` taken from the largest magnitude summed,
 ``bits`` chosen from the most terms one sum can take so that no sum leaves its exact range.
 Converting the summed pieces back to float32 rounds the same way every time.
 
-Two uses: the accelerators' histogram kernel adds float32 pieces (a GPU adds a cell's float32
-channels in one vector atomic, int32 ones one at a time: 3.45 against 4.59 ms a tree on an
+Two uses: the accelerators' histogram kernel adds float32 pieces (on a GPU float32 channels
+cost less than int32 ones, presumably vector float atomics: 3.45 against 4.59 ms a tree on an
 H100, ``experiments/results/gpu_level_copies.md``) into copies that each get a share of the
 rows, and folds the copies in int32; leaf refits' segment sums add two int32 pieces.
 A value is rounded by at most ``2 max|v| 2**-(pieces * bits)``.
@@ -78,7 +78,7 @@ def float_piece_bits(most_terms, n_terms: int) -> jax.Array:
 
 
 def float_pieces_needed(most_terms: int, n_terms: int) -> int:
-    """The even number of float32 pieces (a GPU adds four channels in one vector atomic) that
+    """The even number of float32 pieces (cells of a multiple of four float32 channels, as measured) that
     keep ``TARGET_BITS`` of a value when one float32 sum takes up to ``most_terms`` terms (the
     fewest bits ``float_piece_bits`` gives for at most that many)."""
     bits = min(FLOAT_EXACT_BITS + 1 - math.ceil(math.log2(max(most_terms, 1))), _folded_bits(n_terms))
