@@ -72,9 +72,9 @@ def int_piece_bits(n_terms: int) -> int:
 def float_piece_bits(most_terms, n_terms: int) -> jax.Array:
     """int32 bits of each float32 piece when one float32 sum takes at most ``most_terms`` terms
     (traced) and the int32 sums that fold those together at most ``n_terms``: the float32 sums
-    stay within ``2**24`` and the int32 ones within ``2**30``."""
-    bits = jnp.minimum(FLOAT_EXACT_BITS + 1 - ceil_log2(most_terms), _folded_bits(n_terms))
-    return jnp.maximum(bits, 1)
+    stay within ``2**24`` and the int32 ones within ``2**30`` (``float_pieces_needed`` checks
+    that the fewest bits are enough)."""
+    return jnp.minimum(FLOAT_EXACT_BITS + 1 - ceil_log2(most_terms), _folded_bits(n_terms))
 
 
 def float_pieces_needed(most_terms: int, n_terms: int) -> int:

@@ -452,7 +452,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         GPU histograms do. Without it the sums are float atomic adds, whose order varies
         between runs: the last bits of a sum, and through near ties a split, may differ. Each
         value keeps 24 bits relative to the level's largest one; it costs time (1.9x a tree on
-        an H100; see the README's GPU section). On CPU the rows are always added in one order,
+        an H100 and an H200; see the README's GPU section). On CPU the rows are always added in one order,
         and this changes nothing.
 
     On CPU the rows are sharded over one host device per core the process may use (fewer for

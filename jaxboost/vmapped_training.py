@@ -32,8 +32,8 @@ from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .program_store import ready
 from .regularizer import Regularization, check_regularization
-from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, check_flag, _leaf_refit_needed, _raise_if_unhealthy,
-                       found_while_compiling, interaction_groups, monotone_array, positives_weighted,
+from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
+                       check_flag, found_while_compiling, interaction_groups, monotone_array, positives_weighted,
                        release_memory_now_and_then, vector_leaves)
 
 # Hyperparameters that may differ between the models, with jb.train's defaults.
