@@ -263,8 +263,10 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     """The round is compiled ahead of its first call, for the raw predictions' shapes, while a
     thread finds the starting value: the call then takes that program (a mismatch, such as
     another sharding, would lower and compile the round a second time). The memory the compiler
-    freed is handed back before the first round. A second fit of the same shapes finds the
-    round compiled, and finds its starting value in the caller's thread."""
+    freed is handed back before the first round. The starting value's thread starts once the
+    round is lowered (tracing both at once, the threads had taken turns on the GIL). A second
+    fit of the same shapes finds the round compiled, and finds its starting value in the
+    caller's thread."""
     import threading
 
     from jaxboost import training, vmapped_training
@@ -274,7 +276,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     if settings.pop("eval_set", False):
         y = (y > np.median(y)).astype(np.float32)
         settings["eval_set"] = [(X[:300], y[:300])]
-    lowered, starting_threads, steps, in_64_bits = [], [], [], []
+    lowered, starting_threads, steps, in_64_bits, order = [], [], [], [], []
 
     def listener(name, duration, **kwargs):
         if "round" not in str(kwargs.get("fun_name")):
@@ -282,11 +284,13 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         if name.endswith("jaxpr_to_mlir_module_duration"):
             lowered.append(threading.get_ident())
             steps.append("round lowered")
+            order.append("round lowered")
         elif name.endswith("backend_compile_duration"):  # also a persistent-cache hit
             steps.append("round compiled")
 
     def recording_starting_value(*args, **kwargs):
         starting_threads.append(threading.get_ident())
+        order.append("starting value")
         in_64_bits.append(jax.config.jax_enable_x64)
         return boosting.starting_value(*args, **kwargs)
 
@@ -330,7 +334,9 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         assert not steps and starting_threads == [threading.get_ident()], (steps, starting_threads)
         assert np.all(np.ptp(zero_rounds, axis=-1) == 0), "a model of no rounds predicts one constant"
         starting_threads.clear()
+        order.clear()
         first = fit()
+        first_fit_order = list(order)
         first_fit_steps, first_fit_threads = list(steps), list(starting_threads)
         again = fit()
     finally:
@@ -340,6 +346,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         boosting.compiled_many_rounds.cache_clear()
     assert lowered == [threading.get_ident()], "the round was lowered more than once, or not by the caller"
     assert first_fit_threads and threading.get_ident() not in first_fit_threads
+    assert first_fit_order[:2] == ["round lowered", "starting value"], first_fit_order
     # Compiled before its first call, and once; the free pages the compiler left are handed back
     # before the rounds' buffers come on top of them.
     assert first_fit_steps[:4] == ["round lowered", "round compiled", "pages handed back", "round called"], \
