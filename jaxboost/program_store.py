@@ -34,6 +34,7 @@ import hashlib
 import importlib
 import logging
 import os
+import re
 import tempfile
 import threading
 from pathlib import Path
@@ -270,6 +271,71 @@ def _exported(function: Callable, arguments: tuple, platform: str) -> jax.export
     return jax.export.export(jax.jit(flat), platforms=[platform], disabled_checks=checks)(*leaves)
 
 
+# JAX lowers a call to an exported program on a CPU after readying jaxlib's LAPACK kernels,
+# whether the program calls LAPACK or not, and readying them imports SciPy's BLAS and LAPACK
+# modules: 0.23 s on a 2-core machine, half of a later process's first fit. A stored program that
+# calls no LAPACK kernel is lowered without: the readying is skipped in the thread lowering it
+# (``_lowered_without_lapack``), and only there; it runs as before for any other program.
+_WITHOUT_LAPACK = threading.local()
+
+
+@functools.cache
+def _lapack_readying_skippable() -> bool:
+    """Wraps JAX's LAPACK readying (once) so that a thread lowering a stored program that
+    calls no LAPACK kernel skips it; False where this JAX has no such function to wrap."""
+    try:
+        from jax._src.lax import linalg
+    except ImportError:
+        return False
+    ready_lapack = getattr(linalg, "initialize_lapack", None)
+    if not callable(ready_lapack):
+        return False
+
+    @functools.wraps(ready_lapack)
+    def initialize_lapack(*args, **kwargs):
+        if getattr(_WITHOUT_LAPACK, "active", False):
+            return None
+        return ready_lapack(*args, **kwargs)
+
+    linalg.initialize_lapack = initialize_lapack
+    return True
+
+
+def calls_lapack(exported: jax.export.Exported) -> bool:
+    """Whether the program calls one of jaxlib's LAPACK kernels (custom calls whose targets are
+    named ``lapack_...``)."""
+    # The serialized module keeps its strings as they are: without the word, no such target.
+    if b"lapack" not in bytes(exported.mlir_module_serialized):
+        return False
+    # The word may be a source location's (a function named so); the module's text (some 30 ms
+    # for a round) names the targets.
+    text = exported.mlir_module()
+    targets = re.findall(r'custom_call @([\w.$-]+)', text) + re.findall(r'call_target_name = "([^"]*)"', text)
+    return any(target.startswith("lapack") for target in targets)
+
+
+class _LoweredWithoutLapack:
+    """A jitted stored program whose lowering, in a first call or by ``lower``, skips JAX's
+    LAPACK readying (the program calls no LAPACK kernel)."""
+
+    def __init__(self, jitted: Callable):
+        self._jitted = jitted
+
+    def _without_lapack(self, method, arguments):
+        before = getattr(_WITHOUT_LAPACK, "active", False)
+        _WITHOUT_LAPACK.active = True
+        try:
+            return method(*arguments)
+        finally:
+            _WITHOUT_LAPACK.active = before
+
+    def __call__(self, *arguments):
+        return self._without_lapack(self._jitted, arguments)
+
+    def lower(self, *arguments):
+        return self._without_lapack(self._jitted.lower, arguments)
+
+
 class StoredProgram:
     """A program from the store, made when first lowered or asked for (``jitted``): loaded
     when a process stored it before, else traced now and stored. Lazily, so that a first fit
@@ -307,7 +373,10 @@ class StoredProgram:
         def call(*call_arguments):
             return exported.call(*jax.tree_util.tree_leaves(call_arguments))
 
-        self._made, self._make_arguments = jax.jit(call, **jit_options), None
+        jitted = jax.jit(call, **jit_options)
+        if platform == "cpu" and not calls_lapack(exported) and _lapack_readying_skippable():
+            jitted = _LoweredWithoutLapack(jitted)
+        self._made, self._make_arguments = jitted, None
 
     def lower(self, *arguments):
         return self.jitted().lower(*arguments)

@@ -83,6 +83,8 @@ def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
             "X = np.random.default_rng(0).normal(size=(300, 4)).astype(np.float32)\n"
             "model = jb.train(X, (X[:, 0] + X[:, 1] > 0).astype(np.float32), loss='logistic', num_rounds=3,"
             " max_depth=3)\n"
+            "import sys\n"
+            "print('scipy' in sys.modules)\n"
             "print(model.predict_raw(X[:50]).tobytes().hex())\n")
 
     def run(store: str):
@@ -92,7 +94,11 @@ def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                               cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout.strip().splitlines()[-1], done.stderr
+        # Lowering a call of an exported program readies jaxlib's LAPACK kernels, importing
+        # SciPy (0.23 s): the store's programs call none, so their lowering skips it.
+        scipy_imported, predictions = done.stdout.strip().splitlines()[-2:]
+        assert scipy_imported == "False", f"a fit with JAXBOOST_PROGRAM_STORE={store} imported SciPy"
+        return predictions, done.stderr
 
     without, log_without = run("0")
     first, log_first = run("1")
@@ -110,6 +116,25 @@ def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
     assert log_after.count("Finished tracing flat") == 1
     assert after_corruption == without
     assert entries[0].stat().st_size > 1000  # written again
+
+
+def test_programs_calling_lapack_are_told_apart():
+    """``calls_lapack`` finds jaxlib's LAPACK kernels in an exported program (a solve calls
+    two), and none in one that calls none, though the word is in its source locations (this
+    test's name, and the function's): only the latter's lowering skips LAPACK's readying."""
+    import jax.numpy as jnp
+
+    def exported(function, *arguments):
+        return jax.export.export(jax.jit(function), platforms=["cpu"])(*arguments)
+
+    def no_lapack_called(a):
+        return jnp.cumsum(a) @ a
+
+    assert program_store.calls_lapack(exported(jnp.linalg.solve, np.eye(3, dtype=np.float32),
+                                                np.ones(3, np.float32)))
+    named = exported(no_lapack_called, np.ones(3, np.float32))
+    assert b"lapack" in bytes(named.mlir_module_serialized)
+    assert not program_store.calls_lapack(named)
 
 
 def test_a_program_that_cannot_be_exported_is_jitted_as_without_the_store(tmp_path, monkeypatch):
