@@ -18,8 +18,10 @@ device reads the Dataset's one code table in place, from the first row of its sh
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import tempfile
 import warnings
 from typing import Callable, TypeVar
 
@@ -189,10 +191,70 @@ def compiler_options(platform: str) -> dict | None:
 def _known_options(options: tuple) -> tuple:
     """XLA refuses to compile with an option it does not know, and releases drop them (jaxlib
     0.11 has no ``xla_cpu_use_fusion_emitters``): the options are tried once on a one-element
-    program, all together (one compile, about 25 ms, where all are known), else one by one, and
+    program, all together (one compile, 25-60 ms, where all are known), else one by one, and
     the ones refused are left out, with a debug message. Every backend reads its options from
     one table, which holds the GPU's too: they are tried on the CPU, where a compile takes a
-    fraction of a GPU's (0.1 s on an H100 for that one element)."""
+    fraction of a GPU's (0.1 s on an H100 for that one element). The answer is kept in the
+    cache folder for the installed jaxlib (``OPTIONS_FILE``): the trial had been a sixth of a
+    later process's first fit (60 of 370 ms on 2 cores, the programs loaded from the store)."""
+    remembered = _remembered_options(options)
+    if remembered is not None:
+        return remembered
+    known = _tried_options(options)
+    _remember_options(options, known)
+    return known
+
+
+# The compiler options found known, by jaxlib version and options asked for, in the cache folder.
+OPTIONS_FILE = "compiler_options.json"
+
+
+def _options_key(options: tuple) -> str:
+    import jaxlib
+    return f"jaxlib {jaxlib.__version__}: " + ", ".join(f"{name}={value!r}" for name, value in options)
+
+
+def _remembered_options(options: tuple) -> tuple | None:
+    """The options of ``options`` known to the installed jaxlib, as a trial found them in an
+    earlier process; None where none is kept (or the cache is off, or its file unreadable)."""
+    folder = cache_folder()
+    if not folder:
+        return None
+    try:
+        with open(os.path.join(folder, OPTIONS_FILE)) as file:
+            known_names = json.load(file)[_options_key(options)]
+        return tuple(option for option in options if option[0] in set(known_names))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remember_options(options: tuple, known: tuple) -> None:
+    """Adds the trial's answer to the cache folder's file (written whole, then renamed: a
+    process reading meanwhile sees the old file or the new)."""
+    folder = cache_folder()
+    if not folder:
+        return
+    path = os.path.join(folder, OPTIONS_FILE)
+    try:
+        with open(path) as file:
+            table = json.load(file)
+        if not isinstance(table, dict):
+            table = {}
+    except (OSError, ValueError):
+        table = {}
+    table[_options_key(options)] = [name for name, _ in known]
+    try:
+        os.makedirs(folder, exist_ok=True)
+        handle, partial = tempfile.mkstemp(prefix=OPTIONS_FILE + ".", suffix=".partial", dir=folder)
+        with os.fdopen(handle, "w") as file:
+            json.dump(table, file, indent=1)
+        os.replace(partial, path)
+    except OSError as error:  # a read-only cache: the trial runs again in the next process
+        logger.debug("could not keep the compiler options found known in %s: %s", path, error)
+
+
+def _tried_options(options: tuple) -> tuple:
+    """The options of ``options`` that the installed XLA compiles with (see ``_known_options``)."""
     cpu = jax.devices("cpu")[0]
     argument = jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(cpu))
 

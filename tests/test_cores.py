@@ -207,6 +207,40 @@ def test_compiler_options_leave_out_what_this_xla_does_not_know(monkeypatch):
     assert np.corrcoef(model.predict(X), X[:, 0])[0, 1] > 0.9
 
 
+def test_the_options_found_known_are_kept_for_later_processes(tmp_path, monkeypatch):
+    """The trial compile that finds the known options runs once per jaxlib: its answer is kept in
+    the cache folder, read by later processes (here: the in-process cache cleared), tried again
+    when the file is unreadable or written for another jaxlib, and not kept without a cache."""
+    import jaxlib
+
+    from jaxboost import devices
+
+    trials = []
+    tried = devices._tried_options
+    monkeypatch.setattr(devices, "_tried_options", lambda options: trials.append(options) or tried(options))
+    unknown = ("xla_cpu_option_that_no_release_has", True)
+    options = tuple(devices.CPU_COMPILER_OPTIONS.items()) + (unknown,)
+
+    def known(folder: str):
+        monkeypatch.setenv("JAXBOOST_CACHE_DIR", folder)
+        devices._known_options.cache_clear()
+        return devices._known_options(options)
+
+    try:
+        first = known(str(tmp_path))
+        assert len(trials) == 1 and unknown not in first and first == options[:-1]
+        assert known(str(tmp_path)) == first and len(trials) == 1, "the kept answer was not read"
+        (tmp_path / devices.OPTIONS_FILE).write_text("{not json")
+        assert known(str(tmp_path)) == first and len(trials) == 2
+        assert known(str(tmp_path)) == first and len(trials) == 2, "the unreadable file was not written again"
+        monkeypatch.setattr(jaxlib, "__version__", jaxlib.__version__ + ".other")
+        assert known(str(tmp_path)) == first and len(trials) == 3, "another jaxlib's answer was taken"
+        assert known("") == first and len(trials) == 4
+        assert known("") == first and len(trials) == 5
+    finally:
+        devices._known_options.cache_clear()
+
+
 def test_a_cpu_cores_block_caps_the_cores_and_restores_them(monkeypatch):
     monkeypatch.setattr(cores, "process_cpu_cores", lambda: 4)
     assert cores.available_cpu_cores() == 4
