@@ -275,7 +275,7 @@ def _exported(function: Callable, arguments: tuple, platform: str) -> jax.export
 # whether the program calls LAPACK or not, and readying them imports SciPy's BLAS and LAPACK
 # modules: 0.23 s on a 2-core machine, half of a later process's first fit. A stored program that
 # calls no LAPACK kernel is lowered without: the readying is skipped in the thread lowering it
-# (``_lowered_without_lapack``), and only there; it runs as before for any other program.
+# (``_LoweredWithoutLapack``), and only there; it runs as before for any other program.
 _WITHOUT_LAPACK = threading.local()
 
 
