@@ -11,6 +11,7 @@ compile few programs. ``predict`` then applies the loss's inverse link (``link.a
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -25,6 +26,10 @@ from .native import NativeForest, feature_predictor_available
 from .predictor import packed_nodes, predict_leaf_binned, predict_raw_binned
 from .tree import Tree
 from .validation import check_base_margin, check_features
+
+# Ranges of rounds a model keeps prepared for the native predictor (``Model._native_forest``).
+MAX_PREPARED_FORESTS = 8
+_PREPARED_FORESTS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -150,9 +155,12 @@ class Model:
             forest = NativeForest(np.ascontiguousarray(packed_nodes(trees), np.int32),
                                   np.ascontiguousarray(thresholds, np.float32),
                                   np.ascontiguousarray(trees.value, np.float32), self.n_features)
-            if len(self._prepared_forests) >= 8:
-                self._prepared_forests.clear()
-            self._prepared_forests[(start, stop)] = forest
+            # Threads predicting at once check and fill the cache together: unlocked, two could
+            # both find room for one more and hold 9 (seen once in the test suite).
+            with _PREPARED_FORESTS_LOCK:
+                if len(self._prepared_forests) >= MAX_PREPARED_FORESTS:
+                    self._prepared_forests.clear()
+                self._prepared_forests[(start, stop)] = forest
         return forest
 
     def predict(self, X, *, iteration_range: tuple[int, int] | None = None, base_margin=None) -> np.ndarray:

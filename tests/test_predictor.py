@@ -143,6 +143,8 @@ def test_threads_predicting_at_once_share_the_prepared_forests(data):
     equals the one made alone."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from jaxboost import model as model_module
+
     X, signal = data
     model = jb.train(X, signal, num_rounds=12, max_depth=3)
     rows = np.random.default_rng(4).normal(size=(500, 6)).astype(np.float32)
@@ -152,7 +154,7 @@ def test_threads_predicting_at_once_share_the_prepared_forests(data):
         results = list(pool.map(lambda r: (r, model.predict_raw(rows, iteration_range=r)), ranges))
     for r, prediction in results:
         np.testing.assert_array_equal(prediction, expected[r], err_msg=f"rounds {r}")
-    assert len(model._prepared_forests) <= 8
+    assert len(model._prepared_forests) <= model_module.MAX_PREPARED_FORESTS
 
 
 def test_native_forest_refuses_bad_trees_and_rows(data):
