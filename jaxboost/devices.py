@@ -121,6 +121,23 @@ def cache_folder() -> str:
     return os.environ.get("JAXBOOST_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxboost", "xla"))
 
 
+def write_whole(path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` (a cache file) through a file of its own in the same folder,
+    then renames it: a process reading meanwhile finds the old file or the new one, never part
+    of one. Makes the folder; raises ``OSError`` where it cannot write."""
+    folder = os.path.dirname(os.fspath(path)) or "."
+    os.makedirs(folder, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=os.path.basename(os.fspath(path)) + ".", suffix=".partial",
+                                       dir=folder)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
 def cache_max_bytes() -> int:
     """The persistent cache's size limit in bytes from ``JAXBOOST_CACHE_MAX_MB`` (0: none)."""
     chosen = os.environ.get("JAXBOOST_CACHE_MAX_MB", "")
@@ -233,8 +250,7 @@ def _remembered_options(options: tuple) -> tuple | None:
 
 
 def _remember_options(options: tuple, known: tuple) -> None:
-    """Adds the trial's answer to the cache folder's file (written whole, then renamed: a
-    process reading meanwhile sees the old file or the new)."""
+    """Adds the trial's answer to the cache folder's file (``write_whole``)."""
     folder = cache_folder()
     if not folder:
         return
@@ -248,11 +264,7 @@ def _remember_options(options: tuple, known: tuple) -> None:
         table = {}
     table[_options_key(options)] = [name for name, _ in known]
     try:
-        os.makedirs(folder, exist_ok=True)
-        handle, partial = tempfile.mkstemp(prefix=OPTIONS_FILE + ".", suffix=".partial", dir=folder)
-        with os.fdopen(handle, "w") as file:
-            json.dump(table, file, indent=1)
-        os.replace(partial, path)
+        write_whole(path, json.dumps(table, indent=1).encode())
     except OSError as error:  # a read-only cache: the trial runs again in the next process
         logger.debug("could not keep the compiler options found known in %s: %s", path, error)
 

@@ -35,7 +35,6 @@ import importlib
 import logging
 import os
 import re
-import tempfile
 import threading
 from pathlib import Path
 from typing import Callable
@@ -44,7 +43,7 @@ import jax
 import numpy as np
 
 from . import native
-from .devices import cache_folder
+from .devices import cache_folder, write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -213,18 +212,11 @@ def _load(path: Path, specs: list) -> jax.export.Exported | None:
 
 
 def _save(folder: Path, path: Path, exported: jax.export.Exported) -> None:
-    written = None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as file:
-            written = file.name
-            file.write(exported.serialize())
-        os.replace(written, path)  # whole or not at all, for processes reading meanwhile
+        write_whole(path, exported.serialize())  # whole or not at all, for processes reading meanwhile
         _trim(folder)
     except OSError as error:
         logger.debug("program not stored in %s: %s", folder, error)
-        if written is not None and os.path.exists(written):
-            os.unlink(written)
 
 
 def _trim(folder: Path, keep: int = MAX_STORED_PROGRAMS) -> None:
