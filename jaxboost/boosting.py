@@ -5,16 +5,21 @@ outputs from the gradients and full per-row Hessians, and hands it on as K trees
 their splits (one per output, holding that output's leaf values), so prediction, model files,
 exports and SHAP treat it like any other model.
 
-One jitted call per round, traced once per shape: every numeric hyperparameter is a traced
+A round is compiled whole, traced once per shape: every numeric hyperparameter is a traced
 value, and only shapes and structure (depth, bins, outputs, the loss function, the eval sets'
-layout) are static. Rows are sharded over the devices of a 1-D mesh with ``shard_map``; the
-histograms and every other sum over rows are completed with ``psum`` inside the grower.
-Eval-set predictions and metrics are updated on device in the same call, so nothing but a few
-scalars (metric values and health flags) comes back to the host per round.
+layout) are static. It runs as three programs (``SplitRound``): the loss's derivatives, the
+trees grown from them, which read no loss (one program serves every loss of the same shapes,
+so a new loss compiles its derivatives alone), and the eval sets' metrics; with a leaf refit,
+which reads the loss between a tree's splits and its leaf values, and in ``train_many``, as
+one (``round_function``). Rows are sharded over the devices of a 1-D mesh with ``shard_map``;
+the histograms and every other sum over rows are completed with ``psum`` inside the grower.
+Eval-set predictions and metrics are updated on device, so nothing but a few scalars (metric
+values and health flags) comes back to the host per round.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from functools import lru_cache, partial
 from typing import Callable, NamedTuple
 
@@ -24,13 +29,14 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
-from .devices import MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, mesh_platform, model_split, row_sharding
+from .devices import (MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, float32_jax, mesh_platform, model_split,
+                      row_sharding)
 from .grower import GrowthParams, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
 from .line_search import minimise_segment_offsets, segment_sums
 from .native import lowering_for
 from .predictor import add_position_values, predict_round
-from .program_store import ready, stored_program
+from .program_store import ready, store_folder, stored_program
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
 from .tree import Tree, num_heap_nodes, pack_fields
 
@@ -433,24 +439,25 @@ def _round_health(gradients, split_hessians) -> RoundHealth:
                        negative_hessian=negative)
 
 
-# Coordinate sweeps over the outputs when refitting vector leaves on the true loss.
-VECTOR_REFIT_SWEEPS = 2
-
-
-def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, row_offset, y, row_weight,
-                            raw_prediction, feature_allowed, tree_key, histogram_buffer):
-    """Row-local body of a round with vector leaves: one tree for all K outputs."""
+def _tree_statistics(shape: RoundShape, params: RoundParams, raw_prediction, y, row_weight):
+    """Row-local: what the round's trees grow from, ``(gradients, hessians)`` (``grow_tree``'s:
+    per output, or for vector leaves packed Hessian matrices), and the round's ``RoundHealth``.
+    The loss is read here, and in a leaf refit, alone."""
     objective, leaves = shape.objective, shape.vector_leaves
-    K = objective.num_outputs
 
-    def tree_statistics(raw_prediction, y, row_weight):
+    def scalar_rows(raw_prediction, y, row_weight):
+        values, g, h = loss_derivatives(objective, raw_prediction, y, params.loss_params)
+        counted = row_weight > 0
+        h = _apply_hessian_mode(shape, params, h)
+        return _marked_gradients(counted, values, g, h, row_weight), _split_hessians(counted, h, row_weight)
+
+    def vector_rows(raw_prediction, y, row_weight):
         values, g, hessian = values_gradients_and_hessian_matrices(bind_loss(objective, params.loss_params),
                                                                    raw_prediction, y)
         counted = row_weight > 0
         hessian = _apply_hessian_mode(shape, params, hessian)
-        diagonal = jnp.diagonal(hessian, axis1=-2, axis2=-1)
-        split_diagonal = _split_hessians(counted, diagonal, row_weight)
-        identity = jnp.eye(K, dtype=bool)
+        split_diagonal = _split_hessians(counted, jnp.diagonal(hessian, axis1=-2, axis2=-1), row_weight)
+        identity = jnp.eye(objective.num_outputs, dtype=bool)
         weighted = jnp.where(identity, split_diagonal[..., :, None],
                              jnp.where(counted[:, None, None], hessian * row_weight[:, None, None], 0.0))
         # Marked by the Hessian entries the tree reads (the diagonal, or the upper triangle):
@@ -458,81 +465,107 @@ def _grow_round_vector_tree(shape: RoundShape, params: RoundParams, X_binned_T, 
         return (_marked_gradients(counted, values, g, leaves.pack_hessian(hessian), row_weight), split_diagonal,
                 leaves.pack_hessian(weighted))
 
-    gradients, split_diagonal, packed_hessians = in_row_chunks(tree_statistics, (raw_prediction, y, row_weight))
-    health = _round_health(gradients, split_diagonal)
+    if leaves is None:
+        gradients, hessians = in_row_chunks(scalar_rows, (raw_prediction, y, row_weight))
+        return (gradients, hessians), _round_health(gradients, hessians)
+    gradients, split_diagonal, hessians = in_row_chunks(vector_rows, (raw_prediction, y, row_weight))
+    return (gradients, hessians), _round_health(gradients, split_diagonal)
+
+
+# Coordinate sweeps over the outputs when refitting vector leaves on the true loss.
+VECTOR_REFIT_SWEEPS = 2
+
+
+def _leaf_refit(shape: RoundShape, params: RoundParams, raw_prediction, y, row_weight) -> Callable:
+    """Row-local: ``offsets(row_leaf, output, others)``, the offsets of output ``output`` per
+    leaf that minimise the true loss exactly, the raw predictions moved by ``others`` (``(n, K)``:
+    the other outputs' offsets) when given."""
+    num_nodes = num_heap_nodes(shape.max_depth)
+
+    def offsets(row_leaf, output, others=None):
+        shifted = raw_prediction if others is None else raw_prediction + others
+        return minimise_offsets(shape.objective, shifted, y, row_weight, row_leaf, num_nodes, output,
+                                params.growth.reg, ROW_AXIS, params.loss_params, shape.deterministic_histogram)
+    return offsets
+
+
+def _grow_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_offsets, statistics, raw_prediction,
+                feature_allowed, tree_key, histogram_buffer, refit: Callable | None = None):
+    """Row-local (inside ``shard_map``): the round's trees grown from ``statistics``
+    (``_tree_statistics``), with their leaves refit by ``refit`` (``_leaf_refit``) when given,
+    and the raw predictions moved by them. ``row_offsets``: this device's first row in a shared
+    code table (``(1,)``; unused when ``X_binned_T`` holds the device's rows only).
+    ``histogram_buffer``: this device's part of ``histogram_buffer``'s array, passed from tree to
+    tree and returned. The loss is not read here: the program of a round without a refit
+    (``round_trees_function``) is one for every loss."""
+    row_offset = row_offsets[0] if shape.shared_codes else None
+    grow = _grow_scalar_trees if shape.vector_leaves is None else _grow_vector_tree
+    return grow(shape, growth, X_binned_T, row_offset, statistics, raw_prediction, feature_allowed, tree_key,
+                histogram_buffer, refit)
+
+
+def _grow_vector_tree(shape: RoundShape, growth: GrowthParams, X_binned_T, row_offset, statistics, raw_prediction,
+                      feature_allowed, tree_key, histogram_buffer, refit):
+    """One tree for all K outputs (vector leaves), handed on as K trees sharing its splits."""
+    K = shape.objective.num_outputs
+    gradients, packed_hessians = statistics
     tree, row_leaves, _, histogram_buffer = grow_tree(
-        X_binned_T, gradients, packed_hessians, feature_allowed, tree_key, params.growth, shape.max_depth,
-        shape.max_bin, ROW_AXIS, shape.sample_level_columns, leaves, shape.missing_values, row_offset,
+        X_binned_T, gradients, packed_hessians, feature_allowed, tree_key, growth, shape.max_depth,
+        shape.max_bin, ROW_AXIS, shape.sample_level_columns, shape.vector_leaves, shape.missing_values, row_offset,
         histogram_buffer, shape.kernel_threads, shape.feature_slots, shape.deterministic_histogram)
     row_leaf = row_leaves.heap_index()
-    if shape.leaf_refit:
-        num_nodes = num_heap_nodes(shape.max_depth)
-
+    if refit is not None:
         def refit_output(step, offsets):
             # Coordinate descent: each output's leaf offsets exactly, given the others'.
             output = step % K
             others = offsets.at[:, output].set(0.0)
-            offset = minimise_offsets(objective, raw_prediction + others[row_leaf], y, row_weight, row_leaf,
-                                      num_nodes, output, params.growth.reg, ROW_AXIS, params.loss_params,
-                                      shape.deterministic_histogram)
-            return offsets.at[:, output].set(offset)
+            return offsets.at[:, output].set(refit(row_leaf, output, others[row_leaf]))
 
-        offsets = jax.lax.fori_loop(0, VECTOR_REFIT_SWEEPS * K, refit_output, jnp.zeros((num_nodes, K)))
-        refit = params.growth.learning_rate * clip_leaf_value(offsets, params.growth.reg)
-        tree = tree._replace(value=jnp.where(tree.is_leaf[:, None], refit, tree.value))
+        offsets = jax.lax.fori_loop(0, VECTOR_REFIT_SWEEPS * K, refit_output,
+                                    jnp.zeros((num_heap_nodes(shape.max_depth), K)))
+        refit_values = growth.learning_rate * clip_leaf_value(offsets, growth.reg)
+        tree = tree._replace(value=jnp.where(tree.is_leaf[:, None], refit_values, tree.value))
     shared = [jnp.broadcast_to(field, (K,) + field.shape) for field in tree]
     trees = Tree(*shared)._replace(value=tree.value.T, sum_hessians=tree.sum_hessians.T)
-    return raw_prediction + tree.value[row_leaf], trees, health, histogram_buffer
+    return raw_prediction + tree.value[row_leaf], trees, histogram_buffer
 
 
-def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_offsets, y, row_weight,
-                      raw_prediction, feature_allowed, tree_key, histogram_buffer):
-    """Row-local body of a round (inside ``shard_map``): derivatives, K trees, refits, update.
-    ``row_offsets``: this device's first row in a shared code table (``(1,)``; unused when
-    ``X_binned_T`` holds the device's rows only). ``histogram_buffer``: this device's part of
-    ``histogram_buffer``'s array, passed from tree to tree and returned."""
-    row_offset = row_offsets[0] if shape.shared_codes else None
-    grow = _grow_round_scalar_trees if shape.vector_leaves is None else _grow_round_vector_tree
-    return grow(shape, params, X_binned_T, row_offset, y, row_weight, raw_prediction, feature_allowed, tree_key,
-                histogram_buffer)
-
-
-def _grow_round_scalar_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_offset, y, row_weight,
-                             raw_prediction, feature_allowed, tree_key, histogram_buffer):
-    """Row-local body of a round with scalar leaves: one tree per output, one after the other."""
-    objective = shape.objective
-
-    def tree_statistics(raw_prediction, y, row_weight):
-        values, g, h = loss_derivatives(objective, raw_prediction, y, params.loss_params)
-        counted = row_weight > 0
-        h = _apply_hessian_mode(shape, params, h)
-        return _marked_gradients(counted, values, g, h, row_weight), _split_hessians(counted, h, row_weight)
-
-    gradients, split_hessians = in_row_chunks(tree_statistics, (raw_prediction, y, row_weight))
-    health = _round_health(gradients, split_hessians)
-    num_nodes = num_heap_nodes(shape.max_depth)
+def _grow_scalar_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_offset, statistics, raw_prediction,
+                       feature_allowed, tree_key, histogram_buffer, refit):
+    """One tree per output, one after the other."""
+    gradients, split_hessians = statistics
 
     def one_output(histogram_buffer, output):
         tree, row_leaves, (lower, upper), histogram_buffer = grow_tree(
             X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
-            jax.random.fold_in(tree_key, output), params.growth, shape.max_depth, shape.max_bin, ROW_AXIS,
+            jax.random.fold_in(tree_key, output), growth, shape.max_depth, shape.max_bin, ROW_AXIS,
             shape.sample_level_columns, missing_values=shape.missing_values, row_offset=row_offset,
             histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads,
             feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram)
-        if shape.leaf_refit:
-            offsets = minimise_offsets(objective, raw_prediction, y, row_weight, row_leaves.heap_index(), num_nodes,
-                                       output, params.growth.reg, ROW_AXIS, params.loss_params,
-                                       shape.deterministic_histogram)
-            refit = params.growth.learning_rate * clip_leaf_value(offsets, params.growth.reg, lower, upper)
-            tree = tree._replace(value=jnp.where(tree.is_leaf, refit, tree.value))
+        if refit is not None:
+            offsets = refit(row_leaves.heap_index(), output)
+            refit_values = growth.learning_rate * clip_leaf_value(offsets, growth.reg, lower, upper)
+            tree = tree._replace(value=jnp.where(tree.is_leaf, refit_values, tree.value))
         return histogram_buffer, (tree, row_leaves)
 
     # The K trees one after the other, each growing in the buffer the last one left.
     histogram_buffer, (trees, row_leaves) = jax.lax.scan(one_output, histogram_buffer,
-                                                         jnp.arange(objective.num_outputs))
+                                                         jnp.arange(shape.objective.num_outputs))
     position_values = jnp.take_along_axis(trees.value, row_leaves.position_leaf, axis=1)  # (K, 2^max_depth)
-    return (add_position_values(raw_prediction, position_values, row_leaves.last_position), trees, health,
+    return (add_position_values(raw_prediction, position_values, row_leaves.last_position), trees,
             histogram_buffer)
+
+
+def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_offsets, y, row_weight,
+                      raw_prediction, feature_allowed, tree_key, histogram_buffer):
+    """Row-local body of a whole round in one program (``round_function``): derivatives, trees,
+    refits, update."""
+    statistics, health = _tree_statistics(shape, params, raw_prediction, y, row_weight)
+    refit = _leaf_refit(shape, params, raw_prediction, y, row_weight) if shape.leaf_refit else None
+    raw_prediction, trees, histogram_buffer = _grow_trees(shape, params.growth, X_binned_T, row_offsets, statistics,
+                                                          raw_prediction, feature_allowed, tree_key,
+                                                          histogram_buffer, refit)
+    return raw_prediction, trees, health, histogram_buffer
 
 
 def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = None, models_mesh=None) -> jax.Array:
@@ -592,17 +625,74 @@ def round_tree_template(shape: RoundShape) -> Tree:
                                                          empty_tree(num_heap_nodes(shape.max_depth))))
 
 
+def _row_map(shape: RoundShape, inside_models_mesh: bool) -> dict:
+    """``shard_map``'s mesh arguments for a round's row-local parts: its mesh's, or inside
+    ``compiled_many_rounds``' split of the models over a ``models_mesh`` (whose row axis, of one
+    device, its maps then take)."""
+    return dict(mesh=None, axis_names=frozenset({ROW_AXIS})) if inside_models_mesh else dict(mesh=shape.mesh)
+
+
+def _eval_predictor(shape: RoundShape, row_map: dict) -> Callable:
+    """``predict(trees, X_binned, raw_eval)``: an eval set's raw predictions moved by the
+    round's trees.
+
+    Each device predicts its own share of an eval set's rows. Left to the partitioner, each
+    level's lookup of codes in row-sharded data became a masked gather summed over the devices
+    (two collectives a level): on two CPU devices an eval set cost 0.8-1.0 ms a round whatever
+    its size (40k training and 10k eval rows: 2.5 ms a round without it, 3.3-3.5 with it, 2.7-2.8
+    now; 800k and 200k rows: +5.2-5.6 ms, now +2.5-3.2)."""
+    return jax.shard_map(
+        lambda trees, X_binned, raw_eval: raw_eval + predict_round(trees, X_binned, shape.max_bin - 1),
+        **row_map,
+        in_specs=(PartitionSpec(), PartitionSpec(ROW_AXIS, None), PartitionSpec(ROW_AXIS, None)),
+        out_specs=PartitionSpec(ROW_AXIS, None),
+        check_vma=False,
+    )
+
+
+def _round_keys(seed_key, round_index) -> tuple:
+    """The round's keys for its row sample, its trees' column sample and its trees."""
+    return tuple(jax.random.split(jax.random.fold_in(seed_key, round_index), 3))
+
+
+def _row_weight(shape: RoundShape, params: RoundParams, sample_weight, row_index, row_key):
+    if not shape.sample_rows:
+        return sample_weight
+    return jnp.where(uniform_of_rows(row_key, row_index) < params.subsample, sample_weight, 0.0)
+
+
+def _feature_allowed(shape: RoundShape, colsample_bytree, n_features: int, column_key):
+    feature_allowed = jnp.ones(n_features, bool)
+    if shape.sample_columns:
+        feature_allowed = sample_features(column_key, feature_allowed, colsample_bytree, shape.feature_slots)
+    return feature_allowed
+
+
+def _metric_values(shape: RoundShape, loss_params, eval_labels, eval_raw_predictions) -> tuple:
+    """Per eval set, its metrics' values stacked (``eval_labels``: its ``(y, weight)``)."""
+    return tuple(jnp.stack([metric(y_eval, raw_eval, weight_eval, loss_params) for metric in metrics])
+                 for (y_eval, weight_eval), raw_eval, metrics in zip(eval_labels, eval_raw_predictions, shape.metrics))
+
+
+def _packed(shape: RoundShape, trees: Tree) -> jax.Array:
+    template = round_tree_template(shape)
+    if [(f.shape, f.dtype) for f in trees] != [(f.shape, f.dtype) for f in template]:
+        raise AssertionError(f"the round grew trees of other shapes than round_tree_template's: {trees}")
+    return pack_fields(trees)
+
+
 def round_function(shape: RoundShape, inside_models_mesh: bool = False) -> Callable:
-    """The (unjitted) boosting round for one static shape. It returns the round's trees packed
+    """The (unjitted) boosting round for one static shape, as one program: leaf refits, which
+    read the loss between a tree's growth and its leaf values, and ``train_many``'s rounds
+    (otherwise a round is ``SplitRound``'s three programs). It returns the round's trees packed
     into one array (``tree.pack_fields``; ``round_tree_template`` unpacks them) and its
     ``RoundHealth`` flags stacked along a last axis: the host reads one array of each a round.
 
     ``inside_models_mesh``: the round runs inside ``compiled_many_rounds``' split of the models
-    over a ``models_mesh`` (whose row axis, of one device, its maps then take)."""
+    over a ``models_mesh``."""
     rows = PartitionSpec(ROW_AXIS)
     codes = PartitionSpec() if shape.shared_codes else PartitionSpec(None, ROW_AXIS)
-    row_map = (dict(mesh=None, axis_names=frozenset({ROW_AXIS})) if inside_models_mesh
-               else dict(mesh=shape.mesh))
+    row_map = _row_map(shape, inside_models_mesh)
     grow = jax.shard_map(
         partial(_grow_round_trees, shape),
         **row_map,
@@ -611,87 +701,268 @@ def round_function(shape: RoundShape, inside_models_mesh: bool = False) -> Calla
         out_specs=(PartitionSpec(ROW_AXIS, None), PartitionSpec(), PartitionSpec(), rows),
         check_vma=False,
     )
-    # Each device predicts its own share of an eval set's rows with the round's trees. Left to
-    # the partitioner, each level's lookup of codes in row-sharded data became a masked gather
-    # summed over the devices (two collectives a level): on two CPU devices an eval set cost
-    # 0.8-1.0 ms a round whatever its size (40k training and 10k eval rows: 2.5 ms a round
-    # without it, 3.3-3.5 with it, 2.7-2.8 now; 800k and 200k rows: +5.2-5.6 ms, now +2.5-3.2).
-    predict_eval = jax.shard_map(
-        lambda trees, X_binned, raw_eval: raw_eval + predict_round(trees, X_binned, shape.max_bin - 1),
-        **row_map,
-        in_specs=(PartitionSpec(), PartitionSpec(ROW_AXIS, None), PartitionSpec(ROW_AXIS, None)),
-        out_specs=PartitionSpec(ROW_AXIS, None),
-        check_vma=False,
-    )
+    predict_eval = _eval_predictor(shape, row_map)
 
     def boosting_round(params: RoundParams, X_binned_T, row_offsets, y, sample_weight, row_index, raw_prediction,
                        seed_key, round_index, eval_sets, histogram_buffer):
         # The round is lowered for its mesh's platform alone: only that platform's kernels are traced.
         with lowering_for(mesh_platform(shape.mesh)):
-            return round_body(params, X_binned_T, row_offsets, y, sample_weight, row_index, raw_prediction,
-                              seed_key, round_index, eval_sets, histogram_buffer)
-
-    def round_body(params: RoundParams, X_binned_T, row_offsets, y, sample_weight, row_index, raw_prediction,
-                   seed_key, round_index, eval_sets, histogram_buffer):
-        round_key = jax.random.fold_in(seed_key, round_index)
-        row_key, column_key, tree_key = jax.random.split(round_key, 3)
-        row_weight = sample_weight
-        if shape.sample_rows:
-            in_sample = uniform_of_rows(row_key, row_index) < params.subsample
-            row_weight = jnp.where(in_sample, sample_weight, 0.0)
-        feature_allowed = jnp.ones(X_binned_T.shape[0], bool)
-        if shape.sample_columns:
-            feature_allowed = sample_features(column_key, feature_allowed, params.colsample_bytree,
-                                              shape.feature_slots)
-        raw_prediction, trees, health, histogram_buffer = grow(params, X_binned_T, row_offsets, y, row_weight,
-                                                               raw_prediction, feature_allowed, tree_key,
-                                                               histogram_buffer)
-
-        eval_raw_predictions, metric_values = [], []
-        for (X_binned, y_eval, weight_eval, raw_eval), metrics in zip(eval_sets, shape.metrics):
-            raw_eval = predict_eval(trees, X_binned, raw_eval)
-            eval_raw_predictions.append(raw_eval)
-            metric_values.append(jnp.stack([metric(y_eval, raw_eval, weight_eval, params.loss_params)
-                                            for metric in metrics]))
-        template = round_tree_template(shape)
-        if [(f.shape, f.dtype) for f in trees] != [(f.shape, f.dtype) for f in template]:
-            raise AssertionError(f"the round grew trees of other shapes than round_tree_template's: {trees}")
-        # The health flags as one array too (RoundHealth's fields along the last axis).
-        return (raw_prediction, pack_fields(trees), jnp.stack(health, axis=-1), tuple(eval_raw_predictions),
-                tuple(metric_values), histogram_buffer)
+            row_key, column_key, tree_key = _round_keys(seed_key, round_index)
+            row_weight = _row_weight(shape, params, sample_weight, row_index, row_key)
+            feature_allowed = _feature_allowed(shape, params.colsample_bytree, X_binned_T.shape[0], column_key)
+            raw_prediction, trees, health, histogram_buffer = grow(params, X_binned_T, row_offsets, y, row_weight,
+                                                                   raw_prediction, feature_allowed, tree_key,
+                                                                   histogram_buffer)
+            eval_raw_predictions = tuple(predict_eval(trees, X_binned, raw_eval)
+                                         for X_binned, _, _, raw_eval in eval_sets)
+            metric_values = _metric_values(shape, params.loss_params, [eval_set[1:3] for eval_set in eval_sets],
+                                           eval_raw_predictions)
+            # The health flags as one array too (RoundHealth's fields along the last axis).
+            return (raw_prediction, _packed(shape, trees), jnp.stack(health, axis=-1), eval_raw_predictions,
+                    metric_values, histogram_buffer)
 
     return boosting_round
 
 
 # Positions of ``raw_prediction`` and ``histogram_buffer`` in ``boosting_round``'s arguments
-# (donated by the compiled rounds).
+# (donated by the compiled rounds), and of ``eval_sets``.
 RAW_PREDICTION_ARGUMENT = 6
+EVAL_SETS_ARGUMENT = 9
 HISTOGRAM_BUFFER_ARGUMENT = 10
 DONATED_ARGUMENTS = (RAW_PREDICTION_ARGUMENT, HISTOGRAM_BUFFER_ARGUMENT)
 
 
+# A round without a leaf refit runs as three programs (``SplitRound``): the loss's derivatives
+# (``round_statistics_function``), the trees grown from them (``round_trees_function``, which
+# reads no loss: one program for every loss on the same shapes, and storable for a custom
+# loss), and the eval sets' metrics (``round_metrics_function``). A new loss then compiles its
+# derivatives alone: on a 2-core AVX2 machine a custom loss's first fit had compiled a whole
+# round, 2.3-2.4 s, where its derivatives compile in 0.4 s.
+
+def trees_shape(shape: RoundShape) -> RoundShape:
+    """``shape`` less what ``round_trees_function``'s program does not read (the loss, how its
+    Hessians are formed, the row sample and the metrics): the key of a program that every
+    loss of these shapes shares."""
+    return shape._replace(objective=Objective(loss=None, vector_output=False, num_outputs=shape.objective.num_outputs,
+                                              link=None),
+                          metrics=(), hessian_mode="exact", sample_rows=False)
+
+
+def round_statistics_function(shape: RoundShape) -> Callable:
+    """``round_statistics(params, y, sample_weight, row_index, raw_prediction, seed_key,
+    round_index)``: the round's row sample and ``(gradients, hessians)`` (``_tree_statistics``),
+    and its ``RoundHealth`` flags stacked along a last axis."""
+    rows, predictions = PartitionSpec(ROW_AXIS), PartitionSpec(ROW_AXIS, None)
+    statistics_of_rows = jax.shard_map(
+        partial(_tree_statistics, shape), mesh=shape.mesh,
+        in_specs=(PartitionSpec(), predictions, rows, rows),
+        out_specs=((predictions, predictions), PartitionSpec()), check_vma=False)
+
+    def round_statistics(params: RoundParams, y, sample_weight, row_index, raw_prediction, seed_key, round_index):
+        with lowering_for(mesh_platform(shape.mesh)):
+            row_key, _, _ = _round_keys(seed_key, round_index)
+            row_weight = _row_weight(shape, params, sample_weight, row_index, row_key)
+            statistics, health = statistics_of_rows(params, raw_prediction, y, row_weight)
+            return statistics, jnp.stack(health, axis=-1)
+
+    return round_statistics
+
+
+def round_trees_function(shape: RoundShape) -> Callable:
+    """``round_trees(growth, colsample_bytree, X_binned_T, row_offsets, statistics,
+    raw_prediction, seed_key, round_index, eval_sets, histogram_buffer)`` for a ``trees_shape``:
+    the round's trees grown from ``statistics`` (``round_statistics_function``'s), packed, the
+    raw predictions moved by them, the eval sets' (``(X_binned, raw_prediction)`` each) too, and
+    the histogram buffer."""
+    rows, predictions = PartitionSpec(ROW_AXIS), PartitionSpec(ROW_AXIS, None)
+    codes = PartitionSpec() if shape.shared_codes else PartitionSpec(None, ROW_AXIS)
+    grow = jax.shard_map(
+        partial(_grow_trees, shape), mesh=shape.mesh,
+        in_specs=(PartitionSpec(), codes, rows, (predictions, predictions), predictions, PartitionSpec(),
+                  PartitionSpec(), rows),
+        out_specs=(predictions, PartitionSpec(), rows), check_vma=False)
+    predict_eval = _eval_predictor(shape, dict(mesh=shape.mesh))
+
+    def round_trees(growth: GrowthParams, colsample_bytree, X_binned_T, row_offsets, statistics, raw_prediction,
+                    seed_key, round_index, eval_sets, histogram_buffer):
+        with lowering_for(mesh_platform(shape.mesh)):
+            _, column_key, tree_key = _round_keys(seed_key, round_index)
+            feature_allowed = _feature_allowed(shape, colsample_bytree, X_binned_T.shape[0], column_key)
+            raw_prediction, trees, histogram_buffer = grow(growth, X_binned_T, row_offsets, statistics,
+                                                           raw_prediction, feature_allowed, tree_key,
+                                                           histogram_buffer)
+            eval_raw_predictions = tuple(predict_eval(trees, X_binned, raw_eval) for X_binned, raw_eval in eval_sets)
+            return raw_prediction, _packed(shape, trees), eval_raw_predictions, histogram_buffer
+
+    return round_trees
+
+
+def round_metrics_function(shape: RoundShape) -> Callable:
+    """``round_metrics(loss_params, eval_labels, eval_raw_predictions)``: per eval set (its
+    ``(y, weight)``), its metrics' values stacked."""
+    def round_metrics(loss_params, eval_labels, eval_raw_predictions):
+        with lowering_for(mesh_platform(shape.mesh)):
+            return _metric_values(shape, loss_params, eval_labels, eval_raw_predictions)
+    return round_metrics
+
+
+# Positions of the raw predictions and the histogram buffer in ``round_trees``' arguments.
+TREES_DONATED_ARGUMENTS = (5, 9)
+
+
+class SplitRound:
+    """A round as its three programs, called as ``round_function``'s round is (the same
+    arguments and results, the same raw predictions and histogram buffer donated)."""
+
+    def __init__(self, shape: RoundShape, statistics, trees, metrics):
+        self.shape, self.statistics, self.trees, self.metrics = shape, statistics, trees, metrics
+
+    def _arguments(self, params, X_binned_T, row_offsets, y, sample_weight, row_index, raw_prediction, seed_key,
+                   round_index, eval_sets, histogram_buffer, statistics=None) -> tuple:
+        """Each program's arguments: the statistics', the trees' (given ``statistics``), and
+        the metrics' but for the eval raw predictions the trees give."""
+        return ((params, y, sample_weight, row_index, raw_prediction, seed_key, round_index),
+                (params.growth, params.colsample_bytree, X_binned_T, row_offsets, statistics, raw_prediction,
+                 seed_key, round_index, tuple((eval_set[0], eval_set[3]) for eval_set in eval_sets),
+                 histogram_buffer),
+                (params.loss_params, tuple(tuple(eval_set[1:3]) for eval_set in eval_sets)))
+
+    def __call__(self, *arguments):
+        statistics_arguments, _, _ = self._arguments(*arguments)
+        statistics, health = self.statistics(*statistics_arguments)
+        _, trees_arguments, metrics_arguments = self._arguments(*arguments, statistics=statistics)
+        raw_prediction, trees, eval_raw_predictions, histogram_buffer = self.trees(*trees_arguments)
+        metric_values = self.metrics(*metrics_arguments, eval_raw_predictions) if self.metrics else ()
+        return raw_prediction, trees, health, eval_raw_predictions, metric_values, histogram_buffer
+
+    def statistics_specs(self, raw_prediction) -> tuple:
+        """``(gradients, hessians)``' shapes for raw predictions like ``raw_prediction``."""
+        leaves = self.shape.vector_leaves
+        channels = raw_prediction.shape[1] if leaves is None else leaves.hessian_channels
+        return tuple(jax.ShapeDtypeStruct((raw_prediction.shape[0], width), jnp.float32,
+                                          sharding=row_sharding(self.shape.mesh, 2))
+                     for width in (raw_prediction.shape[1], channels))
+
+    def program_arguments(self, arguments: tuple) -> tuple:
+        """Each program's arguments for a round called with ``arguments`` (``jax.ShapeDtypeStruct``s
+        may stand for the raw predictions), with the shapes of what the programs before give it."""
+        raw_prediction, eval_sets = arguments[RAW_PREDICTION_ARGUMENT], arguments[EVAL_SETS_ARGUMENT]
+        statistics_arguments, trees_arguments, metrics_arguments = self._arguments(
+            *arguments, statistics=self.statistics_specs(raw_prediction))
+        return (statistics_arguments, trees_arguments,
+                metrics_arguments + (tuple(eval_set[3] for eval_set in eval_sets),))
+
+    def lower(self, *arguments) -> "_LoweredRound":
+        """The programs lowered for ``arguments`` (``program_arguments``), to be compiled ahead
+        of the first call."""
+        statistics_arguments, trees_arguments, metrics_arguments = self.program_arguments(arguments)
+        others = [self.statistics.lower(*statistics_arguments)]
+        trees = self.trees.lower(*trees_arguments)
+        if self.metrics:
+            others.append(self.metrics.lower(*metrics_arguments))
+        return _LoweredRound(trees, others)
+
+    def jitted(self) -> "SplitRound":
+        """This round with its stored programs made (``program_store.ready``)."""
+        return SplitRound(self.shape, ready(self.statistics), ready(self.trees),
+                          self.metrics and ready(self.metrics))
+
+
+class _LoweredRound(NamedTuple):
+    trees: object  # jax.stages.Lowered
+    others: list
+
+    def compile(self) -> None:
+        """Compiles the trees' program in this thread while a thread of its own compiles the
+        others (XLA compiles without holding the GIL): one after the other, the derivatives'
+        compile had come on top of the trees' (0.3-0.45 s after 1.2-1.6 on 2 cores, 100k rows).
+        In 32-bit mode, as training's thread is: compiled in another mode, a program is not the
+        one its first call looks for, and compiles again."""
+        with concurrent.futures.ThreadPoolExecutor(1, "jaxboost-compile") as thread:
+            pending = thread.submit(float32_jax(lambda: [program.compile() for program in self.others]))
+            self.trees.compile()
+            pending.result()
+
+
+@lru_cache(maxsize=64)
+def _split_round(shape: RoundShape, statistics, trees, metrics) -> SplitRound:
+    """One ``SplitRound`` per shape and programs (the compiled-ahead bookkeeping holds it by identity)."""
+    return SplitRound(shape, statistics, trees, metrics)
+
+
 @lru_cache(maxsize=64)
 def compiled_round(shape: RoundShape):
-    """The jitted round for one static shape (cached, so a new training run reuses it).
+    """The jitted round for one static shape (cached, so a new training run reuses it): one
+    program with a leaf refit, else ``SplitRound``'s three, of which the trees' (compiled for a
+    ``trees_shape``) serves every loss.
 
     The raw predictions and the histogram buffer are donated: the round writes the new ones
     over the old, so a round holds one copy of them, not two."""
-    return jax.jit(round_function(shape), **_round_jit_options(shape))
+    if shape.leaf_refit:
+        return jax.jit(round_function(shape), **_round_jit_options(shape))
+    return _split_round(shape, _compiled_statistics(shape), _compiled_trees(trees_shape(shape)),
+                        _compiled_metrics(shape) if shape.metrics else None)
+
+
+def _jit_options(shape: RoundShape, donated: tuple = ()) -> dict:
+    return dict(donate_argnums=donated, compiler_options=compiler_options(mesh_platform(shape.mesh)))
 
 
 def _round_jit_options(shape: RoundShape) -> dict:
     """``jax.jit``'s options for a round of ``shape``, one model's or many's, stored or not: its
     raw predictions and histogram buffer donated, its platform's compiler options."""
-    return dict(donate_argnums=DONATED_ARGUMENTS, compiler_options=compiler_options(mesh_platform(shape.mesh)))
+    return _jit_options(shape, DONATED_ARGUMENTS)
+
+
+@lru_cache(maxsize=64)
+def _compiled_statistics(shape: RoundShape):
+    return jax.jit(round_statistics_function(shape), **_jit_options(shape))
+
+
+@lru_cache(maxsize=64)
+def _compiled_trees(shape: RoundShape):
+    return jax.jit(round_trees_function(shape), **_jit_options(shape, TREES_DONATED_ARGUMENTS))
+
+
+@lru_cache(maxsize=64)
+def _compiled_metrics(shape: RoundShape):
+    return jax.jit(round_metrics_function(shape), **_jit_options(shape))
 
 
 def stored_round(shape: RoundShape, arguments: tuple):
     """``compiled_round(shape)``'s round through the program store (``program_store``: lowered
     once, by this process or an earlier one), for rounds called with arguments like
     ``arguments`` (the first round's, with ``ShapeDtypeStruct``s where its raw predictions are
-    still to come); None where the store is off or cannot hold it."""
-    return stored_program("boosting_round", lambda: round_function(shape), shape, arguments, mesh_platform(shape.mesh),
-                          _round_jit_options(shape))
+    still to come); None where the store is off or cannot hold it. Of a ``SplitRound``, each
+    program that the store cannot hold (a custom loss's statistics) is jitted as without it."""
+    platform = mesh_platform(shape.mesh)
+    if shape.leaf_refit:
+        return stored_program("boosting_round", lambda: round_function(shape), shape, arguments, platform,
+                              _round_jit_options(shape))
+    if store_folder() is None:
+        return None
+    compiled = compiled_round(shape)
+    statistics_arguments, trees_arguments, metrics_arguments = compiled.program_arguments(arguments)
+    core = trees_shape(shape)
+    statistics = stored_program("round_statistics", lambda: round_statistics_function(shape), shape,
+                                statistics_arguments, platform, _jit_options(shape))
+    trees = stored_program("round_trees", lambda: round_trees_function(core), core, trees_arguments, platform,
+                           _jit_options(core, TREES_DONATED_ARGUMENTS))
+    metrics = None
+    if shape.metrics:
+        metrics = stored_program("round_metrics", lambda: round_metrics_function(shape), shape, metrics_arguments,
+                                 platform, _jit_options(shape))
+    if statistics is None and trees is None and metrics is None:
+        return None
+    return _split_round(shape, statistics or compiled.statistics, trees or compiled.trees,
+                        (metrics or compiled.metrics) if shape.metrics else None)
+
+
+def clear_compiled_rounds() -> None:
+    """Forget every compiled round (tests that replace what a round traces)."""
+    for cache in (compiled_round, _split_round, _compiled_statistics, _compiled_trees, _compiled_metrics,
+                  compiled_many_rounds):
+        cache.cache_clear()
 
 
 # Platforms whose train_many rounds loop over the models (``_models_one_at_a_time``); the

@@ -1,4 +1,4 @@
-"""Program store: a fit's programs (its round and starting value), traced and lowered once,
+"""Program store: a fit's programs (its round's and its starting value), traced and lowered once,
 kept on disk for later processes.
 
 JAX's persistent compilation cache (``devices.configure_compilation_cache``) spares a new
@@ -13,7 +13,8 @@ losses, links and metrics (functions of jaxboost's modules, found under their na
 jaxboost's types, numbers, strings, array shapes and shardings, and the mesh, with the digest of
 jaxboost's source files, the JAX and jaxlib versions, the native kernels available and the
 compiler options. A program that holds anything else (a custom loss, regularizer or metric) is
-traced as before: its meaning lives in code the key cannot see. Unreadable entries are traced
+traced as before: its meaning lives in code the key cannot see. (A round's trees read no loss:
+a custom loss's are stored, its derivatives are not.) Unreadable entries are traced
 anew and written again, and a program that cannot be exported is jitted as without the store.
 The key cannot see jaxboost's functions or constants replaced at run time (the test suite,
 which does so, turns the store off); short of that, the store changes no model, it only skips
@@ -375,8 +376,10 @@ class StoredProgram:
 
 
 def ready(program) -> Callable:
-    """The callable program of ``stored_program``'s result, or ``program`` as it is."""
-    return program.jitted() if isinstance(program, StoredProgram) else program
+    """The callable program of ``stored_program``'s result (or of a program made of such, that
+    has a ``jitted`` method too), or ``program`` as it is."""
+    jitted = getattr(program, "jitted", None)
+    return jitted() if callable(jitted) else program
 
 
 # The programs of this process, by key (the most recently asked for kept, as many as the

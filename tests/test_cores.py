@@ -197,13 +197,13 @@ def test_compiler_options_leave_out_what_this_xla_does_not_know(monkeypatch):
         assert options and options.items() <= getattr(devices, table).items()
     if jax.default_backend() not in ("cpu", "gpu"):
         pytest.skip(f"training with the options: jaxboost sets none on {jax.default_backend()}")
-    boosting.compiled_round.cache_clear()  # rounds take their options when compiled
+    boosting.clear_compiled_rounds()  # rounds take their options when compiled
     try:
         rng = np.random.default_rng(0)
         X = rng.normal(size=(500, 3)).astype(np.float32)
         model = jb.train(X, X[:, 0] + 0.1 * rng.normal(size=500), num_rounds=3, max_depth=3)
     finally:
-        boosting.compiled_round.cache_clear()
+        boosting.clear_compiled_rounds()
     assert np.corrcoef(model.predict(X), X[:, 0])[0, 1] > 0.9
 
 

@@ -701,11 +701,11 @@ def test_one_level_loop_grows_the_trees_of_two(monkeypatch, settings, sharded):
                              ("two loops", lambda max_depth, platform: min(grower.LOOPED_LEVEL_NODES,
                                                                            2 ** (max_depth - 1)))]:
         monkeypatch.setattr(grower, "looped_level_nodes", loop_nodes)
-        boosting.compiled_round.cache_clear()
+        boosting.clear_compiled_rounds()
         try:
             trees[name] = jb.train(X, y, **settings).trees
         finally:
-            boosting.compiled_round.cache_clear()
+            boosting.clear_compiled_rounds()
     monkeypatch.setattr(grower, "looped_level_nodes", one_loop)
     assert one_loop(settings["max_depth"], "cpu") == 2 ** (settings["max_depth"] - 1)
     assert one_loop(settings["max_depth"], "gpu") == grower.LOOPED_LEVEL_NODES
@@ -753,7 +753,7 @@ def test_a_trees_column_sample_grows_the_same_trees_when_only_its_features_are_s
         monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
     X, y = kernel_training_data(settings)
     X = np.column_stack([X, np.random.default_rng(12).normal(size=(len(X), 5)).astype(np.float32)])
-    boosting.compiled_round.cache_clear()
+    boosting.clear_compiled_rounds()
     summed_sample = jb.train(X, y, **settings)
     for name in ("build_statistics_histogram", "route_and_build_statistics_histogram"):
         def every_feature(*args, _build=getattr(grower, name), **kwargs):
@@ -761,11 +761,11 @@ def test_a_trees_column_sample_grows_the_same_trees_when_only_its_features_are_s
             return _build(*args, **kwargs)
         monkeypatch.setattr(grower, name, every_feature)
     monkeypatch.setattr(training, "tree_feature_slots", lambda fraction, n_features: None)
-    boosting.compiled_round.cache_clear()
+    boosting.clear_compiled_rounds()
     try:
         summed_all = jb.train(X, y, **settings)
     finally:
-        boosting.compiled_round.cache_clear()
+        boosting.clear_compiled_rounds()
     for field in summed_sample.trees._fields:
         np.testing.assert_array_equal(getattr(summed_sample.trees, field), getattr(summed_all.trees, field),
                                       err_msg=field)

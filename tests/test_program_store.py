@@ -50,20 +50,22 @@ def _fit_in_process(tmp_path, monkeypatch, store: str, loss="logistic", **settin
     rng = np.random.default_rng(3)
     X = rng.normal(size=(257, 5)).astype(np.float32)
     y = (X[:, 0] + 0.5 * rng.normal(size=257) > 0).astype(np.float32)
-    model = jb.train(X, y, loss=loss, num_rounds=3, max_depth=3, **settings)
+    model = jb.train(X, y, loss=loss, num_rounds=3, **{"max_depth": 3, **settings})
     return model.predict_raw(X)
 
 
-def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_are_not_stored(tmp_path, monkeypatch):
-    """In one process: the round and the starting value exported to the store, then loaded from
-    it, predict what the programs traced without the store do, bit for bit. A custom loss's
-    programs are not stored."""
+def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_store_their_trees_alone(tmp_path,
+                                                                                                   monkeypatch):
+    """In one process: the round (its statistics and its trees) and the starting value exported
+    to the store, then loaded from it, predict what the programs traced without the store do,
+    bit for bit. Of a custom loss's programs, only the round's trees, which read no loss, are
+    stored: on the same shapes the built-in's serve it, on new ones one more is stored."""
     traced = _fit_in_process(tmp_path, monkeypatch, "0")
     folder = tmp_path / "programs"
     assert not folder.exists()
     exported = _fit_in_process(tmp_path, monkeypatch, "1")
     stored = sorted(folder.iterdir())
-    assert len(stored) == 2  # the round and the starting value
+    assert len(stored) == 3  # the round's statistics and trees, and the starting value
     loaded = _fit_in_process(tmp_path, monkeypatch, "1")
     np.testing.assert_array_equal(exported, traced)
     np.testing.assert_array_equal(loaded, traced)
@@ -71,12 +73,17 @@ def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_are_no
     def custom_logistic(raw_prediction, y):
         return jax.nn.softplus(raw_prediction) - y * raw_prediction
 
-    _fit_in_process(tmp_path, monkeypatch, "1", loss=custom_logistic)
+    custom = _fit_in_process(tmp_path, monkeypatch, "1", loss=custom_logistic)
     assert sorted(folder.iterdir()) == stored
+    np.testing.assert_allclose(custom, traced, rtol=1e-5, atol=1e-5)
+    deeper = _fit_in_process(tmp_path, monkeypatch, "1", loss=custom_logistic, max_depth=4)
+    assert len(list(folder.iterdir())) == len(stored) + 1
+    np.testing.assert_array_equal(deeper, _fit_in_process(tmp_path, monkeypatch, "0", loss=custom_logistic,
+                                                          max_depth=4))
 
 
 def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
-    """The first process traces the round and the starting value (each as ``flat``, the
+    """The first process traces the round's two programs and the starting value (each as ``flat``, the
     exported form) and stores them; the next loads them and traces neither; both predict what a
     process without the store predicts, bit for bit. A corrupt entry is traced anew and replaced."""
     code = ("import numpy as np, jaxboost as jb\n"
@@ -103,14 +110,15 @@ def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
     without, log_without = run("0")
     first, log_first = run("1")
     second, log_second = run("1")
-    traced = ("Finished tracing boosting_round", "Finished tracing _coordinate_sweeps")
+    traced = ("Finished tracing round_statistics", "Finished tracing round_trees",
+              "Finished tracing _coordinate_sweeps")
     assert all(name in log_without for name in traced)
-    assert log_first.count("Finished tracing flat") == 2 and not any(name in log_first for name in traced)
+    assert log_first.count("Finished tracing flat") == 3 and not any(name in log_first for name in traced)
     assert "Finished tracing flat" not in log_second and not any(name in log_second for name in traced)
     assert first == without and second == without
 
     entries = sorted((tmp_path / "programs").iterdir())
-    assert len(entries) == 2
+    assert len(entries) == 3
     entries[0].write_bytes(b"not a program")
     after_corruption, log_after = run("1")
     assert log_after.count("Finished tracing flat") == 1

@@ -199,36 +199,34 @@ def test_fits_with_eval_sets_trace_their_round_once(n_rows, monkeypatch):
     X, y = _regression_data(seed=6, n=n_rows)
     X_eval, y_eval = _regression_data(seed=7, n=500)
     traces = []
-    original = boosting._grow_round_trees
+    original = boosting._grow_trees
 
     def counting(*args, **kwargs):
         traces.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(boosting, "_grow_round_trees", counting)
-    boosting.compiled_round.cache_clear()
-    boosting.compiled_many_rounds.cache_clear()
+    monkeypatch.setattr(boosting, "_grow_trees", counting)
+    boosting.clear_compiled_rounds()
     settings = dict(num_rounds=3, max_depth=3, eval_set=[(X_eval, y_eval)])
     jb.train(X, y, **settings)
     jb.train(X, y, **settings)
     assert len(traces) == 1, f"a fit with an eval set traced its round {len(traces)} times"
     jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0]}, **settings)
     assert len(traces) == 2, f"train_many with an eval set traced its round {len(traces) - 1} times"
-    boosting.compiled_round.cache_clear()
-    boosting.compiled_many_rounds.cache_clear()
+    boosting.clear_compiled_rounds()
 
 
 def test_second_round_and_new_hyperparameters_do_not_recompile():
     X, y = _regression_data(seed=5)
     traces = []
-    original = boosting._grow_round_trees
+    original = boosting._grow_trees
 
     def counting(*args, **kwargs):
         traces.append(1)
         return original(*args, **kwargs)
 
-    boosting.compiled_round.cache_clear()
-    boosting._grow_round_trees = counting
+    boosting.clear_compiled_rounds()
+    boosting._grow_trees = counting
     try:
         jb.train(X, y, num_rounds=4, max_depth=3, learning_rate=0.3)
         assert len(traces) == 1, "the round was traced more than once for one shape"
@@ -251,8 +249,65 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
         jb.train(X, y, num_rounds=2, max_depth=2)
         assert len(traces) == 5, "a new depth must trace a new round"
     finally:
-        boosting._grow_round_trees = original
-        boosting.compiled_round.cache_clear()
+        boosting._grow_trees = original
+        boosting.clear_compiled_rounds()
+
+
+@pytest.mark.parametrize("n_rows, settings", [
+    (N_ROWS, dict(loss="logistic", subsample=0.7, colsample_bynode=0.6, eval_metric=["logloss", "auc"])),
+    (N_ROWS, dict(loss="softmax", multi_strategy="multi_output_tree", hessian="floor", hessian_floor=0.05)),
+    (90_000, dict(loss="squared_error", max_depth=6)),  # rows sharded over two devices
+])
+def test_a_round_of_three_programs_grows_the_model_of_one(n_rows, settings, monkeypatch):
+    """A round without a leaf refit runs as three programs (the loss's derivatives, the trees,
+    the eval metrics): it grows the model, and the eval histories, of the same round compiled
+    as one program."""
+    from jaxboost import training
+
+    X, y = _binary_data(seed=4, n=n_rows)
+    if settings["loss"] == "softmax":
+        y = np.digitize(X[:, 0] + X[:, 1], [-0.5, 0.5]).astype(np.float32)
+    common = {**dict(num_rounds=4, max_depth=4, learning_rate=0.3, eval_set=[(X[:300], y[:300])]), **settings}
+    rounds = []
+    with monkeypatch.context() as patched:
+        patched.setattr(training, "compiled_round", lambda shape: rounds.append(boosting.compiled_round(shape))
+                        or rounds[-1])
+        split = jb.train(X, y, **common)
+    assert [type(round_program) for round_program in rounds] == [boosting.SplitRound], rounds
+    monkeypatch.setattr(training, "compiled_round",
+                        lambda shape: jax.jit(boosting.round_function(shape), **boosting._round_jit_options(shape)))
+    whole = jb.train(X, y, **common)
+    for name, a, b in zip(split.trees._fields, split.trees, whole.trees):
+        assert_same_training(np.asarray(a), np.asarray(b), err_msg=name)
+    for metric, history in whole.evals_result["validation_0"].items():
+        assert_same_training(split.evals_result["validation_0"][metric], history, err_msg=metric)
+
+
+def test_a_new_loss_compiles_its_derivatives_but_not_the_trees(monkeypatch):
+    """The round's trees read no loss: fits of new losses (custom ones, a built-in, the same
+    custom loss defined again) on the same shapes trace the loss's derivatives and metrics
+    anew, and reuse the one program of the trees."""
+    X, y = _binary_data(seed=5)
+    traced = {"trees": 0, "derivatives": 0}
+
+    def counting(kind, original):
+        def traced_once(*args, **kwargs):
+            traced[kind] += 1
+            return original(*args, **kwargs)
+        return traced_once
+
+    monkeypatch.setattr(boosting, "_grow_trees", counting("trees", boosting._grow_trees))
+    monkeypatch.setattr(boosting, "_tree_statistics", counting("derivatives", boosting._tree_statistics))
+    boosting.clear_compiled_rounds()
+    settings = dict(num_rounds=2, max_depth=3, eval_set=[(X[:200], y[:200])])
+    try:
+        for loss in ("logistic", lambda raw, y: jax.nn.softplus(raw) - y * raw,
+                     lambda raw, y: jax.nn.softplus(raw) - y * raw, optax.losses.sigmoid_binary_cross_entropy):
+            model = jb.train(X, y, loss=loss, **settings)
+            assert np.isfinite(model.evals_result["validation_0"]["logloss" if loss == "logistic" else "loss"]).all()
+    finally:
+        boosting.clear_compiled_rounds()
+    assert traced == {"trees": 1, "derivatives": 4}, traced
 
 
 @pytest.mark.parametrize("trainer, settings", [("train", dict()),
@@ -282,7 +337,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         if "round" not in str(kwargs.get("fun_name")):
             return
         if name.endswith("jaxpr_to_mlir_module_duration"):
-            lowered.append(threading.get_ident())
+            lowered.append((threading.get_ident(), kwargs.get("fun_name")))
             steps.append("round lowered")
             order.append("round lowered")
         elif name.endswith("backend_compile_duration"):  # also a persistent-cache hit
@@ -323,8 +378,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     monkeypatch.setattr(module, "starting_value", recording_starting_value)
     monkeypatch.setattr(module, factory_name, recording_factory)
     monkeypatch.setattr(training, "release_free_memory", recording_release)
-    boosting.compiled_round.cache_clear()
-    boosting.compiled_many_rounds.cache_clear()
+    boosting.clear_compiled_rounds()
     jax.monitoring.register_event_duration_secs_listener(listener)
     # JAX's 64-bit mode on for the process: jaxboost's float32 context is the caller's
     # thread's, and the starting value's thread must compute in 32 bits too.
@@ -342,16 +396,19 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     finally:
         jax.config.update("jax_enable_x64", False)
         jax.monitoring.unregister_event_duration_listener(listener)
-        boosting.compiled_round.cache_clear()
-        boosting.compiled_many_rounds.cache_clear()
-    assert lowered == [threading.get_ident()], "the round was lowered more than once, or not by the caller"
+        boosting.clear_compiled_rounds()
+    # One program a round (train_many's), or a round's statistics, trees and eval metrics.
+    programs = len(lowered)
+    assert programs == (1 if trainer == "train_many" else 3 if "eval_set" in settings else 2), lowered
+    assert {thread for thread, _ in lowered} == {threading.get_ident()}, "a program was lowered by another thread"
+    assert len({program for _, program in lowered}) == programs, f"a program was lowered twice: {lowered}"
     assert first_fit_threads and threading.get_ident() not in first_fit_threads
-    assert first_fit_order[:2] == ["round lowered", "starting value"], first_fit_order
+    assert first_fit_order[:programs + 1] == ["round lowered"] * programs + ["starting value"], first_fit_order
     # Compiled before its first call, and once; the free pages the compiler left are handed back
     # before the rounds' buffers come on top of them.
-    assert first_fit_steps[:4] == ["round lowered", "round compiled", "pages handed back", "round called"], \
-        first_fit_steps
-    assert steps.count("round compiled") == 1 and steps.count("pages handed back") == 1, steps
+    assert first_fit_steps[:2 * programs + 2] == (["round lowered"] * programs + ["round compiled"] * programs
+                                                  + ["pages handed back", "round called"]), first_fit_steps
+    assert steps.count("round compiled") == programs and steps.count("pages handed back") == 1, steps
     assert starting_threads[len(first_fit_threads):] == [threading.get_ident()] * len(first_fit_threads)
     assert not any(in_64_bits), in_64_bits
     assert np.all(np.isfinite(first))
@@ -1078,9 +1135,10 @@ def test_second_process_loads_the_compiled_round_from_the_disk_cache(tmp_path):
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
     first, second = (run.stderr for run in runs)
-    hit = "Persistent compilation cache hit for 'jit_boosting_round'"
-    assert "Compiling jit(boosting_round)" in first and hit not in first
-    assert hit in second
+    for program in ("round_statistics", "round_trees"):
+        hit = f"Persistent compilation cache hit for 'jit_{program}'"
+        assert f"Compiling jit({program})" in first and hit not in first, program
+        assert hit in second, program
     assert not stale.exists()
 
 
@@ -1207,9 +1265,9 @@ def test_rounds_computing_derivatives_in_chunks_grow_the_same_trees(loss, vector
     models = []
     for chunk_rows in (10 ** 9, 96):
         monkeypatch.setattr(boosting, "DERIVATIVE_CHUNK_ROWS", chunk_rows)
-        boosting.compiled_round.cache_clear()
+        boosting.clear_compiled_rounds()
         models.append(jb.train(X, y, **settings))
-    boosting.compiled_round.cache_clear()
+    boosting.clear_compiled_rounds()
     whole, chunked = models
     _assert_same_splits(chunked, whole, X)
 
