@@ -189,9 +189,8 @@ def found_while_compiling(compiled_round, arguments: tuple, find: Callable):
     one-fit process's peak (1M x 28, 100 rounds: 500-524 -> 489-498 MB; 10 classes at 160k rows:
     442-516 -> 419-498). The benchmark's, whose compile is a 1-round fit of its own, stayed within
     its spread (533-540 against 540-548 MB in alternating runs; 540-550 in two full runs after).
-    A custom loss's first fit, which compiles its round in its first call, gained nothing
-    measurable from a compile ahead and a hand-back (focal loss, 1M x 28: 498-508 MB against
-    501-511)."""
+    A custom loss's ``find`` also tells whether it needs a leaf refit (then its round compiles
+    again, in its first call)."""
     row_counts = tuple(leaf.shape for leaf in jax.tree_util.tree_leaves(arguments)
                        if isinstance(leaf, jax.ShapeDtypeStruct))
     compiled_for = set() if compiled_round is None else _ROUNDS_COMPILED_FOR.setdefault(compiled_round, set())
@@ -534,24 +533,15 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         base_score = np.asarray(init_model.base_score, np.float32)
     elif margin is not None:
         base_score = np.zeros(K, np.float32)
-    if leaf_refit is None and resolved.leaf_refit is None:
-        # A custom loss: whether leaves are refit depends on its Hessians at the start, so its
-        # round compiles after the start is found, not beside it. Compiling it beside, for the
-        # refit that the Hessians at zero call for (checked again at the start), gained nothing:
-        # that count, the process's first program, took 0.22 s before the compile could begin
-        # (1M x 28: first fit 1.24-1.28 against 1.20-1.22 s).
-        if base_score is None:
-            with collection_paused():
-                base_score = _starting_value(resolved, train_rows, mesh)
-        start_raw_predictions(base_score)
-        leaf_refit = _leaf_refit_needed(resolved, train_rows)
-        raw_predictions_started = True
-    else:
-        leaf_refit = resolved.leaf_refit if leaf_refit is None else leaf_refit
-        raw_predictions_started = False
+    # A custom loss: whether its leaves are refit depends on its Hessians at the start (some
+    # row's exactly zero: absolute error, hinge). The round without a refit, which most losses
+    # take, compiles while the start is found; a loss that needs the refit compiles its round
+    # in its first call.
+    refit_unknown = leaf_refit is None and resolved.leaf_refit is None
+    leaf_refit = False if refit_unknown else bool(resolved.leaf_refit if leaf_refit is None else leaf_refit)
 
     shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
-                       leaf_refit=bool(leaf_refit),
+                       leaf_refit=leaf_refit,
                        sample_columns=min(colsample_bytree, colsample_bylevel, colsample_bynode) < 1,
                        sample_rows=subsample < 1, metrics=(metrics,) * len(eval_rows), mesh=mesh,
                        hessian_mode=hessian, vector_leaves=leaves, missing_values=dataset.has_missing_values,
@@ -585,9 +575,22 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     arguments = round_arguments(params, train_rows.raw_prediction_shape(K),
                                 [rows.raw_prediction_shape(K) for rows in eval_rows], first_round, histograms)
     boosting_round = stored_round(shape, arguments) or compiled_round(shape)
-    if base_score is None:
-        base_score = found_while_compiling(boosting_round if num_rounds else None, arguments,
-                                           lambda: _starting_value(resolved, train_rows, mesh))
+
+    def start() -> tuple:
+        """The starting value, and whether a custom loss needs its leaves refit there."""
+        found = _starting_value(resolved, train_rows, mesh) if base_score is None else base_score
+        if not refit_unknown:
+            return found, leaf_refit
+        start_raw_predictions(found)
+        return found, _leaf_refit_needed(resolved, train_rows)
+
+    raw_predictions_started = refit_unknown
+    if base_score is None or refit_unknown:
+        base_score, needs_refit = found_while_compiling(boosting_round if num_rounds else None, arguments, start)
+        if needs_refit != leaf_refit:
+            leaf_refit = needs_refit
+            shape = shape._replace(leaf_refit=leaf_refit)
+            boosting_round = stored_round(shape, arguments) or compiled_round(shape)
     boosting_round = ready(boosting_round) if num_rounds else None
     if not raw_predictions_started:
         start_raw_predictions(base_score)

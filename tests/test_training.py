@@ -312,6 +312,7 @@ def test_a_new_loss_compiles_its_derivatives_but_not_the_trees(monkeypatch):
 
 @pytest.mark.parametrize("trainer, settings", [("train", dict()),
                                                ("train", dict(subsample=0.5, eval_set=True, loss="logistic")),
+                                               ("train", dict(loss=lambda raw, y: 0.5 * (raw - y) ** 2)),
                                                ("train_many", dict(eval_set=True, loss="logistic"))])
 def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_starting_value(monkeypatch, trainer,
                                                                                          settings):
@@ -319,9 +320,9 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     thread finds the starting value: the call then takes that program (a mismatch, such as
     another sharding, would lower and compile the round a second time). The memory the compiler
     freed is handed back before the first round. The starting value's thread starts once the
-    round is lowered (tracing both at once, the threads had taken turns on the GIL). A second
-    fit of the same shapes finds the round compiled, and finds its starting value in the
-    caller's thread."""
+    round is lowered (tracing both at once, the threads had taken turns on the GIL); for a
+    custom loss, that thread also finds whether it needs a leaf refit. A second fit of the same
+    shapes finds the round compiled, and finds its starting value in the caller's thread."""
     import threading
 
     from jaxboost import training, vmapped_training
