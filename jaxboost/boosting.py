@@ -7,9 +7,10 @@ exports and SHAP treat it like any other model.
 
 A round is compiled whole, traced once per shape: every numeric hyperparameter is a traced
 value, and only shapes and structure (depth, bins, outputs, the loss function, the eval sets'
-layout) are static. It runs as three programs (``SplitRound``): the loss's derivatives, the
-trees grown from them, which read no loss (one program serves every loss of the same shapes,
-so a new loss compiles its derivatives alone), and the eval sets' metrics; with a leaf refit,
+layout) are static. It runs as two programs (``SplitRound``): the loss's derivatives, and the
+trees grown from them with the eval sets' predictions and metrics, which read no loss (one
+program serves every loss of the same shapes, so a new loss compiles its derivatives alone),
+and a third for eval metrics that are the loss itself; with a leaf refit,
 which reads the loss between a tree's splits and its leaf values, and in ``train_many``, as
 one (``round_function``). Rows are sharded over the devices of a 1-D mesh with ``shard_map``;
 the histograms and every other sum over rows are completed with ``psum`` inside the grower.
@@ -684,7 +685,7 @@ def _packed(shape: RoundShape, trees: Tree) -> jax.Array:
 def round_function(shape: RoundShape, inside_models_mesh: bool = False) -> Callable:
     """The (unjitted) boosting round for one static shape, as one program: leaf refits, which
     read the loss between a tree's growth and its leaf values, and ``train_many``'s rounds
-    (otherwise a round is ``SplitRound``'s three programs). It returns the round's trees packed
+    (otherwise a round is ``SplitRound``'s programs). It returns the round's trees packed
     into one array (``tree.pack_fields``; ``round_tree_template`` unpacks them) and its
     ``RoundHealth`` flags stacked along a last axis: the host reads one array of each a round.
 
@@ -732,20 +733,38 @@ HISTOGRAM_BUFFER_ARGUMENT = 10
 DONATED_ARGUMENTS = (RAW_PREDICTION_ARGUMENT, HISTOGRAM_BUFFER_ARGUMENT)
 
 
-# A round without a leaf refit runs as three programs (``SplitRound``): the loss's derivatives
-# (``round_statistics_function``), the trees grown from them (``round_trees_function``, which
-# reads no loss: one program for every loss on the same shapes, and storable for a custom
-# loss), and the eval sets' metrics (``round_metrics_function``). A new loss then compiles its
+# A round without a leaf refit runs as two or three programs (``SplitRound``): the loss's
+# derivatives (``round_statistics_function``), the trees grown from them with the eval sets'
+# predictions and metrics (``round_trees_function``, which reads no loss: one program for every
+# loss on the same shapes, and storable for a custom loss), and the metrics that are the loss
+# itself (``round_metrics_function``). A new loss then compiles its
 # derivatives alone: on a 2-core AVX2 machine a custom loss's first fit had compiled a whole
 # round, 2.3-2.4 s, where its derivatives compile in 0.4 s.
 
 def trees_shape(shape: RoundShape) -> RoundShape:
     """``shape`` less what ``round_trees_function``'s program does not read (the loss, how its
-    Hessians are formed, the row sample and the metrics): the key of a program that every
-    loss of these shapes shares."""
-    return shape._replace(objective=Objective(loss=None, vector_output=False, num_outputs=shape.objective.num_outputs,
-                                              link=None),
-                          metrics=(), hessian_mode="exact", sample_rows=False)
+    Hessians are formed, the row sample): the key of a program that every loss of these shapes
+    shares. Its metrics are the eval metrics where none reads the loss (they then read the link
+    alone, and are computed with the trees: a call of their own had cost 0.05 ms a round, 8% of
+    a round on 200 rows), else none (``round_metrics_function`` computes them)."""
+    if not shape.metrics or _metrics_read_loss(shape):
+        objective, metrics = Objective(loss=None, vector_output=False, num_outputs=shape.objective.num_outputs,
+                                       link=None), ()
+    else:
+        objective = shape.objective._replace(loss=None)
+        metrics = tuple(tuple(metric._replace(objective=objective) for metric in metrics) for metrics in shape.metrics)
+    return shape._replace(objective=objective, metrics=metrics, hessian_mode="exact", sample_rows=False)
+
+
+def statistics_shape(shape: RoundShape) -> RoundShape:
+    """``shape`` less the eval metrics, which ``round_statistics_function``'s program does not
+    read: a new eval set or metric does not trace the loss's derivatives again."""
+    return shape._replace(metrics=())
+
+
+def _metrics_read_loss(shape: RoundShape) -> bool:
+    """Some eval metric is the training loss (``objective.EvalMetric`` without a function)."""
+    return not all(getattr(metric, "function", None) is not None for metrics in shape.metrics for metric in metrics)
 
 
 def round_statistics_function(shape: RoundShape) -> Callable:
@@ -772,8 +791,8 @@ def round_trees_function(shape: RoundShape) -> Callable:
     """``round_trees(growth, colsample_bytree, X_binned_T, row_offsets, statistics,
     raw_prediction, seed_key, round_index, eval_sets, histogram_buffer)`` for a ``trees_shape``:
     the round's trees grown from ``statistics`` (``round_statistics_function``'s), packed, the
-    raw predictions moved by them, the eval sets' (``(X_binned, raw_prediction)`` each) too, and
-    the histogram buffer."""
+    raw predictions moved by them, the eval sets' (``(X_binned, y, weight, raw_prediction)``
+    each) too, the shape's metrics of them (none if it has none), and the histogram buffer."""
     rows, predictions = PartitionSpec(ROW_AXIS), PartitionSpec(ROW_AXIS, None)
     codes = PartitionSpec() if shape.shared_codes else PartitionSpec(None, ROW_AXIS)
     grow = jax.shard_map(
@@ -791,8 +810,11 @@ def round_trees_function(shape: RoundShape) -> Callable:
             raw_prediction, trees, histogram_buffer = grow(growth, X_binned_T, row_offsets, statistics,
                                                            raw_prediction, feature_allowed, tree_key,
                                                            histogram_buffer)
-            eval_raw_predictions = tuple(predict_eval(trees, X_binned, raw_eval) for X_binned, raw_eval in eval_sets)
-            return raw_prediction, _packed(shape, trees), eval_raw_predictions, histogram_buffer
+            eval_raw_predictions = tuple(predict_eval(trees, X_binned, raw_eval)
+                                         for X_binned, _, _, raw_eval in eval_sets)
+            metric_values = _metric_values(shape, None, [eval_set[1:3] for eval_set in eval_sets],
+                                           eval_raw_predictions) if shape.metrics else ()
+            return raw_prediction, _packed(shape, trees), eval_raw_predictions, metric_values, histogram_buffer
 
     return round_trees
 
@@ -811,8 +833,9 @@ TREES_DONATED_ARGUMENTS = (5, 9)
 
 
 class SplitRound:
-    """A round as its three programs, called as ``round_function``'s round is (the same
-    arguments and results, the same raw predictions and histogram buffer donated)."""
+    """A round as its programs (the eval metrics' only where ``trees_shape`` leaves them out of
+    the trees'), called as ``round_function``'s round is (the same arguments and results, the
+    same raw predictions and histogram buffer donated)."""
 
     def __init__(self, shape: RoundShape, statistics, trees, metrics):
         self.shape, self.statistics, self.trees, self.metrics = shape, statistics, trees, metrics
@@ -823,16 +846,16 @@ class SplitRound:
         the metrics' but for the eval raw predictions the trees give."""
         return ((params, y, sample_weight, row_index, raw_prediction, seed_key, round_index),
                 (params.growth, params.colsample_bytree, X_binned_T, row_offsets, statistics, raw_prediction,
-                 seed_key, round_index, tuple((eval_set[0], eval_set[3]) for eval_set in eval_sets),
-                 histogram_buffer),
+                 seed_key, round_index, eval_sets, histogram_buffer),
                 (params.loss_params, tuple(tuple(eval_set[1:3]) for eval_set in eval_sets)))
 
     def __call__(self, *arguments):
         statistics_arguments, _, _ = self._arguments(*arguments)
         statistics, health = self.statistics(*statistics_arguments)
         _, trees_arguments, metrics_arguments = self._arguments(*arguments, statistics=statistics)
-        raw_prediction, trees, eval_raw_predictions, histogram_buffer = self.trees(*trees_arguments)
-        metric_values = self.metrics(*metrics_arguments, eval_raw_predictions) if self.metrics else ()
+        raw_prediction, trees, eval_raw_predictions, metric_values, histogram_buffer = self.trees(*trees_arguments)
+        if self.metrics:
+            metric_values = self.metrics(*metrics_arguments, eval_raw_predictions)
         return raw_prediction, trees, health, eval_raw_predictions, metric_values, histogram_buffer
 
     def statistics_specs(self, raw_prediction) -> tuple:
@@ -893,15 +916,15 @@ def _split_round(shape: RoundShape, statistics, trees, metrics) -> SplitRound:
 @lru_cache(maxsize=64)
 def compiled_round(shape: RoundShape):
     """The jitted round for one static shape (cached, so a new training run reuses it): one
-    program with a leaf refit, else ``SplitRound``'s three, of which the trees' (compiled for a
+    program with a leaf refit, else ``SplitRound``'s, of which the trees' (compiled for a
     ``trees_shape``) serves every loss.
 
     The raw predictions and the histogram buffer are donated: the round writes the new ones
     over the old, so a round holds one copy of them, not two."""
     if shape.leaf_refit:
         return jax.jit(round_function(shape), **_round_jit_options(shape))
-    return _split_round(shape, _compiled_statistics(shape), _compiled_trees(trees_shape(shape)),
-                        _compiled_metrics(shape) if shape.metrics else None)
+    return _split_round(shape, _compiled_statistics(statistics_shape(shape)), _compiled_trees(trees_shape(shape)),
+                        _compiled_metrics(shape) if _metrics_read_loss(shape) else None)
 
 
 def _jit_options(shape: RoundShape, donated: tuple = ()) -> dict:
@@ -944,18 +967,19 @@ def stored_round(shape: RoundShape, arguments: tuple):
     compiled = compiled_round(shape)
     statistics_arguments, trees_arguments, metrics_arguments = compiled.program_arguments(arguments)
     core = trees_shape(shape)
-    statistics = stored_program("round_statistics", lambda: round_statistics_function(shape), shape,
+    loss_part = statistics_shape(shape)
+    statistics = stored_program("round_statistics", lambda: round_statistics_function(loss_part), loss_part,
                                 statistics_arguments, platform, _jit_options(shape))
     trees = stored_program("round_trees", lambda: round_trees_function(core), core, trees_arguments, platform,
                            _jit_options(core, TREES_DONATED_ARGUMENTS))
     metrics = None
-    if shape.metrics:
+    if _metrics_read_loss(shape):
         metrics = stored_program("round_metrics", lambda: round_metrics_function(shape), shape, metrics_arguments,
                                  platform, _jit_options(shape))
     if statistics is None and trees is None and metrics is None:
         return None
     return _split_round(shape, statistics or compiled.statistics, trees or compiled.trees,
-                        (metrics or compiled.metrics) if shape.metrics else None)
+                        compiled.metrics and (metrics or compiled.metrics))
 
 
 def clear_compiled_rounds() -> None:

@@ -254,14 +254,14 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
 
 
 @pytest.mark.parametrize("n_rows, settings", [
-    (N_ROWS, dict(loss="logistic", subsample=0.7, colsample_bynode=0.6, eval_metric=["logloss", "auc"])),
+    (N_ROWS, dict(loss="logistic", subsample=0.7, colsample_bynode=0.6, eval_metric=["logloss", "auc", "loss"])),
     (N_ROWS, dict(loss="softmax", multi_strategy="multi_output_tree", hessian="floor", hessian_floor=0.05)),
     (90_000, dict(loss="squared_error", max_depth=6)),  # rows sharded over two devices
 ])
 def test_a_round_of_three_programs_grows_the_model_of_one(n_rows, settings, monkeypatch):
-    """A round without a leaf refit runs as three programs (the loss's derivatives, the trees,
-    the eval metrics): it grows the model, and the eval histories, of the same round compiled
-    as one program."""
+    """A round without a leaf refit runs as two programs (the loss's derivatives, the trees with
+    the eval sets' predictions and metrics), or three where a metric is the loss itself: it grows
+    the model, and the eval histories, of the same round compiled as one program."""
     from jaxboost import training
 
     X, y = _binary_data(seed=4, n=n_rows)
@@ -274,6 +274,7 @@ def test_a_round_of_three_programs_grows_the_model_of_one(n_rows, settings, monk
                         or rounds[-1])
         split = jb.train(X, y, **common)
     assert [type(round_program) for round_program in rounds] == [boosting.SplitRound], rounds
+    assert (rounds[0].metrics is not None) == ("loss" in settings.get("eval_metric", [])), rounds
     monkeypatch.setattr(training, "compiled_round",
                         lambda shape: jax.jit(boosting.round_function(shape), **boosting._round_jit_options(shape)))
     whole = jb.train(X, y, **common)
@@ -285,8 +286,10 @@ def test_a_round_of_three_programs_grows_the_model_of_one(n_rows, settings, monk
 
 def test_a_new_loss_compiles_its_derivatives_but_not_the_trees(monkeypatch):
     """The round's trees read no loss: fits of new losses (custom ones, a built-in, the same
-    custom loss defined again) on the same shapes trace the loss's derivatives and metrics
-    anew, and reuse the one program of the trees."""
+    custom loss defined again) on the same shapes and eval metrics trace the loss's derivatives
+    anew, and reuse the one program of the trees; a metric that is the loss itself is computed
+    apart from the trees, whose program then has no metrics, and a new metric does not trace the
+    derivatives again."""
     X, y = _binary_data(seed=5)
     traced = {"trees": 0, "derivatives": 0}
 
@@ -299,15 +302,17 @@ def test_a_new_loss_compiles_its_derivatives_but_not_the_trees(monkeypatch):
     monkeypatch.setattr(boosting, "_grow_trees", counting("trees", boosting._grow_trees))
     monkeypatch.setattr(boosting, "_tree_statistics", counting("derivatives", boosting._tree_statistics))
     boosting.clear_compiled_rounds()
-    settings = dict(num_rounds=2, max_depth=3, eval_set=[(X[:200], y[:200])])
+    settings = dict(num_rounds=2, max_depth=3, eval_set=[(X[:200], y[:200])], link="sigmoid")
     try:
-        for loss in ("logistic", lambda raw, y: jax.nn.softplus(raw) - y * raw,
-                     lambda raw, y: jax.nn.softplus(raw) - y * raw, optax.losses.sigmoid_binary_cross_entropy):
-            model = jb.train(X, y, loss=loss, **settings)
-            assert np.isfinite(model.evals_result["validation_0"]["logloss" if loss == "logistic" else "loss"]).all()
+        for loss, metric in [("logistic", "logloss"), (lambda raw, y: jax.nn.softplus(raw) - y * raw, "logloss"),
+                             (lambda raw, y: jax.nn.softplus(raw) - y * raw, "logloss"),
+                             (optax.losses.sigmoid_binary_cross_entropy, "logloss"),
+                             (optax.losses.sigmoid_binary_cross_entropy, "loss")]:
+            model = jb.train(X, y, loss=loss, eval_metric=metric, **settings)
+            assert np.isfinite(model.evals_result["validation_0"][metric]).all()
     finally:
         boosting.clear_compiled_rounds()
-    assert traced == {"trees": 1, "derivatives": 4}, traced
+    assert traced == {"trees": 2, "derivatives": 4}, traced
 
 
 @pytest.mark.parametrize("trainer, settings", [("train", dict()),
@@ -400,7 +405,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         boosting.clear_compiled_rounds()
     # One program a round (train_many's), or a round's statistics, trees and eval metrics.
     programs = len(lowered)
-    assert programs == (1 if trainer == "train_many" else 3 if "eval_set" in settings else 2), lowered
+    assert programs == (1 if trainer == "train_many" else 2), lowered
     assert {thread for thread, _ in lowered} == {threading.get_ident()}, "a program was lowered by another thread"
     assert len({program for _, program in lowered}) == programs, f"a program was lowered twice: {lowered}"
     assert first_fit_threads and threading.get_ident() not in first_fit_threads
