@@ -258,7 +258,7 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
     (N_ROWS, dict(loss="softmax", multi_strategy="multi_output_tree", hessian="floor", hessian_floor=0.05)),
     (90_000, dict(loss="squared_error", max_depth=6)),  # rows sharded over two devices
 ])
-def test_a_round_of_three_programs_grows_the_model_of_one(n_rows, settings, monkeypatch):
+def test_a_round_of_several_programs_grows_the_model_of_one(n_rows, settings, monkeypatch):
     """A round without a leaf refit runs as two programs (the loss's derivatives, the trees with
     the eval sets' predictions and metrics), or three where a metric is the loss itself: it grows
     the model, and the eval histories, of the same round compiled as one program."""
@@ -269,9 +269,13 @@ def test_a_round_of_three_programs_grows_the_model_of_one(n_rows, settings, monk
         y = np.digitize(X[:, 0] + X[:, 1], [-0.5, 0.5]).astype(np.float32)
     common = {**dict(num_rounds=4, max_depth=4, learning_rate=0.3, eval_set=[(X[:300], y[:300])]), **settings}
     rounds = []
+
+    def recorded(shape):
+        rounds.append(boosting.compiled_round(shape))
+        return rounds[-1]
+
     with monkeypatch.context() as patched:
-        patched.setattr(training, "compiled_round", lambda shape: rounds.append(boosting.compiled_round(shape))
-                        or rounds[-1])
+        patched.setattr(training, "compiled_round", recorded)
         split = jb.train(X, y, **common)
     assert [type(round_program) for round_program in rounds] == [boosting.SplitRound], rounds
     assert (rounds[0].metrics is not None) == ("loss" in settings.get("eval_metric", [])), rounds
