@@ -675,6 +675,11 @@ def _metric_values(shape: RoundShape, loss_params, eval_labels, eval_raw_predict
                  for (y_eval, weight_eval), raw_eval, metrics in zip(eval_labels, eval_raw_predictions, shape.metrics))
 
 
+def _eval_labels(eval_sets) -> tuple:
+    """The ``(y, weight)`` of each eval set ``(X_binned, y, weight, raw_prediction)``."""
+    return tuple((y_eval, weight_eval) for _, y_eval, weight_eval, _ in eval_sets)
+
+
 def _packed(shape: RoundShape, trees: Tree) -> jax.Array:
     template = round_tree_template(shape)
     if [(f.shape, f.dtype) for f in trees] != [(f.shape, f.dtype) for f in template]:
@@ -716,8 +721,7 @@ def round_function(shape: RoundShape, inside_models_mesh: bool = False) -> Calla
                                                                    histogram_buffer)
             eval_raw_predictions = tuple(predict_eval(trees, X_binned, raw_eval)
                                          for X_binned, _, _, raw_eval in eval_sets)
-            metric_values = _metric_values(shape, params.loss_params, [eval_set[1:3] for eval_set in eval_sets],
-                                           eval_raw_predictions)
+            metric_values = _metric_values(shape, params.loss_params, _eval_labels(eval_sets), eval_raw_predictions)
             # The health flags as one array too (RoundHealth's fields along the last axis).
             return (raw_prediction, _packed(shape, trees), jnp.stack(health, axis=-1), eval_raw_predictions,
                     metric_values, histogram_buffer)
@@ -812,8 +816,8 @@ def round_trees_function(shape: RoundShape) -> Callable:
                                                            histogram_buffer)
             eval_raw_predictions = tuple(predict_eval(trees, X_binned, raw_eval)
                                          for X_binned, _, _, raw_eval in eval_sets)
-            metric_values = _metric_values(shape, None, [eval_set[1:3] for eval_set in eval_sets],
-                                           eval_raw_predictions) if shape.metrics else ()
+            metric_values = (_metric_values(shape, None, _eval_labels(eval_sets), eval_raw_predictions)
+                             if shape.metrics else ())
             return raw_prediction, _packed(shape, trees), eval_raw_predictions, metric_values, histogram_buffer
 
     return round_trees
@@ -847,7 +851,7 @@ class SplitRound:
         return ((params, y, sample_weight, row_index, raw_prediction, seed_key, round_index),
                 (params.growth, params.colsample_bytree, X_binned_T, row_offsets, statistics, raw_prediction,
                  seed_key, round_index, eval_sets, histogram_buffer),
-                (params.loss_params, tuple(tuple(eval_set[1:3]) for eval_set in eval_sets)))
+                (params.loss_params, _eval_labels(eval_sets)))
 
     def __call__(self, *arguments):
         statistics_arguments, _, _ = self._arguments(*arguments)
