@@ -188,8 +188,8 @@ def trim_compilation_cache(folder: str, max_bytes: int) -> int:
 # kernels either way: measured 2.9 -> 1.9 s of XLA time a round, no slower a tree.
 # Its YNNPACK library fusions (empty list: none) took over the split scan's small reductions
 # over the outputs of vector leaves, about 0.1 ms a call: 3 classes on 20k rows, 78 -> 33 ms a
-# round with the full Hessian, 17 -> 9 with the diagonal. They also got some candidates' gains
-# wrong there (394 where the rows give 350; test_full_hessian_splits_are_the_best_by_a_float64_scan).
+# round with the full Hessian, 17 -> 9 with the diagonal. (A gain of 394 where the rows give 350,
+# blamed on them once, was the PSD test's tolerance: ``regularizer.PSD_TOLERANCE``.)
 # Scalar trees had none. LLVM at its level 1 (``xla_backend_optimization_level``) compiled a
 # round 7% faster (1M x 28: 0.93-0.94 against 1.00-1.03 s) but ran 12.5k rows' trees 8% slower
 # (1.99-2.09 against 1.87-1.90 ms): the default level stays.

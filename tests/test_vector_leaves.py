@@ -354,13 +354,26 @@ def _full_or_diagonal_scores(G, H, reg_lambda):
     return np.where(full <= MAX_FULL_TO_DIAGONAL_SCORE * diagonal, full, diagonal)
 
 
-def test_full_hessian_splits_are_the_best_by_a_float64_scan():
+@pytest.mark.parametrize("start_ulps", [0, 1])
+def test_full_hessian_splits_are_the_best_by_a_float64_scan(start_ulps, monkeypatch):
     """A later round of a softmax vector-leaf model (rows' Hessians differ by then): every split's
     loss_chg is its gain recomputed in float64 from the rows, and no other candidate of its node
-    gains more. XLA's YNNPACK fusions had got the scan's fallback test wrong for some candidates
-    (a gain of 394 where the rows give 350), choosing other splits from round 4 on."""
+    gains more. With the starting value one float32 step up (as another order of its sums gives),
+    a candidate's left child (620 rows, its Hessian singular along (1, ..., 1)) had summed to a
+    Cholesky pivot of -1.06e-5 of its largest diagonal entry, past the PSD test's tolerance then:
+    the diagonal's score replaced the full one's, a gain of 394 where the rows give 350, and the
+    tree split on that candidate. (XLA's YNNPACK fusions had moved the rounding there too.)"""
     from sklearn.datasets import load_digits
 
+    from jaxboost import training
+
+    found = training._starting_value
+
+    def nudged(*args):
+        start = np.asarray(found(*args), np.float32)
+        return np.nextafter(start, np.float32(np.inf)) if start_ulps else start
+
+    monkeypatch.setattr(training, "_starting_value", nudged)
     X, y = load_digits(return_X_y=True)
     X, y = X.astype(np.float32), y.astype(np.float32)
     dataset = jb.Dataset(X, y)
