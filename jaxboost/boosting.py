@@ -39,6 +39,7 @@ from .native import lowering_for
 from .predictor import add_position_values, predict_round
 from .program_store import ready, store_folder, stored_program
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
+from .sums import row_sum
 from .tree import Tree, num_heap_nodes, pack_fields
 
 # Hessians below this are reported as negative rather than taken as rounding noise.
@@ -265,7 +266,7 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
 
     def weighted_sum(per_row):
         w = weights.reshape(weights.shape + (1,) * (per_row.ndim - 1))
-        return jnp.sum(jnp.where(counted.reshape(w.shape), w * per_row, 0.0), axis=0)
+        return row_sum(jnp.where(counted.reshape(w.shape), w * per_row, 0.0))
 
     def row_losses(constant):
         return jax.vmap(loss)(raw_prediction + constant, y)
@@ -422,7 +423,7 @@ def compiled_zero_hessian_count(objective: Objective, mesh: Mesh) -> Callable:
             return ((jnp.any(h == 0, axis=1) & (sample_weight > 0)).astype(jnp.int32),)
 
         (zero,) = in_row_chunks(zero_rows, (raw_prediction, y, sample_weight))
-        return all_sum(jnp.sum(zero), ROW_AXIS)
+        return all_sum(row_sum(zero), ROW_AXIS)
 
     rows = PartitionSpec(ROW_AXIS)
     count = jax.shard_map(local_count, mesh=mesh, in_specs=(PartitionSpec(ROW_AXIS, None), rows, rows, PartitionSpec()),
@@ -433,8 +434,8 @@ def compiled_zero_hessian_count(objective: Objective, mesh: Mesh) -> Callable:
 def _round_health(gradients, split_hessians) -> RoundHealth:
     """The health marks of ``_marked_gradients`` and ``_split_hessians``, summed over all rows.
     Gradients whose sum overflows float32 count as non-finite (so would the histograms' sums)."""
-    gradient_sum = all_sum(jnp.sum(gradients), ROW_AXIS)
-    hessian_sum = all_sum(jnp.sum(split_hessians), ROW_AXIS)
+    gradient_sum = all_sum(jnp.sum(row_sum(gradients)), ROW_AXIS)
+    hessian_sum = all_sum(jnp.sum(row_sum(split_hessians)), ROW_AXIS)
     negative = hessian_sum == -jnp.inf
     return RoundHealth(non_finite=~jnp.isfinite(gradient_sum) | (~jnp.isfinite(hessian_sum) & ~negative),
                        negative_hessian=negative)

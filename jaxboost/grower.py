@@ -41,6 +41,7 @@ from .histogram import (StatisticPairs, build_statistics_histogram, route_and_bu
 from .native import lowering_platform
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
 from .split import NodeBounds, find_best_splits_over_devices, hessian_mass, scan_chunk_nodes
+from .sums import row_sum
 from .tree import Tree, num_heap_nodes
 
 # XGBoost's kRtEps: a split must improve the objective by more than this.
@@ -620,7 +621,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     # root's totals: no separate sums over rows. Every device sums the same feature's, so all
     # hold the same totals bit for bit. (In compact histograms it is in the first slot.)
     first_sampled = 0 if slot_feature is not None else jnp.argmax(feature_allowed)
-    root_totals = all_sum(jnp.sum(jax.lax.dynamic_index_in_dim(local_root[0], first_sampled, keepdims=False), axis=0),
+    root_totals = all_sum(row_sum(jax.lax.dynamic_index_in_dim(local_root[0], first_sampled, keepdims=False)),
                           axis_name)
     num_gradient_channels = gradients.shape[1] if gradients.ndim == 2 else 1
     root_gradients = root_totals[:num_gradient_channels]

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .native import SORT_BY_KEY_TARGET, native_target, per_platform
+from .sums import row_sum
 
 __all__ = [
     "EPS",
@@ -79,8 +80,8 @@ def _weighted_mean(values: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     if values.ndim > 1:
         values = jnp.mean(values.reshape((values.shape[0], -1)), axis=1)
     keep = w > 0
-    num = jnp.sum(jnp.where(keep, w * values, 0.0))
-    den = jnp.sum(jnp.where(keep, w, 0.0))
+    num = row_sum(jnp.where(keep, w * values, 0.0))
+    den = row_sum(jnp.where(keep, w, 0.0))
     return (num / den).astype(jnp.float32)
 
 
@@ -193,11 +194,11 @@ def auc(y, y_pred, sample_weight=None) -> jnp.ndarray:
     # cpos[k] = positive weight among the k lowest-scored rows.
     cpos = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(pos_s)])
     total_pos = cpos[n]
-    total_neg = jnp.sum(neg_s)
+    total_neg = row_sum(neg_s)
     # Positive weight strictly above the run plus half the positive weight tied with it:
     #   (P - cpos[right]) + (cpos[right] - cpos[left]) / 2.
     above_plus_half = total_pos - 0.5 * (cpos[right] + cpos[left])
-    area = jnp.sum(neg_s * above_plus_half)
+    area = row_sum(neg_s * above_plus_half)
     return (area / (total_pos * total_neg)).astype(jnp.float32)
 
 

@@ -1,0 +1,58 @@
+"""row_sum: jnp.sum over rows, compiled without XLA's reduce-window chains on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxboost.devices import compiler_options
+from jaxboost.sums import BLOCK_ROWS, row_sum
+
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
+
+@pytest.mark.parametrize("shape", [(1_000_000,), (100_003,), (4099, 3), (BLOCK_ROWS + 1,)])
+def test_row_sum_is_as_accurate_as_float32_allows(shape):
+    # Values that cancel (a fifth of them negative on average): the error is measured against
+    # the float64 sum, relative to the sum of magnitudes. A one-pass float32 sum of a million
+    # values is 20-50 times further off; XLA's pairwise chain is within this bound too.
+    rng = np.random.default_rng(0)
+    values = (rng.random(shape, dtype=np.float32) - 0.2).astype(np.float32)
+    got = np.asarray(jax.jit(row_sum)(values), np.float64)
+    exact = values.astype(np.float64).sum(axis=0)
+    gross = np.abs(values.astype(np.float64)).sum(axis=0)
+    assert got.shape == exact.shape
+    assert np.all(np.abs(got - exact) <= 2 * FLOAT32_EPS * gross), (got - exact) / gross
+
+
+def test_row_sum_of_few_rows_and_of_integers():
+    values = np.arange(-7, 3 * BLOCK_ROWS + 6, dtype=np.int32)  # not a multiple of the block
+    assert int(jax.jit(row_sum)(values)) == int(values.sum())
+    few = np.array([1.5, -2.0, 4.25], np.float32)
+    assert float(jax.jit(row_sum)(few)) == 3.75
+
+
+@pytest.mark.parametrize("specials, expected", [
+    ([np.nan], np.nan), ([np.inf], np.inf), ([-np.inf], -np.inf), ([np.inf, -np.inf], np.nan),
+    ([3e38, 3e38], np.inf), ([-3e38, -3e38], -np.inf),
+])
+def test_row_sum_keeps_non_finite_sums_as_jnp_sum_does(specials, expected):
+    # The round's health reads them: -inf marks a negative Hessian, NaN a non-finite value.
+    values = np.ones(10 * BLOCK_ROWS, np.float32)
+    values[[5, 77][:len(specials)]] = specials
+    np.testing.assert_equal(float(jax.jit(row_sum)(values)), expected)
+    np.testing.assert_equal(float(jnp.sum(values)), expected)
+
+
+def test_row_sum_compiles_without_reduce_window_chains_on_cpu():
+    # Per-row values computed in the program, as a loss's derivatives are. jnp.sum's chain is
+    # there to show what the check looks for: were XLA to stop rewriting sums, row_sum would
+    # have no purpose left, and this test says so.
+    rows = jax.device_put(np.linspace(-1, 1, 53_248, dtype=np.float32), jax.devices("cpu")[0])
+
+    def compiled(sum_rows):  # with the options jaxboost compiles its programs with
+        return jax.jit(lambda x: sum_rows(jnp.exp(x) - x),
+                       compiler_options=compiler_options("cpu")).lower(rows).compile().as_text()
+
+    assert "reduce-window" in compiled(lambda values: jnp.sum(values, axis=0))
+    assert "reduce-window" not in compiled(row_sum)
