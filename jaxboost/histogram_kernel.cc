@@ -1247,6 +1247,51 @@ XLA_FFI_DEFINE_HANDLER(kSortByKeyHandler, SortByKeyImpl,
                            .Ret<ffi::Buffer<ffi::F32>>()
                            .RemainingRets());
 
+// The sums behind a weighted AUC, from rows sorted by score (``SortByKeyImpl``'s output): the
+// area, sum over rows of negative weight x (positive weight scored higher + half the positive
+// weight tied with it, the row's own included), and the positive and negative totals. One pass
+// from the highest score down, a tie run at a time, in double. As XLA code the tie runs' bounds
+// and the running positive weight were three cumulative scans, each a chain of reduce-window
+// kernels: 0.37 s more to compile than a log loss, and 1 ms a call at 20k rows.
+ffi::Error SortedAucSumsImpl(ffi::Buffer<ffi::F32> sorted_scores, ffi::Buffer<ffi::F32> positive_weights,
+                             ffi::Buffer<ffi::F32> negative_weights, ffi::ResultBuffer<ffi::F32> sums) {
+  const int64_t n = static_cast<int64_t>(sorted_scores.element_count());
+  if (static_cast<int64_t>(positive_weights.element_count()) != n ||
+      static_cast<int64_t>(negative_weights.element_count()) != n || sums->element_count() != 3) {
+    return ffi::Error::InvalidArgument("AUC-sums kernel: three (n,) inputs and a (3,) result expected");
+  }
+  const float* score = sorted_scores.typed_data();
+  const float* positive = positive_weights.typed_data();
+  const float* negative = negative_weights.typed_data();
+  double area = 0.0, positive_above = 0.0, negative_total = 0.0;
+  for (int64_t last = n - 1; last >= 0;) {
+    double run_positive = 0.0, run_negative = 0.0;
+    int64_t row = last;
+    // A run: the rows equal to its highest one (a NaN is a run of its own, as != says).
+    do {
+      run_positive += positive[row];
+      run_negative += negative[row];
+      --row;
+    } while (row >= 0 && score[row] == score[last]);
+    area += run_negative * (positive_above + 0.5 * run_positive);
+    positive_above += run_positive;
+    negative_total += run_negative;
+    last = row;
+  }
+  float* out = sums->typed_data();
+  out[0] = static_cast<float>(area);
+  out[1] = static_cast<float>(positive_above);
+  out[2] = static_cast<float>(negative_total);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kSortedAucSumsHandler, SortedAucSumsImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER(kFirstMaximumHandler, FirstMaximumImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::F32>>()
@@ -1836,6 +1881,10 @@ extern "C" XLA_FFI_Error* JaxboostFirstMaximum(XLA_FFI_CallFrame* call_frame) {
 
 extern "C" XLA_FFI_Error* JaxboostSortByKey(XLA_FFI_CallFrame* call_frame) {
   return kSortByKeyHandler(call_frame);
+}
+
+extern "C" XLA_FFI_Error* JaxboostSortedAucSums(XLA_FFI_CallFrame* call_frame) {
+  return kSortedAucSumsHandler(call_frame);
 }
 
 extern "C" XLA_FFI_Error* JaxboostCumulativeBins(XLA_FFI_CallFrame* call_frame) {

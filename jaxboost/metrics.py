@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .native import SORT_BY_KEY_TARGET, native_target, per_platform
+from .native import SORTED_AUC_SUMS_TARGET, SORT_BY_KEY_TARGET, native_target, per_platform
 from .sums import row_sum
 
 __all__ = [
@@ -156,15 +156,50 @@ def sort_by_key(keys: jnp.ndarray, *payloads: jnp.ndarray) -> tuple[jnp.ndarray,
     return per_platform(*arrays, cpu=native, default=xla)
 
 
+def _xla_sorted_auc_sums(p_s, pos_s, neg_s):
+    """``sorted_auc_sums`` in XLA: every row finds the start and end of its run of tied scores
+    with a cumulative max / min over indices, and reads the cumulative positive weight there."""
+    n = p_s.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    new_run = jnp.concatenate([jnp.ones((1,), bool), p_s[1:] != p_s[:-1]])
+    run_end = jnp.concatenate([p_s[1:] != p_s[:-1], jnp.ones((1,), bool)])
+    # Index of the first element of each row's tie run, and one past its last.
+    left = lax.cummax(jnp.where(new_run, idx, 0), axis=0)
+    right = lax.cummin(jnp.where(run_end, idx + 1, n), axis=0, reverse=True)
+    # cpos[k] = positive weight among the k lowest-scored rows.
+    cpos = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(pos_s)])
+    total_pos = cpos[n]
+    # Positive weight strictly above the run plus half the positive weight tied with it:
+    #   (P - cpos[right]) + (cpos[right] - cpos[left]) / 2.
+    above_plus_half = total_pos - 0.5 * (cpos[right] + cpos[left])
+    return row_sum(neg_s * above_plus_half), total_pos, row_sum(neg_s)
+
+
+def sorted_auc_sums(p_s: jnp.ndarray, pos_s: jnp.ndarray, neg_s: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
+    """``(area, W+, W-)`` of rows sorted by score ``p_s`` with positive and negative weights:
+    ``area`` sums each row's negative weight times the positive weight scored above it plus half
+    that tied with it (the row's own included). On CPU a native kernel makes one pass over the
+    tie runs, in double: XLA's three cumulative scans compiled to chains of reduce-window kernels
+    (0.37 s more to compile than a log loss) and took 1 ms a call at 20k rows."""
+    target = native_target(SORTED_AUC_SUMS_TARGET)
+    if target is None:
+        return _xla_sorted_auc_sums(p_s, pos_s, neg_s)
+
+    def native(p_s, pos_s, neg_s):
+        sums = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((3,), jnp.float32), vmap_method="sequential")(
+            p_s, pos_s, neg_s)
+        return sums[0], sums[1], sums[2]
+
+    return per_platform(p_s, pos_s, neg_s, cpu=native, default=_xla_sorted_auc_sums)
+
+
 def auc(y, y_pred, sample_weight=None) -> jnp.ndarray:
     """Weighted area under the ROC curve, ties counted one half (as scikit-learn).
 
     AUC = sum over negatives j of w_j * [W+(score > s_j) + 1/2 W+(score == s_j)]
     divided by (W+ * W-), where W+ is the positive weight. This is exactly the
     trapezoidal area under scikit-learn's weighted ROC curve. Computed with one
-    sort (O(n log n)) and O(n) scans: after sorting scores ascending, every row
-    finds the start and end of its run of tied scores with a cumulative max / min
-    over indices, and reads the cumulative positive weight there.
+    sort (O(n log n)) and one pass over the sorted rows' tie runs (``sorted_auc_sums``).
 
     A row with label y contributes y * w as positive weight and (1 - y) * w as
     negative weight (XGBoost's convention, equal to scikit-learn's for 0/1 labels).
@@ -174,31 +209,14 @@ def auc(y, y_pred, sample_weight=None) -> jnp.ndarray:
     y = y.reshape((-1,))
     p = p.reshape((-1,))
     w = _weights(y, sample_weight)
-    n = y.shape[0]
     keep = w > 0
     # Padding rows: neutral score and zero weight. Also map -0.0 to +0.0 so that
-    # the tie test below and the sort agree on what "equal" means.
+    # the tie runs and the sort agree on what "equal" means.
     p = jnp.where(keep & (p != 0), p, 0.0)
     w_pos = jnp.where(keep, w * y, 0.0)
     w_neg = jnp.where(keep, w * (1.0 - y), 0.0)
 
-    p_s, pos_s, neg_s = sort_by_key(p, w_pos, w_neg)
-
-    idx = jnp.arange(n, dtype=jnp.int32)
-    new_run = jnp.concatenate([jnp.ones((1,), bool), p_s[1:] != p_s[:-1]])
-    run_end = jnp.concatenate([p_s[1:] != p_s[:-1], jnp.ones((1,), bool)])
-    # Index of the first element of each row's tie run, and one past its last.
-    left = lax.cummax(jnp.where(new_run, idx, 0), axis=0)
-    right = lax.cummin(jnp.where(run_end, idx + 1, n), axis=0, reverse=True)
-
-    # cpos[k] = positive weight among the k lowest-scored rows.
-    cpos = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(pos_s)])
-    total_pos = cpos[n]
-    total_neg = row_sum(neg_s)
-    # Positive weight strictly above the run plus half the positive weight tied with it:
-    #   (P - cpos[right]) + (cpos[right] - cpos[left]) / 2.
-    above_plus_half = total_pos - 0.5 * (cpos[right] + cpos[left])
-    area = row_sum(neg_s * above_plus_half)
+    area, total_pos, total_neg = sorted_auc_sums(*sort_by_key(p, w_pos, w_neg))
     return (area / (total_pos * total_neg)).astype(jnp.float32)
 
 

@@ -49,12 +49,14 @@ ADD_POSITION_VALUES_TARGET = "jaxboost_add_position_values"
 SORT_BY_KEY_TARGET = "jaxboost_sort_by_key"
 DAMPED_SOLVE_TARGET = "jaxboost_damped_solve"
 SEGMENT_SUM_TARGET = "jaxboost_segment_sum"
+SORTED_AUC_SUMS_TARGET = "jaxboost_sorted_auc_sums"
 _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
 _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
             CHANNEL_HISTOGRAM_TARGET: "JaxboostChannelHistogram",
             CUMULATIVE_BINS_TARGET: "JaxboostCumulativeBins", FIRST_MAXIMUM_TARGET: "JaxboostFirstMaximum",
             ADD_POSITION_VALUES_TARGET: "JaxboostAddPositionValues", SORT_BY_KEY_TARGET: "JaxboostSortByKey",
-            DAMPED_SOLVE_TARGET: "JaxboostDampedSolve", SEGMENT_SUM_TARGET: "JaxboostSegmentSum"}
+            DAMPED_SOLVE_TARGET: "JaxboostDampedSolve", SEGMENT_SUM_TARGET: "JaxboostSegmentSum",
+            SORTED_AUC_SUMS_TARGET: "JaxboostSortedAucSums"}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w", "-fno-math-errno"]
 _COMPILE_TIMEOUT_S = 300
 

@@ -302,3 +302,33 @@ def test_sort_by_key_runs_natively_on_cpu_and_under_vmap():
     sorted_keys, payload = jax.jit(jax.vmap(metrics.sort_by_key))(keys, -keys)
     np.testing.assert_array_equal(np.asarray(sorted_keys), np.sort(np.asarray(keys), axis=1))
     np.testing.assert_array_equal(np.asarray(payload), -np.asarray(sorted_keys))
+
+
+def test_sorted_auc_sums_native_kernel_is_the_xla_scans():
+    from jaxboost import native
+
+    if native.native_target(native.SORTED_AUC_SUMS_TARGET) is None:
+        pytest.skip("native kernels unavailable (JAXBOOST_NATIVE=0 or no compiler)")
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(5)
+    n = 3000
+    # Heavy ties (two decimals), fractional labels (rows both positive and negative), rows of
+    # zero weight, and a NaN score (a run of its own on both paths).
+    scores = np.sort(np.round(rng.uniform(size=n), 2)).astype(np.float32)
+    scores[-1] = np.nan
+    y = np.where(rng.random(n) < 0.2, rng.random(n), rng.random(n) < scores).astype(np.float32)
+    w = np.where(rng.random(n) < 0.1, 0.0, rng.uniform(0.5, 2.0, n)).astype(np.float32)
+    sorted_rows = [jax.device_put(a, cpu) for a in (scores, w * y, w * (1 - y))]
+    lowered = jax.jit(metrics.sorted_auc_sums).lower(*sorted_rows).as_text()
+    assert native.SORTED_AUC_SUMS_TARGET in lowered
+    got = np.array(jax.jit(metrics.sorted_auc_sums)(*sorted_rows))
+    scans = np.array(jax.jit(metrics._xla_sorted_auc_sums)(*sorted_rows))
+    np.testing.assert_allclose(got, scans, rtol=2e-6)
+    # And the double-precision definition, run by run from the top score down.
+    positive, negative = (w * y).astype(np.float64), (w * (1 - y)).astype(np.float64)
+    area = above = 0.0
+    for score in [np.nan] + sorted(set(scores[~np.isnan(scores)].tolist()), reverse=True):
+        run = np.isnan(scores) if np.isnan(score) else scores == score
+        area += negative[run].sum() * (above + 0.5 * positive[run].sum())
+        above += positive[run].sum()
+    np.testing.assert_allclose(got, [area, positive.sum(), negative.sum()], rtol=1e-6)
