@@ -7,6 +7,9 @@ fit of the built-in logistic loss, a custom focal loss, the focal loss defined a
 custom loss (``softplus(F) - y F``), and a warm fit of the built-in (its rounds alone: what
 every fit pays besides compiling). A later process with the same cache folder then fits the
 three custom losses again. 20 rounds of depth 6 on ``make_classification`` rows, 28 features.
+Two cold processes (caches off) then time a built-in's 1-round fit, and one with the last 20k
+rows as an eval set scored by AUC, each with the seconds XLA spent compiling (all programs,
+summed: some compile side by side).
 
 ``--baseline`` names another checkout of jaxboost (e.g. a git worktree of an earlier commit)
 whose runs alternate with this one's, so the results file holds the change and what came
@@ -54,6 +57,19 @@ def fit(loss):
     return time.perf_counter() - begin
 
 times = {}
+if process.startswith("cold"):
+    import jax.monitoring
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **_: compiles.append(seconds) if event.endswith("backend_compile_duration") else None)
+    scored = process == "cold, eval AUC"
+    begin = time.perf_counter()
+    jb.train(X[:-20000] if scored else X, y[:-20000] if scored else y, loss="logistic", num_rounds=1, max_depth=6,
+             eval_set=[(X[-20000:], y[-20000:])] if scored else None, eval_metric=["auc"] if scored else None)
+    times["fit"], times["XLA compile"] = time.perf_counter() - begin, sum(compiles)
+    print(jb.__file__)
+    print(json.dumps(times))
+    sys.exit()
 if process == "first":
     times["built-in"] = fit("logistic")
 times["focal"] = fit(focal())
@@ -86,8 +102,10 @@ def session(rows: int, checkout: Path) -> dict:
                    PYTHONPATH=os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")])))
         first = run(rows, "first", env, cache)
         later = run(rows, "later", env, cache)
+        cold = {kind: run(rows, kind, dict(env, JAXBOOST_CACHE_DIR=""), cache) for kind in ("cold", "cold, eval AUC")}
     return {**{f"first process: {name}": value for name, value in first.items()},
-            **{f"later process: {name}": value for name, value in later.items()}}
+            **{f"later process: {name}": value for name, value in later.items()},
+            **{f"{kind} process: {name}": value for kind, times in cold.items() for name, value in times.items()}}
 
 
 def main() -> None:
@@ -113,7 +131,8 @@ def main() -> None:
              f"- command: `{command}`",
              f"- {args.rows:,} x 28 rows (make_classification), 20 rounds of depth 6, seconds a fit; medians of "
              f"{args.repeats} sessions (ranges in brackets), each a first process with an empty cache folder "
-             "and a later one with the same folder; the checkouts' sessions alternate", ""]
+             "and a later one with the same folder, then two cold processes (caches off); the checkouts' "
+             "sessions alternate", ""]
     steps = list(results[names[0]][0])
     lines += ["| fit | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for step in steps:
