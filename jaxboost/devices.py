@@ -480,8 +480,9 @@ def chunks_in_use(count: jax.Array, chunk: int, num_slots: int,
     if in_use is not None:
         used = used & jnp.any(in_use[:num_chunks * chunk].reshape(num_chunks, chunk), axis=1)
     # jnp.nonzero, written out: its cumulative sum compiled to four reduce-window kernels on
-    # CPU (12-15 KB of a round's LLVM IR, 0.05-0.1 s of a cold fit's 2 s). A chunk's rank among the used is
-    # a product with a triangular matrix (exact: whole numbers), its place the first match.
+    # CPU (12-15 KB of a round's LLVM IR, 0.05-0.1 s of a cold fit's 2 s). A chunk's rank among
+    # the used is a product with a triangular matrix (exact: whole numbers), its place the
+    # first match.
     earlier = jnp.asarray(np.tri(num_chunks, k=-1, dtype=np.float32))
     rank = jnp.matmul(earlier, used.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
     chosen = jnp.argmax(used[None, :] & (rank[None, :] == index[:, None]), axis=1)

@@ -35,11 +35,11 @@ MIN_FIRST_STEP = 1e-3
 def segment_sums(per_row: jax.Array, segment_ids: jax.Array, num_segments: int,
                  deterministic: bool = False) -> jax.Array:
     """``jax.ops.segment_sum``; one segment (the starting value) is a sum over rows
-    (``sums.row_sum``): a scatter compiles to a loop of its own and runs on one core. On CPU float32 rows go through a native
-    kernel (``native.SEGMENT_SUM_TARGET``) that keeps four partial sums: XLA's scatter adds one
-    row at a time, 30-odd times a round in a leaf refit. ``deterministic``: on accelerators the
-    rows are summed as fixed-point integers, in a result that does not depend on the order of
-    the atomic adds (the CPU's sums have one order anyway)."""
+    (``sums.row_sum``): a scatter compiles to a loop of its own and runs on one core. On CPU
+    float32 rows go through a native kernel (``native.SEGMENT_SUM_TARGET``) that keeps four
+    partial sums: XLA's scatter adds one row at a time, 30-odd times a round in a leaf refit.
+    ``deterministic``: on accelerators the rows are summed as fixed-point integers, in a result
+    that does not depend on the order of the atomic adds (the CPU's sums have one order anyway)."""
     if num_segments == 1:
         return row_sum(per_row)[None]
 
