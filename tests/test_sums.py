@@ -56,3 +56,36 @@ def test_row_sum_compiles_without_reduce_window_chains_on_cpu():
 
     assert "reduce-window" in compiled(lambda values: jnp.sum(values, axis=0))
     assert "reduce-window" not in compiled(row_sum)
+
+
+def test_a_custom_loss_fit_compiles_no_reduce_window_kernels_on_cpu(tmp_path):
+    """The programs a new loss compiles (its derivatives, starting value and zero-Hessian
+    count), the trees' program and the metrics' (an eval set scored by the loss and by AUC):
+    none holds the reduce-window chains that were most of their machine code. XLA reads its
+    dump flags when it starts, hence a process of its own."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, jax, jaxboost as jb\n"
+            "rng = np.random.default_rng(0)\n"
+            "X = rng.normal(size=(3000, 4)).astype(np.float32)\n"
+            "y = (X[:, 0] + rng.normal(size=3000) > 0).astype(np.float32)\n"
+            "def softplus(raw_prediction, y):\n"
+            "    return jax.nn.softplus(raw_prediction) - y * raw_prediction\n"
+            "jb.train(X[:2000], y[:2000], loss=softplus, link='sigmoid', num_rounds=2, max_depth=3,\n"
+            "         eval_set=[(X[2000:], y[2000:])], eval_metric=['loss', 'auc'])\n")
+    dump = tmp_path / "dump"
+    env = dict(os.environ, JAXBOOST_CACHE_DIR="", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    programs = {}
+    for path in dump.glob("*.cpu_after_optimizations.txt"):
+        name = path.name.split(".")[1]  # module_0001.jit_round_trees.cpu_after_optimizations.txt
+        programs[name] = programs.get(name, "") + path.read_text()
+    expected = {"jit_round_statistics", "jit_round_trees", "jit_round_metrics", "jit__coordinate_sweeps",
+                "jit_local_count"}
+    assert expected <= set(programs), sorted(programs)
+    chains = {name: programs[name].count(" reduce-window(") for name in expected}
+    assert not any(chains.values()), chains
