@@ -67,6 +67,10 @@ def test_a_custom_loss_fit_compiles_no_reduce_window_kernels_on_cpu(tmp_path):
     import subprocess
     import sys
 
+    from jaxboost import native
+
+    if native.native_target(native.SORTED_AUC_SUMS_TARGET) is None:
+        pytest.skip("native kernels unavailable (JAXBOOST_NATIVE=0 or no compiler): AUC runs XLA's scans")
     code = ("import numpy as np, jax, jaxboost as jb\n"
             "rng = np.random.default_rng(0)\n"
             "X = rng.normal(size=(3000, 4)).astype(np.float32)\n"
