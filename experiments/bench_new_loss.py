@@ -67,16 +67,14 @@ if process.startswith("cold"):
     jb.train(X[:-20000] if scored else X, y[:-20000] if scored else y, loss="logistic", num_rounds=1, max_depth=6,
              eval_set=[(X[-20000:], y[-20000:])] if scored else None, eval_metric=["auc"] if scored else None)
     times["fit"], times["XLA compile"] = time.perf_counter() - begin, sum(compiles)
-    print(jb.__file__)
-    print(json.dumps(times))
-    sys.exit()
-if process == "first":
-    times["built-in"] = fit("logistic")
-times["focal"] = fit(focal())
-times["focal defined again"] = fit(focal())
-times["softplus"] = fit(softplus)
-if process == "first":
-    times["built-in, warm"] = fit("logistic")
+else:
+    if process == "first":
+        times["built-in"] = fit("logistic")
+    times["focal"] = fit(focal())
+    times["focal defined again"] = fit(focal())
+    times["softplus"] = fit(softplus)
+    if process == "first":
+        times["built-in, warm"] = fit("logistic")
 print(jb.__file__)
 print(json.dumps(times))
 """

@@ -71,7 +71,7 @@ def _as_float(y, y_pred):
     return y, y_pred
 
 
-def _weighted_mean(values: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+def weighted_mean(values: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     """sum_i w_i v_i / sum_i w_i over rows; trailing dims (multi-target) are averaged.
 
     Rows with w == 0 are masked with ``where`` (not multiplied), so NaN/inf garbage
@@ -92,14 +92,14 @@ def rmse(y, y_pred, sample_weight=None) -> jnp.ndarray:
     """Root mean squared error: sqrt(sum w (y - p)^2 / sum w)."""
     y, p = _as_float(y, y_pred)
     w = _weights(y, sample_weight)
-    return jnp.sqrt(_weighted_mean(jnp.square(y - p), w))
+    return jnp.sqrt(weighted_mean(jnp.square(y - p), w))
 
 
 def mae(y, y_pred, sample_weight=None) -> jnp.ndarray:
     """Mean absolute error: sum w |y - p| / sum w."""
     y, p = _as_float(y, y_pred)
     w = _weights(y, sample_weight)
-    return _weighted_mean(jnp.abs(y - p), w)
+    return weighted_mean(jnp.abs(y - p), w)
 
 
 # --------------------------------------------------------------------------- binary
@@ -115,7 +115,7 @@ def logloss(y, y_pred, sample_weight=None) -> jnp.ndarray:
     w = _weights(y, sample_weight)
     p = jnp.clip(p, EPS, 1.0 - EPS)
     per_row = -(y * jnp.log(p) + (1.0 - y) * jnp.log1p(-p))
-    return _weighted_mean(per_row, w)
+    return weighted_mean(per_row, w)
 
 
 def error(y, y_pred, sample_weight=None) -> jnp.ndarray:
@@ -127,7 +127,7 @@ def error(y, y_pred, sample_weight=None) -> jnp.ndarray:
     y, p = _as_float(y, y_pred)
     w = _weights(y, sample_weight)
     per_row = jnp.where(p > 0.5, 1.0 - y, y)
-    return _weighted_mean(per_row, w)
+    return weighted_mean(per_row, w)
 
 
 def sort_by_key(keys: jnp.ndarray, *payloads: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
@@ -242,7 +242,7 @@ def mlogloss(y, y_pred, sample_weight=None) -> jnp.ndarray:
     w = _weights(labels, sample_weight)
     p_true = jnp.take_along_axis(p, labels[:, None], axis=1)[:, 0]
     per_row = -jnp.log(jnp.clip(p_true, EPS, 1.0))
-    return _weighted_mean(per_row, w)
+    return weighted_mean(per_row, w)
 
 
 def merror(y, y_pred, sample_weight=None) -> jnp.ndarray:
@@ -255,7 +255,7 @@ def merror(y, y_pred, sample_weight=None) -> jnp.ndarray:
     y = jnp.asarray(y)
     w = _weights(y, sample_weight)
     wrong = (jnp.argmax(p, axis=1).astype(jnp.float32) != y.astype(jnp.float32))
-    return _weighted_mean(wrong.astype(jnp.float32), w)
+    return weighted_mean(wrong.astype(jnp.float32), w)
 
 
 # --------------------------------------------------------------------------- registry

@@ -19,7 +19,6 @@ import numpy as np
 from . import losses, metrics
 from .boosting import Objective, bind_loss
 from .link import resolve_link
-from .sums import row_sum
 
 # XGBoost's default eval metric per objective; other losses report their own mean value.
 DEFAULT_METRIC = {"squared_error": "rmse", "absolute_error": "mae", "logistic": "logloss", "softmax": "mlogloss"}
@@ -129,8 +128,7 @@ class EvalMetric(NamedTuple):
         if self.function is None:
             loss = bind_loss(objective, loss_params)
             values = jax.vmap(loss)(raw_prediction if objective.vector_output else raw_prediction[:, 0], y)
-            counted = weight > 0
-            return row_sum(jnp.where(counted, weight * values, 0.0)) / row_sum(jnp.where(counted, weight, 0.0))
+            return metrics.weighted_mean(values, weight)
         y_pred = objective.link(raw_prediction)
         return self.function(y, y_pred if objective.vector_output else y_pred[:, 0], weight)
 
