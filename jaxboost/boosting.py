@@ -10,9 +10,9 @@ value, and only shapes and structure (depth, bins, outputs, the loss function, t
 layout) are static. It runs as two programs (``SplitRound``): the loss's derivatives, and the
 trees grown from them with the eval sets' predictions and metrics, which read no loss (one
 program serves every loss of the same shapes, so a new loss compiles its derivatives alone),
-and a third for eval metrics that are the loss itself; with a leaf refit, which reads the loss
-between a tree's splits and its leaf values, and in ``train_many``, as one program
-(``round_function``). Rows are sharded over the devices of a 1-D mesh with ``shard_map``;
+a third for eval metrics that are the loss itself, and with a leaf refit, which reads the loss
+between a tree's splits and its leaf values, a program for the refit. In ``train_many`` it is
+one program (``round_function``). Rows are sharded over the devices of a 1-D mesh with ``shard_map``;
 the histograms and every other sum over rows are completed with ``psum`` inside the grower.
 Eval-set predictions and metrics are updated on device, so nothing but a few scalars (metric
 values and health flags) comes back to the host per round.
@@ -31,13 +31,13 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
 from .devices import (MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, float32_jax, mesh_platform, model_split,
-                      row_sharding)
-from .grower import GrowthParams, empty_tree, grow_tree, histogram_buffer_shape, sample_features
+                      replicated, row_sharding)
+from .grower import GrowthParams, RowLeaves, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
 from .line_search import minimise_segment_offsets, segment_sums
 from .native import lowering_for
-from .predictor import add_position_values, predict_round
-from .program_store import ready, store_folder, stored_program
+from .predictor import add_position_values, leaf_index, predict_round
+from .program_store import ready, serializable_record, store_folder, stored_program
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
 from .sums import row_sum
 from .tree import Tree, num_heap_nodes, pack_fields
@@ -491,32 +491,77 @@ def _leaf_refit(shape: RoundShape, params: RoundParams, raw_prediction, y, row_w
     return offsets
 
 
-def _grow_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_offsets, statistics, raw_prediction,
-                feature_allowed, tree_key, histogram_buffer, refit: Callable | None = None):
+class GrownTrees(NamedTuple):
+    """A round's trees as grown, before their leaf values are final: the trees (fields ``(K,
+    nodes)``), where the rows end in them (``RowLeaves`` with a leading axis: one per tree, or
+    one shared by the K trees of vector leaves) and each node's value bounds from monotone
+    constraints (``(lower, upper)``, ``(K, nodes)`` or ``(1, nodes)``), which a leaf refit keeps."""
+
+    trees: Tree
+    row_leaves: RowLeaves
+    bounds: tuple
+
+
+# A refit round's trees' program returns these records, which the program store serializes.
+for _record in (Tree, RowLeaves, GrownTrees):
+    serializable_record(_record)
+
+
+def _grow_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_offsets, statistics, feature_allowed,
+                tree_key, histogram_buffer) -> tuple[GrownTrees, jax.Array]:
     """Row-local (inside ``shard_map``): the round's trees grown from ``statistics``
-    (``_tree_statistics``), with their leaves refit by ``refit`` (``_leaf_refit``) when given,
-    and the raw predictions moved by them. ``row_offsets``: this device's first row in a shared
-    code table (``(1,)``; unused when ``X_binned_T`` holds the device's rows only).
+    (``_tree_statistics``), and the histogram buffer. ``row_offsets``: this device's first row
+    in a shared code table (``(1,)``; unused when ``X_binned_T`` holds the device's rows only).
     ``histogram_buffer``: this device's part of ``histogram_buffer``'s array, passed from tree to
-    tree and returned. The loss is not read here: the program of a round without a refit
-    (``round_trees_function``) is one for every loss."""
+    tree and returned. The loss is not read here: the trees' program (``round_trees_function``)
+    is one for every loss."""
     row_offset = row_offsets[0] if shape.shared_codes else None
     grow = _grow_scalar_trees if shape.vector_leaves is None else _grow_vector_tree
-    return grow(shape, growth, X_binned_T, row_offset, statistics, raw_prediction, feature_allowed, tree_key,
-                histogram_buffer, refit)
+    return grow(shape, growth, X_binned_T, row_offset, statistics, feature_allowed, tree_key, histogram_buffer)
 
 
-def _grow_vector_tree(shape: RoundShape, growth: GrowthParams, X_binned_T, row_offset, statistics, raw_prediction,
-                      feature_allowed, tree_key, histogram_buffer, refit):
+def _grow_vector_tree(shape: RoundShape, growth: GrowthParams, X_binned_T, row_offset, statistics, feature_allowed,
+                      tree_key, histogram_buffer):
     """One tree for all K outputs (vector leaves), handed on as K trees sharing its splits."""
     K = shape.objective.num_outputs
     gradients, packed_hessians = statistics
-    tree, row_leaves, _, histogram_buffer = grow_tree(
+    tree, row_leaves, bounds, histogram_buffer = grow_tree(
         X_binned_T, gradients, packed_hessians, feature_allowed, tree_key, growth, shape.max_depth,
         shape.max_bin, ROW_AXIS, shape.sample_level_columns, shape.vector_leaves, shape.missing_values, row_offset,
         histogram_buffer, shape.kernel_threads, shape.feature_slots, shape.deterministic_histogram)
-    row_leaf = row_leaves.heap_index()
-    if refit is not None:
+    shared = [jnp.broadcast_to(field, (K,) + field.shape) for field in tree]
+    trees = Tree(*shared)._replace(value=tree.value.T, sum_hessians=tree.sum_hessians.T)
+    leading = partial(jax.tree_util.tree_map, lambda array: array[None])
+    return GrownTrees(trees, leading(row_leaves), leading(bounds)), histogram_buffer
+
+
+def _grow_scalar_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_offset, statistics, feature_allowed,
+                       tree_key, histogram_buffer):
+    """One tree per output, one after the other."""
+    gradients, split_hessians = statistics
+
+    def one_output(histogram_buffer, output):
+        tree, row_leaves, bounds, histogram_buffer = grow_tree(
+            X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
+            jax.random.fold_in(tree_key, output), growth, shape.max_depth, shape.max_bin, ROW_AXIS,
+            shape.sample_level_columns, missing_values=shape.missing_values, row_offset=row_offset,
+            histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads,
+            feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram)
+        return histogram_buffer, GrownTrees(tree, row_leaves, bounds)
+
+    # The K trees one after the other, each growing in the buffer the last one left.
+    histogram_buffer, grown = jax.lax.scan(one_output, histogram_buffer, jnp.arange(shape.objective.num_outputs))
+    return grown, histogram_buffer
+
+
+def _refit_leaves(shape: RoundShape, growth: GrowthParams, grown: GrownTrees, refit: Callable) -> Tree:
+    """Row-local: ``grown``'s trees with their leaf values set by ``refit`` (``_leaf_refit``),
+    shrunk by the learning rate and kept within the leaves' bounds."""
+    trees, row_leaves = grown.trees, grown.row_leaves
+    if shape.vector_leaves is not None:
+        K = shape.objective.num_outputs
+        row_leaf = row_leaves.position_leaf[0][row_leaves.last_position[0]]
+
         def refit_output(step, offsets):
             # Coordinate descent: each output's leaf offsets exactly, given the others'.
             output = step % K
@@ -526,36 +571,33 @@ def _grow_vector_tree(shape: RoundShape, growth: GrowthParams, X_binned_T, row_o
         offsets = jax.lax.fori_loop(0, VECTOR_REFIT_SWEEPS * K, refit_output,
                                     jnp.zeros((num_heap_nodes(shape.max_depth), K)))
         refit_values = growth.learning_rate * clip_leaf_value(offsets, growth.reg)
-        tree = tree._replace(value=jnp.where(tree.is_leaf[:, None], refit_values, tree.value))
-    shared = [jnp.broadcast_to(field, (K,) + field.shape) for field in tree]
-    trees = Tree(*shared)._replace(value=tree.value.T, sum_hessians=tree.sum_hessians.T)
-    return raw_prediction + tree.value[row_leaf], trees, histogram_buffer
+        return trees._replace(value=jnp.where(trees.is_leaf, refit_values.T, trees.value))
+
+    def one_output(_, tree_of_output):
+        output, is_leaf, value, position_leaf, last_position, lower, upper = tree_of_output
+        offsets = refit(position_leaf[last_position], output)
+        refit_values = growth.learning_rate * clip_leaf_value(offsets, growth.reg, lower, upper)
+        return None, jnp.where(is_leaf, refit_values, value)
+
+    _, values = jax.lax.scan(one_output, None, (jnp.arange(shape.objective.num_outputs), trees.is_leaf, trees.value,
+                                                *row_leaves, *grown.bounds))
+    return trees._replace(value=values)
 
 
-def _grow_scalar_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_offset, statistics, raw_prediction,
-                       feature_allowed, tree_key, histogram_buffer, refit):
-    """One tree per output, one after the other."""
-    gradients, split_hessians = statistics
-
-    def one_output(histogram_buffer, output):
-        tree, row_leaves, (lower, upper), histogram_buffer = grow_tree(
-            X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
-            jax.random.fold_in(tree_key, output), growth, shape.max_depth, shape.max_bin, ROW_AXIS,
-            shape.sample_level_columns, missing_values=shape.missing_values, row_offset=row_offset,
-            histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads,
-            feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram)
-        if refit is not None:
-            offsets = refit(row_leaves.heap_index(), output)
-            refit_values = growth.learning_rate * clip_leaf_value(offsets, growth.reg, lower, upper)
-            tree = tree._replace(value=jnp.where(tree.is_leaf, refit_values, tree.value))
-        return histogram_buffer, (tree, row_leaves)
-
-    # The K trees one after the other, each growing in the buffer the last one left.
-    histogram_buffer, (trees, row_leaves) = jax.lax.scan(one_output, histogram_buffer,
-                                                         jnp.arange(shape.objective.num_outputs))
+def _moved(shape: RoundShape, raw_prediction, trees: Tree, row_leaves: RowLeaves):
+    """Row-local: the raw predictions moved by the round's trees (``row_leaves``: ``GrownTrees``')."""
+    if shape.vector_leaves is not None:
+        return raw_prediction + trees.value.T[row_leaves.position_leaf[0][row_leaves.last_position[0]]]
     position_values = jnp.take_along_axis(trees.value, row_leaves.position_leaf, axis=1)  # (K, 2^max_depth)
-    return (add_position_values(raw_prediction, position_values, row_leaves.last_position), trees,
-            histogram_buffer)
+    return add_position_values(raw_prediction, position_values, row_leaves.last_position)
+
+
+def _refit_and_move(shape: RoundShape, params: RoundParams, grown: GrownTrees, raw_prediction, y, row_weight):
+    """Row-local: the trees with their leaves refit on the true loss, and the raw predictions
+    moved by them."""
+    refit = _leaf_refit(shape, params, raw_prediction, y, row_weight)
+    trees = _refit_leaves(shape, params.growth, grown, refit)
+    return _moved(shape, raw_prediction, trees, grown.row_leaves), trees
 
 
 def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_offsets, y, row_weight,
@@ -563,10 +605,12 @@ def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_of
     """Row-local body of a whole round in one program (``round_function``): derivatives, trees,
     refits, update."""
     statistics, health = _tree_statistics(shape, params, raw_prediction, y, row_weight)
-    refit = _leaf_refit(shape, params, raw_prediction, y, row_weight) if shape.leaf_refit else None
-    raw_prediction, trees, histogram_buffer = _grow_trees(shape, params.growth, X_binned_T, row_offsets, statistics,
-                                                          raw_prediction, feature_allowed, tree_key,
-                                                          histogram_buffer, refit)
+    grown, histogram_buffer = _grow_trees(shape, params.growth, X_binned_T, row_offsets, statistics,
+                                          feature_allowed, tree_key, histogram_buffer)
+    if shape.leaf_refit:
+        raw_prediction, trees = _refit_and_move(shape, params, grown, raw_prediction, y, row_weight)
+    else:
+        raw_prediction, trees = _moved(shape, raw_prediction, grown.trees, grown.row_leaves), grown.trees
     return raw_prediction, trees, health, histogram_buffer
 
 
@@ -689,11 +733,11 @@ def _packed(shape: RoundShape, trees: Tree) -> jax.Array:
 
 
 def round_function(shape: RoundShape, inside_models_mesh: bool = False) -> Callable:
-    """The (unjitted) boosting round for one static shape, as one program: leaf refits, which
-    read the loss between a tree's growth and its leaf values, and ``train_many``'s rounds
-    (otherwise a round is ``SplitRound``'s programs). It returns the round's trees packed
-    into one array (``tree.pack_fields``; ``round_tree_template`` unpacks them) and its
-    ``RoundHealth`` flags stacked along a last axis: the host reads one array of each a round.
+    """The (unjitted) boosting round for one static shape, as one program: ``train_many``'s
+    rounds (``jb.train``'s are ``SplitRound``'s programs, which grow the same trees). It
+    returns the round's trees packed into one array (``tree.pack_fields``;
+    ``round_tree_template`` unpacks them) and its ``RoundHealth`` flags stacked along a last
+    axis: the host reads one array of each a round.
 
     ``inside_models_mesh``: the round runs inside ``compiled_many_rounds``' split of the models
     over a ``models_mesh``."""
@@ -738,33 +782,57 @@ HISTOGRAM_BUFFER_ARGUMENT = 10
 DONATED_ARGUMENTS = (RAW_PREDICTION_ARGUMENT, HISTOGRAM_BUFFER_ARGUMENT)
 
 
-# A round without a leaf refit runs as two or three programs (``SplitRound``): the loss's
-# derivatives (``round_statistics_function``), the trees grown from them with the eval sets'
-# predictions and metrics (``round_trees_function``, which reads no loss: one program for every
-# loss on the same shapes, and storable for a custom loss), and the metrics that are the loss
-# itself (``round_metrics_function``). A new loss then compiles its derivatives alone: on 2
-# cores, a custom focal loss's first fit after a built-in's on 100k x 28 rows took 3.75 s with
-# the round one program, 1.45 s as two (``experiments/results/new_loss.md``).
+# A round runs as two to four programs (``SplitRound``): the loss's derivatives
+# (``round_statistics_function``), the trees grown from them with the eval sets' predictions and
+# metrics (``round_trees_function``, which reads no loss: one program for every loss on the same
+# shapes, and storable for a custom loss), and the metrics that are the loss itself
+# (``round_metrics_function``). A new loss then compiles its derivatives alone: on 2 cores, a
+# custom focal loss's first fit after a built-in's on 100k x 28 rows took 3.75 s with the round
+# one program, 1.45 s as two (``experiments/results/new_loss.md``). A leaf refit, which reads the
+# loss between the trees' splits and their leaf values, is a program of its own
+# (``round_refit_function``): the trees' program then hands on the trees as grown and where the
+# rows end (``GrownTrees``), and the eval metrics, which need the refit leaves, come after it.
+
+def _without_loss(shape: RoundShape) -> RoundShape:
+    """``shape`` with the loss left out of its objective and of its metrics' (which then read
+    the link alone)."""
+    objective = shape.objective._replace(loss=None)
+    metrics = tuple(tuple(metric._replace(objective=objective) for metric in metrics) for metrics in shape.metrics)
+    return shape._replace(objective=objective, metrics=metrics)
+
 
 def trees_shape(shape: RoundShape) -> RoundShape:
     """``shape`` less what ``round_trees_function``'s program does not read (the loss, how its
     Hessians are formed, the row sample): the key of a program that every loss of these shapes
-    shares. Its metrics are the eval metrics where none reads the loss (they then read the link
-    alone, and are computed with the trees: a call of their own had cost 0.05 ms a round, 8% of
-    a round on 200 rows), else none (``round_metrics_function`` computes them)."""
-    if not shape.metrics or _metrics_read_loss(shape):
-        objective, metrics = Objective(loss=None, vector_output=False, num_outputs=shape.objective.num_outputs,
-                                       link=None), ()
+    shares. Its metrics are the eval metrics where none reads the loss and the leaves are not
+    refit (they then read the link alone, and are computed with the trees: a call of their own
+    had cost 0.05 ms a round, 8% of a round on 200 rows), else none (``round_metrics_function``
+    computes them)."""
+    if shape.leaf_refit or not shape.metrics or _metrics_read_loss(shape):
+        shape = shape._replace(objective=Objective(loss=None, vector_output=False,
+                                                   num_outputs=shape.objective.num_outputs, link=None), metrics=())
     else:
-        objective = shape.objective._replace(loss=None)
-        metrics = tuple(tuple(metric._replace(objective=objective) for metric in metrics) for metrics in shape.metrics)
-    return shape._replace(objective=objective, metrics=metrics, hessian_mode="exact", sample_rows=False)
+        shape = _without_loss(shape)
+    return shape._replace(hessian_mode="exact", sample_rows=False)
 
 
 def statistics_shape(shape: RoundShape) -> RoundShape:
-    """``shape`` less the eval metrics, which ``round_statistics_function``'s program does not
-    read: a new eval set or metric does not trace the loss's derivatives again."""
-    return shape._replace(metrics=())
+    """``shape`` less the eval metrics and the leaf refit, which ``round_statistics_function``'s
+    program does not read: a new eval set or metric does not trace the loss's derivatives again,
+    nor does a custom loss found to need a refit."""
+    return shape._replace(metrics=(), leaf_refit=False)
+
+
+def refit_shape(shape: RoundShape) -> RoundShape:
+    """``shape`` less what ``round_refit_function``'s program does not read (the eval metrics,
+    how the Hessians were formed)."""
+    return shape._replace(metrics=(), hessian_mode="exact")
+
+
+def metrics_shape(shape: RoundShape) -> RoundShape:
+    """``shape`` as ``round_metrics_function``'s program reads it: without the loss where no
+    metric is the loss, so that other losses' fits share the program."""
+    return shape if _metrics_read_loss(shape) else _without_loss(shape)
 
 
 def _metrics_read_loss(shape: RoundShape) -> bool:
@@ -792,26 +860,51 @@ def round_statistics_function(shape: RoundShape) -> Callable:
     return round_statistics
 
 
+# ``GrownTrees``' parts as ``shard_map`` specs: where the rows end is sharded with the rows.
+_GROWN_SPECS = GrownTrees(PartitionSpec(), RowLeaves(PartitionSpec(), PartitionSpec(None, ROW_AXIS)),
+                          (PartitionSpec(), PartitionSpec()))
+
+
 def round_trees_function(shape: RoundShape) -> Callable:
     """``round_trees(growth, colsample_bytree, X_binned_T, row_offsets, statistics,
     raw_prediction, seed_key, round_index, eval_sets, histogram_buffer)`` for a ``trees_shape``:
     the round's trees grown from ``statistics`` (``round_statistics_function``'s), packed, the
     raw predictions moved by them, the eval sets' (``(X_binned, y, weight, raw_prediction)``
-    each) too, the shape's metrics of them (none if it has none), and the histogram buffer."""
+    each) too, the shape's metrics of them (none if it has none), and the histogram buffer.
+
+    With a leaf refit (``raw_prediction`` then None): the trees as grown (``GrownTrees``), where
+    each eval set's rows end in them (``(K, rows)``), and the histogram buffer; the refit
+    (``round_refit_function``) moves the raw predictions."""
     rows, predictions = PartitionSpec(ROW_AXIS), PartitionSpec(ROW_AXIS, None)
     codes = PartitionSpec() if shape.shared_codes else PartitionSpec(None, ROW_AXIS)
-    grow = jax.shard_map(
-        partial(_grow_trees, shape), mesh=shape.mesh,
-        in_specs=(PartitionSpec(), codes, rows, (predictions, predictions), predictions, PartitionSpec(),
-                  PartitionSpec(), rows),
-        out_specs=(predictions, PartitionSpec(), rows), check_vma=False)
-    predict_eval = _eval_predictor(shape, dict(mesh=shape.mesh))
+    growth_specs = (PartitionSpec(), codes, rows, (predictions, predictions))
+    growth_tail_specs = (PartitionSpec(), PartitionSpec(), rows)
+
+    def grow_and_move(growth, X_binned_T, row_offsets, statistics, raw_prediction, feature_allowed, tree_key,
+                      histogram_buffer):
+        grown, histogram_buffer = _grow_trees(shape, growth, X_binned_T, row_offsets, statistics, feature_allowed,
+                                              tree_key, histogram_buffer)
+        return _moved(shape, raw_prediction, grown.trees, grown.row_leaves), grown.trees, histogram_buffer
+
+    if shape.leaf_refit:
+        grow = jax.shard_map(partial(_grow_trees, shape), mesh=shape.mesh, in_specs=growth_specs + growth_tail_specs,
+                             out_specs=(_GROWN_SPECS, rows), check_vma=False)
+        find_eval_leaves = _eval_leaf_finder(shape)
+    else:
+        grow = jax.shard_map(grow_and_move, mesh=shape.mesh, in_specs=growth_specs + (predictions,) + growth_tail_specs,
+                             out_specs=(predictions, PartitionSpec(), rows), check_vma=False)
+        predict_eval = _eval_predictor(shape, dict(mesh=shape.mesh))
 
     def round_trees(growth: GrowthParams, colsample_bytree, X_binned_T, row_offsets, statistics, raw_prediction,
                     seed_key, round_index, eval_sets, histogram_buffer):
         with lowering_for(mesh_platform(shape.mesh)):
             _, column_key, tree_key = _round_keys(seed_key, round_index)
             feature_allowed = _feature_allowed(shape, colsample_bytree, X_binned_T.shape[0], column_key)
+            if shape.leaf_refit:
+                grown, histogram_buffer = grow(growth, X_binned_T, row_offsets, statistics, feature_allowed, tree_key,
+                                               histogram_buffer)
+                eval_leaves = tuple(find_eval_leaves(grown.trees, X_binned) for X_binned, *_ in eval_sets)
+                return grown, eval_leaves, histogram_buffer
             raw_prediction, trees, histogram_buffer = grow(growth, X_binned_T, row_offsets, statistics,
                                                            raw_prediction, feature_allowed, tree_key,
                                                            histogram_buffer)
@@ -824,6 +917,45 @@ def round_trees_function(shape: RoundShape) -> Callable:
     return round_trees
 
 
+def _eval_leaf_finder(shape: RoundShape) -> Callable:
+    """``find(trees, X_binned)``: the leaf (heap index) that each of an eval set's rows reaches
+    in each of the round's trees, ``(K, rows)``; each device finds its own share's
+    (``_eval_predictor`` says why)."""
+    return jax.shard_map(
+        lambda trees, X_binned: jax.vmap(lambda tree: leaf_index(tree, X_binned, shape.max_bin - 1))(trees),
+        mesh=shape.mesh, in_specs=(PartitionSpec(), PartitionSpec(ROW_AXIS, None)),
+        out_specs=PartitionSpec(None, ROW_AXIS), check_vma=False)
+
+
+def round_refit_function(shape: RoundShape) -> Callable:
+    """``round_refit(params, y, sample_weight, row_index, raw_prediction, seed_key, round_index,
+    grown, eval_raw_predictions, eval_leaves)`` for a ``refit_shape``: the leaf values of the
+    round's trees as grown (``GrownTrees``, from ``round_trees_function``) set by exact
+    minimisation of the loss (``_leaf_refit``), the raw predictions moved by them, the trees
+    packed, and the eval sets' raw predictions moved (``eval_leaves``: where their rows end)."""
+    rows, predictions = PartitionSpec(ROW_AXIS), PartitionSpec(ROW_AXIS, None)
+    refit_rows = jax.shard_map(
+        partial(_refit_and_move, shape), mesh=shape.mesh,
+        in_specs=(PartitionSpec(), _GROWN_SPECS, predictions, rows, rows),
+        out_specs=(predictions, PartitionSpec()), check_vma=False)
+    move_eval = jax.shard_map(
+        lambda trees, leaves, raw_eval: raw_eval + jnp.take_along_axis(trees.value, leaves, axis=1).T,
+        mesh=shape.mesh, in_specs=(PartitionSpec(), PartitionSpec(None, ROW_AXIS), predictions),
+        out_specs=predictions, check_vma=False)
+
+    def round_refit(params: RoundParams, y, sample_weight, row_index, raw_prediction, seed_key, round_index,
+                    grown: GrownTrees, eval_raw_predictions, eval_leaves):
+        with lowering_for(mesh_platform(shape.mesh)):
+            row_key, _, _ = _round_keys(seed_key, round_index)
+            row_weight = _row_weight(shape, params, sample_weight, row_index, row_key)
+            raw_prediction, trees = refit_rows(params, grown, raw_prediction, y, row_weight)
+            eval_raw_predictions = tuple(move_eval(trees, leaves, raw_eval)
+                                         for leaves, raw_eval in zip(eval_leaves, eval_raw_predictions))
+            return raw_prediction, _packed(shape, trees), eval_raw_predictions
+
+    return round_refit
+
+
 def round_metrics_function(shape: RoundShape) -> Callable:
     """``round_metrics(loss_params, eval_labels, eval_raw_predictions)``: per eval set (its
     ``(y, weight)``), its metrics' values stacked."""
@@ -833,32 +965,43 @@ def round_metrics_function(shape: RoundShape) -> Callable:
     return round_metrics
 
 
-# Positions of the raw predictions and the histogram buffer in ``round_trees``' arguments.
+# Positions of the raw predictions and the histogram buffer in ``round_trees``' arguments, and
+# of the raw predictions in ``round_refit``'s.
 TREES_DONATED_ARGUMENTS = (5, 9)
+REFIT_DONATED_ARGUMENTS = (4,)
 
 
 class SplitRound:
-    """A round as its programs (the eval metrics' only where ``trees_shape`` leaves them out of
-    the trees'), called as ``round_function``'s round is (the same arguments and results, the
-    same raw predictions and histogram buffer donated)."""
+    """A round as its programs (the eval metrics' only where the trees' leave them out, the
+    refit's with a leaf refit), called as ``round_function``'s round is (the same arguments and
+    results, the same raw predictions and histogram buffer donated)."""
 
-    def __init__(self, shape: RoundShape, statistics, trees, metrics):
-        self.shape, self.statistics, self.trees, self.metrics = shape, statistics, trees, metrics
+    def __init__(self, shape: RoundShape, statistics, trees, metrics, refit=None):
+        self.shape, self.statistics, self.trees, self.metrics, self.refit = shape, statistics, trees, metrics, refit
 
     def _arguments(self, params, X_binned_T, row_offsets, y, sample_weight, row_index, raw_prediction, seed_key,
-                   round_index, eval_sets, histogram_buffer, statistics=None) -> tuple:
-        """Each program's arguments: the statistics', the trees' (given ``statistics``), and
-        the metrics' but for the eval raw predictions the trees give."""
+                   round_index, eval_sets, histogram_buffer, statistics=None, grown=None, eval_leaves=None) -> tuple:
+        """Each program's arguments: the statistics', the trees' (given ``statistics``), the
+        refit's (given the trees' ``grown`` and ``eval_leaves``), and the metrics' but for the
+        eval raw predictions that the trees or the refit give."""
         return ((params, y, sample_weight, row_index, raw_prediction, seed_key, round_index),
-                (params.growth, params.colsample_bytree, X_binned_T, row_offsets, statistics, raw_prediction,
-                 seed_key, round_index, eval_sets, histogram_buffer),
+                (params.growth, params.colsample_bytree, X_binned_T, row_offsets, statistics,
+                 None if self.refit else raw_prediction, seed_key, round_index, eval_sets, histogram_buffer),
+                (params, y, sample_weight, row_index, raw_prediction, seed_key, round_index, grown,
+                 tuple(eval_set[3] for eval_set in eval_sets), eval_leaves),
                 (params.loss_params, _eval_labels(eval_sets)))
 
     def __call__(self, *arguments):
-        statistics_arguments, _, _ = self._arguments(*arguments)
+        statistics_arguments, _, _, _ = self._arguments(*arguments)
         statistics, health = self.statistics(*statistics_arguments)
-        _, trees_arguments, metrics_arguments = self._arguments(*arguments, statistics=statistics)
-        raw_prediction, trees, eval_raw_predictions, metric_values, histogram_buffer = self.trees(*trees_arguments)
+        _, trees_arguments, _, metrics_arguments = self._arguments(*arguments, statistics=statistics)
+        if self.refit is None:
+            raw_prediction, trees, eval_raw_predictions, metric_values, histogram_buffer = self.trees(*trees_arguments)
+        else:
+            grown, eval_leaves, histogram_buffer = self.trees(*trees_arguments)
+            _, _, refit_arguments, _ = self._arguments(*arguments, grown=grown, eval_leaves=eval_leaves)
+            raw_prediction, trees, eval_raw_predictions = self.refit(*refit_arguments)
+            metric_values = ()
         if self.metrics:
             metric_values = self.metrics(*metrics_arguments, eval_raw_predictions)
         return raw_prediction, trees, health, eval_raw_predictions, metric_values, histogram_buffer
@@ -871,29 +1014,52 @@ class SplitRound:
                                           sharding=row_sharding(self.shape.mesh, 2))
                      for width in (raw_prediction.shape[1], channels))
 
+    def grown_specs(self, raw_prediction, eval_sets) -> tuple:
+        """With a leaf refit: the shapes of the trees' program's ``GrownTrees`` and eval leaves,
+        for raw predictions like ``raw_prediction``."""
+        shape = self.shape
+        everywhere, by_rows = replicated(shape.mesh), row_sharding(shape.mesh, 2, row_axis=1)
+        K, nodes = shape.objective.num_outputs, num_heap_nodes(shape.max_depth)
+        grown_leading = 1 if shape.vector_leaves is not None else K
+
+        def spec(leading, width, dtype, sharding=everywhere):
+            return jax.ShapeDtypeStruct((leading, width), dtype, sharding=sharding)
+
+        trees = Tree(*(jax.ShapeDtypeStruct(field.shape, field.dtype, sharding=everywhere)
+                       for field in round_tree_template(shape)))
+        row_leaves = RowLeaves(spec(grown_leading, 2 ** shape.max_depth, jnp.int32),
+                               spec(grown_leading, raw_prediction.shape[0], jnp.int32, by_rows))
+        bounds = (spec(grown_leading, nodes, jnp.float32),) * 2
+        eval_leaves = tuple(spec(K, eval_set[3].shape[0], jnp.int32, by_rows) for eval_set in eval_sets)
+        return GrownTrees(trees, row_leaves, bounds), eval_leaves
+
     def program_arguments(self, arguments: tuple) -> tuple:
         """Each program's arguments for a round called with ``arguments`` (``jax.ShapeDtypeStruct``s
-        may stand for the raw predictions), with the shapes of what the programs before give it."""
+        may stand for the raw predictions), with the shapes of what the programs before give it:
+        the statistics', the trees', the refit's and the metrics'."""
         raw_prediction, eval_sets = arguments[RAW_PREDICTION_ARGUMENT], arguments[EVAL_SETS_ARGUMENT]
-        statistics_arguments, trees_arguments, metrics_arguments = self._arguments(
-            *arguments, statistics=self.statistics_specs(raw_prediction))
-        return (statistics_arguments, trees_arguments,
+        grown, eval_leaves = self.grown_specs(raw_prediction, eval_sets) if self.refit else (None, None)
+        statistics_arguments, trees_arguments, refit_arguments, metrics_arguments = self._arguments(
+            *arguments, statistics=self.statistics_specs(raw_prediction), grown=grown, eval_leaves=eval_leaves)
+        return (statistics_arguments, trees_arguments, refit_arguments,
                 metrics_arguments + (tuple(eval_set[3] for eval_set in eval_sets),))
 
     def lower(self, *arguments) -> "_LoweredRound":
         """The programs lowered for ``arguments`` (``program_arguments``), to be compiled ahead
         of the first call."""
-        statistics_arguments, trees_arguments, metrics_arguments = self.program_arguments(arguments)
+        statistics_arguments, trees_arguments, refit_arguments, metrics_arguments = self.program_arguments(arguments)
         others = [self.statistics.lower(*statistics_arguments)]
         trees = self.trees.lower(*trees_arguments)
+        if self.refit:
+            others.append(self.refit.lower(*refit_arguments))
         if self.metrics:
             others.append(self.metrics.lower(*metrics_arguments))
         return _LoweredRound(trees, others)
 
     def jitted(self) -> "SplitRound":
         """This round with its stored programs made (``program_store.ready``)."""
-        return SplitRound(self.shape, ready(self.statistics), ready(self.trees),
-                          self.metrics and ready(self.metrics))
+        return SplitRound(self.shape, ready(self.statistics), ready(self.trees), self.metrics and ready(self.metrics),
+                          self.refit and ready(self.refit))
 
 
 class _LoweredRound(NamedTuple):
@@ -913,23 +1079,28 @@ class _LoweredRound(NamedTuple):
 
 
 @lru_cache(maxsize=64)
-def _split_round(shape: RoundShape, statistics, trees, metrics) -> SplitRound:
+def _split_round(shape: RoundShape, statistics, trees, metrics, refit) -> SplitRound:
     """One ``SplitRound`` per shape and programs (the compiled-ahead bookkeeping holds it by identity)."""
-    return SplitRound(shape, statistics, trees, metrics)
+    return SplitRound(shape, statistics, trees, metrics, refit)
+
+
+def _needs_metrics_program(shape: RoundShape) -> bool:
+    """The eval metrics are a program of their own: some metric is the loss, or they come after
+    a leaf refit."""
+    return bool(shape.metrics) and (shape.leaf_refit or _metrics_read_loss(shape))
 
 
 @lru_cache(maxsize=64)
-def compiled_round(shape: RoundShape):
-    """The jitted round for one static shape (cached, so a new training run reuses it): one
-    program with a leaf refit, else ``SplitRound``'s, of which the trees' (compiled for a
-    ``trees_shape``) serves every loss.
+def compiled_round(shape: RoundShape) -> SplitRound:
+    """The jitted round for one static shape (cached, so a new training run reuses it):
+    ``SplitRound``'s programs, of which the trees' (compiled for a ``trees_shape``) serves every
+    loss.
 
     The raw predictions and the histogram buffer are donated: the round writes the new ones
     over the old, so a round holds one copy of them, not two."""
-    if shape.leaf_refit:
-        return jax.jit(round_function(shape), **_round_jit_options(shape))
     return _split_round(shape, _compiled_statistics(statistics_shape(shape)), _compiled_trees(trees_shape(shape)),
-                        _compiled_metrics(shape) if _metrics_read_loss(shape) else None)
+                        _compiled_metrics(metrics_shape(shape)) if _needs_metrics_program(shape) else None,
+                        _compiled_refit(refit_shape(shape)) if shape.leaf_refit else None)
 
 
 def _jit_options(shape: RoundShape, donated: tuple = ()) -> dict:
@@ -937,8 +1108,9 @@ def _jit_options(shape: RoundShape, donated: tuple = ()) -> dict:
 
 
 def _round_jit_options(shape: RoundShape) -> dict:
-    """``jax.jit``'s options for a round of ``shape``, one model's or many's, stored or not: its
-    raw predictions and histogram buffer donated, its platform's compiler options."""
+    """``jax.jit``'s options for a round of ``shape`` in one program (``round_function``), one
+    model's or many's, stored or not: its raw predictions and histogram buffer donated, its
+    platform's compiler options."""
     return _jit_options(shape, DONATED_ARGUMENTS)
 
 
@@ -953,6 +1125,11 @@ def _compiled_trees(shape: RoundShape):
 
 
 @lru_cache(maxsize=64)
+def _compiled_refit(shape: RoundShape):
+    return jax.jit(round_refit_function(shape), **_jit_options(shape, REFIT_DONATED_ARGUMENTS))
+
+
+@lru_cache(maxsize=64)
 def _compiled_metrics(shape: RoundShape):
     return jax.jit(round_metrics_function(shape), **_jit_options(shape))
 
@@ -961,36 +1138,34 @@ def stored_round(shape: RoundShape, arguments: tuple):
     """``compiled_round(shape)``'s round through the program store (``program_store``: lowered
     once, by this process or an earlier one), for rounds called with arguments like
     ``arguments`` (the first round's, with ``ShapeDtypeStruct``s where its raw predictions are
-    still to come); None where the store is off or cannot hold it. Of a ``SplitRound``, each
-    program that the store cannot hold (a custom loss's statistics) is jitted as without it."""
-    platform = mesh_platform(shape.mesh)
-    if shape.leaf_refit:
-        return stored_program("boosting_round", lambda: round_function(shape), shape, arguments, platform,
-                              _round_jit_options(shape))
+    still to come); None where the store is off or cannot hold it. Each program that the store
+    cannot hold (a custom loss's statistics and refit) is jitted as without it."""
     if store_folder() is None:
         return None
+    platform = mesh_platform(shape.mesh)
     compiled = compiled_round(shape)
-    statistics_arguments, trees_arguments, metrics_arguments = compiled.program_arguments(arguments)
-    core = trees_shape(shape)
-    loss_part = statistics_shape(shape)
-    statistics = stored_program("round_statistics", lambda: round_statistics_function(loss_part), loss_part,
-                                statistics_arguments, platform, _jit_options(shape))
-    trees = stored_program("round_trees", lambda: round_trees_function(core), core, trees_arguments, platform,
-                           _jit_options(core, TREES_DONATED_ARGUMENTS))
-    metrics = None
-    if _metrics_read_loss(shape):
-        metrics = stored_program("round_metrics", lambda: round_metrics_function(shape), shape, metrics_arguments,
-                                 platform, _jit_options(shape))
-    if statistics is None and trees is None and metrics is None:
+    statistics_arguments, trees_arguments, refit_arguments, metrics_arguments = compiled.program_arguments(arguments)
+    parts = {"round_statistics": (statistics_shape(shape), round_statistics_function, statistics_arguments, ()),
+             "round_trees": (trees_shape(shape), round_trees_function, trees_arguments, TREES_DONATED_ARGUMENTS)}
+    if compiled.refit:
+        parts["round_refit"] = (refit_shape(shape), round_refit_function, refit_arguments, REFIT_DONATED_ARGUMENTS)
+    if compiled.metrics:
+        parts["round_metrics"] = (metrics_shape(shape), round_metrics_function, metrics_arguments, ())
+    stored = {name: stored_program(name, partial(make, part), part, part_arguments, platform,
+                                   _jit_options(part, donated))
+              for name, (part, make, part_arguments, donated) in parts.items()}
+    if all(program is None for program in stored.values()):
         return None
-    return _split_round(shape, statistics or compiled.statistics, trees or compiled.trees,
-                        compiled.metrics and (metrics or compiled.metrics))
+    return _split_round(shape, stored["round_statistics"] or compiled.statistics,
+                        stored["round_trees"] or compiled.trees,
+                        compiled.metrics and (stored.get("round_metrics") or compiled.metrics),
+                        compiled.refit and (stored.get("round_refit") or compiled.refit))
 
 
 def clear_compiled_rounds() -> None:
     """Forget every compiled round (tests that replace what a round traces)."""
-    for cache in (compiled_round, _split_round, _compiled_statistics, _compiled_trees, _compiled_metrics,
-                  compiled_many_rounds):
+    for cache in (compiled_round, _split_round, _compiled_statistics, _compiled_trees, _compiled_refit,
+                  _compiled_metrics, compiled_many_rounds):
         cache.cache_clear()
 
 

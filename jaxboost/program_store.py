@@ -252,6 +252,18 @@ def export_platform(platform: str) -> str | None:
         return None
 
 
+def serializable_record(record_type: type) -> None:
+    """Lets stored programs return ``record_type`` (a NamedTuple of jaxboost's): JAX serializes
+    only the records registered with it. A JAX without the registry stores no such program."""
+    register = getattr(jax.export, "register_namedtuple_serialization", None)
+    if register is None:
+        return
+    try:
+        register(record_type, serialized_name=f"{record_type.__module__}.{record_type.__qualname__}")
+    except ValueError:  # registered already (the module imported again)
+        pass
+
+
 def _exported(function: Callable, arguments: tuple, platform: str) -> jax.export.Exported:
     """``function`` traced and lowered for ``arguments`` (specs), taking their leaves as a flat list."""
     leaves, tree = jax.tree_util.tree_flatten(arguments)
@@ -357,11 +369,11 @@ class StoredProgram:
         if exported is None:
             try:
                 exported = _exported(function, arguments, platform)
-            except Exception as error:  # noqa: BLE001 - what cannot be exported is jitted as without the store
-                logger.debug("program %s not exported, jitted instead: %s", self.path.name, error)
+                _save(folder, self.path, exported)
+            except Exception as error:  # noqa: BLE001 - what cannot be stored is jitted as without the store
+                logger.debug("program %s not stored, jitted instead: %s", self.path.name, error)
                 self._made, self._make_arguments = jax.jit(function, **jit_options), None
                 return
-            _save(folder, self.path, exported)
 
         def call(*call_arguments):
             return exported.call(*jax.tree_util.tree_leaves(call_arguments))

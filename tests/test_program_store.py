@@ -145,15 +145,44 @@ def test_programs_calling_lapack_are_told_apart():
     assert not program_store.calls_lapack(named)
 
 
-def test_a_program_that_cannot_be_exported_is_jitted_as_without_the_store(tmp_path, monkeypatch):
+def test_a_refit_round_stores_its_programs_and_custom_losses_store_none_of_their_own(tmp_path, monkeypatch):
+    """A round with a leaf refit (absolute error) stores its statistics, its trees and its refit,
+    with the starting value, and the loaded programs predict what the traced ones do, bit for
+    bit. A custom absolute error's refit and derivatives read its code and are not stored; its
+    refit round's trees are the built-in's (the one entry more is the round without a refit
+    that its first fit compiles while its Hessians are still unknown)."""
+    traced = _fit_in_process(tmp_path, monkeypatch, "0", loss="absolute_error")
+    folder = tmp_path / "programs"
+    exported = _fit_in_process(tmp_path, monkeypatch, "1", loss="absolute_error")
+    stored = sorted(folder.iterdir())
+    assert len(stored) == 4
+    loaded = _fit_in_process(tmp_path, monkeypatch, "1", loss="absolute_error")
+    np.testing.assert_array_equal(exported, traced)
+    np.testing.assert_array_equal(loaded, traced)
+
+    def custom_absolute_error(raw_prediction, y):
+        return jax.numpy.abs(raw_prediction - y)
+
+    custom = _fit_in_process(tmp_path, monkeypatch, "1", loss=custom_absolute_error)
+    assert len(list(folder.iterdir())) == len(stored) + 1
+    np.testing.assert_allclose(custom, traced, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("step, error", [
+    ("_exported", NotImplementedError("no export for this program")),
+    # Exported, but not written: a record type JAX cannot serialize, say.
+    ("_save", ValueError("Cannot serialize PyTreeDef containing an unregistered type")),
+])
+def test_a_program_that_cannot_be_exported_or_written_is_jitted_as_without_the_store(tmp_path, monkeypatch, step,
+                                                                                     error):
     traced = _fit_in_process(tmp_path, monkeypatch, "0")
 
     def refuse(*args):
-        raise NotImplementedError("no export for this program")
+        raise error
 
-    monkeypatch.setattr(program_store, "_exported", refuse)
+    monkeypatch.setattr(program_store, step, refuse)
     np.testing.assert_array_equal(_fit_in_process(tmp_path, monkeypatch, "1"), traced)
-    assert not (tmp_path / "programs").exists()
+    assert not (tmp_path / "programs").exists() or not any((tmp_path / "programs").iterdir())
 
 
 def test_train_many_stores_its_round_and_grows_the_same_models(tmp_path, monkeypatch):

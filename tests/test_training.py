@@ -253,6 +253,36 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
         boosting.clear_compiled_rounds()
 
 
+def _split_round_grows_the_model_of_one(X, y, settings: dict, monkeypatch) -> list:
+    """Fits ``settings`` with the round as ``SplitRound``'s programs and as one program
+    (``round_function``), asserts the two grew the same trees and eval histories, and returns
+    the split rounds the fit asked for."""
+    from jaxboost import training
+
+    rounds = []
+
+    def recorded(shape):
+        rounds.append(boosting.compiled_round(shape))
+        return rounds[-1]
+
+    with monkeypatch.context() as patched:
+        patched.setattr(training, "compiled_round", recorded)
+        split = jb.train(X, y, **settings)
+    with monkeypatch.context() as patched:
+        patched.setattr(training, "compiled_round",
+                        lambda shape: jax.jit(boosting.round_function(shape), **boosting._round_jit_options(shape)))
+        whole = jb.train(X, y, **settings)
+    for name, a, b in zip(split.trees._fields, split.trees, whole.trees):
+        assert_same_training(np.asarray(a), np.asarray(b), err_msg=name)
+    assert whole.evals_result.keys() == split.evals_result.keys()
+    for eval_name, histories in whole.evals_result.items():
+        assert histories.keys() == split.evals_result[eval_name].keys()
+        for metric, history in histories.items():
+            assert_same_training(split.evals_result[eval_name][metric], history, err_msg=metric)
+    assert split.params["leaf_refit"] == whole.params["leaf_refit"]
+    return rounds
+
+
 @pytest.mark.parametrize("n_rows, settings", [
     (N_ROWS, dict(loss="logistic", subsample=0.7, colsample_bynode=0.6, eval_metric=["logloss", "auc", "loss"])),
     (N_ROWS, dict(loss="softmax", multi_strategy="multi_output_tree", hessian="floor", hessian_floor=0.05)),
@@ -262,30 +292,29 @@ def test_a_round_of_several_programs_grows_the_model_of_one(n_rows, settings, mo
     """A round without a leaf refit runs as two programs (the loss's derivatives, the trees with
     the eval sets' predictions and metrics), or three where a metric is the loss itself: it grows
     the model, and the eval histories, of the same round compiled as one program."""
-    from jaxboost import training
-
     X, y = _binary_data(seed=4, n=n_rows)
     if settings["loss"] == "softmax":
         y = np.digitize(X[:, 0] + X[:, 1], [-0.5, 0.5]).astype(np.float32)
     common = {**dict(num_rounds=4, max_depth=4, learning_rate=0.3, eval_set=[(X[:300], y[:300])]), **settings}
-    rounds = []
-
-    def recorded(shape):
-        rounds.append(boosting.compiled_round(shape))
-        return rounds[-1]
-
-    with monkeypatch.context() as patched:
-        patched.setattr(training, "compiled_round", recorded)
-        split = jb.train(X, y, **common)
+    rounds = _split_round_grows_the_model_of_one(X, y, common, monkeypatch)
     assert [type(round_program) for round_program in rounds] == [boosting.SplitRound], rounds
     assert (rounds[0].metrics is not None) == ("loss" in settings.get("eval_metric", [])), rounds
-    monkeypatch.setattr(training, "compiled_round",
-                        lambda shape: jax.jit(boosting.round_function(shape), **boosting._round_jit_options(shape)))
-    whole = jb.train(X, y, **common)
-    for name, a, b in zip(split.trees._fields, split.trees, whole.trees):
-        assert_same_training(np.asarray(a), np.asarray(b), err_msg=name)
-    for metric, history in whole.evals_result["validation_0"].items():
-        assert_same_training(split.evals_result["validation_0"][metric], history, err_msg=metric)
+
+
+def _counted_traces(monkeypatch, **functions: str) -> dict:
+    """How many times each of ``boosting``'s functions (``kind=name``) is called from now on: a
+    round's program calls them once, as it is traced."""
+    traced = dict.fromkeys(functions, 0)
+
+    def counting(kind, original):
+        def traced_once(*args, **kwargs):
+            traced[kind] += 1
+            return original(*args, **kwargs)
+        return traced_once
+
+    for kind, name in functions.items():
+        monkeypatch.setattr(boosting, name, counting(kind, getattr(boosting, name)))
+    return traced
 
 
 def test_a_new_loss_compiles_its_derivatives_but_not_the_trees(monkeypatch):
@@ -295,16 +324,7 @@ def test_a_new_loss_compiles_its_derivatives_but_not_the_trees(monkeypatch):
     apart from the trees, whose program then has no metrics, and a new metric does not trace the
     derivatives again."""
     X, y = _binary_data(seed=5)
-    traced = {"trees": 0, "derivatives": 0}
-
-    def counting(kind, original):
-        def traced_once(*args, **kwargs):
-            traced[kind] += 1
-            return original(*args, **kwargs)
-        return traced_once
-
-    monkeypatch.setattr(boosting, "_grow_trees", counting("trees", boosting._grow_trees))
-    monkeypatch.setattr(boosting, "_tree_statistics", counting("derivatives", boosting._tree_statistics))
+    traced = _counted_traces(monkeypatch, trees="_grow_trees", derivatives="_tree_statistics")
     boosting.clear_compiled_rounds()
     settings = dict(num_rounds=2, max_depth=3, eval_set=[(X[:200], y[:200])], link="sigmoid")
     try:
@@ -317,6 +337,56 @@ def test_a_new_loss_compiles_its_derivatives_but_not_the_trees(monkeypatch):
     finally:
         boosting.clear_compiled_rounds()
     assert traced == {"trees": 2, "derivatives": 4}, traced
+
+
+def _custom_absolute_error(raw_prediction, y):
+    return jnp.abs(raw_prediction - y)
+
+
+def _pinball(raw_prediction, y):
+    residual = y - raw_prediction
+    return jnp.maximum(0.8 * residual, -0.2 * residual)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(loss="absolute_error", subsample=0.7, eval_metric=["mae", "loss"]),
+    dict(loss=_custom_absolute_error, eval_metric=["rmse"]),  # refit found from its zero Hessians
+    dict(loss="absolute_error", monotone_constraints=[1, -1, 0, 0, 0]),  # refit leaves kept in bounds
+    dict(loss="gaussian_nll", hessian="constant", multi_strategy="multi_output_tree", leaf_refit=True),
+    dict(loss="softmax", leaf_refit=True, eval_metric=["mlogloss", "merror"]),  # 3 trees a round
+])
+def test_a_leaf_refit_round_of_several_programs_grows_the_model_of_one(settings, monkeypatch):
+    """With a leaf refit the round runs as its derivatives', trees', refit's and (with eval
+    metrics) metrics' programs: it grows the model, and the eval histories, of the same round
+    compiled as one program, bit for bit on CPU."""
+    X, y = _regression_data(seed=8, n=1500)
+    if settings["loss"] == "softmax":
+        y = np.digitize(X[:, 0] + X[:, 1], [-0.5, 0.5]).astype(np.float32)
+    common = {**dict(num_rounds=4, max_depth=4, learning_rate=0.5, eval_set=[(X[:300], y[:300])]), **settings}
+    rounds = _split_round_grows_the_model_of_one(X, y, common, monkeypatch)
+    assert rounds[-1].refit is not None and rounds[-1].metrics is not None, rounds
+
+
+def test_a_new_refit_loss_compiles_its_derivatives_and_refit_but_not_the_trees(monkeypatch):
+    """A leaf refit reads the loss after the trees are grown, in a program of its own: losses
+    that need one (the built-in absolute error; custom absolute and pinball losses, found to
+    need one by their zero Hessians) each trace their derivatives and refit, and share one
+    program of the refit round's trees. A custom loss's derivatives, compiled while its need
+    for a refit was unknown, serve its refit round too, and the trees of a round without a
+    refit are traced once, for the first custom loss."""
+    X, y = _regression_data(seed=5)
+    traced = _counted_traces(monkeypatch, trees="_grow_trees", derivatives="_tree_statistics",
+                             refit="_refit_and_move")
+    boosting.clear_compiled_rounds()
+    settings = dict(num_rounds=2, max_depth=3, eval_set=[(X[:200], y[:200])], eval_metric="mae")
+    try:
+        for loss in ["absolute_error", _custom_absolute_error, _pinball, _custom_absolute_error]:
+            model = jb.train(X, y, loss=loss, **settings)
+            assert model.params["leaf_refit"], loss
+            assert np.isfinite(model.evals_result["validation_0"]["mae"]).all()
+    finally:
+        boosting.clear_compiled_rounds()
+    assert traced == {"trees": 2, "derivatives": 3, "refit": 3}, traced
 
 
 @pytest.mark.parametrize("trainer, settings", [("train", dict()),
