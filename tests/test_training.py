@@ -3,6 +3,7 @@ reproducibility, compilation reuse, early stopping, weights and margins, and bad
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 
@@ -387,6 +388,37 @@ def test_a_new_refit_loss_compiles_its_derivatives_and_refit_but_not_the_trees(m
     finally:
         boosting.clear_compiled_rounds()
     assert traced == {"trees": 2, "derivatives": 3, "refit": 3}, traced
+
+
+def test_a_custom_loss_found_to_need_a_refit_compiles_its_refit_round_ahead_and_once():
+    """A custom loss's zero Hessians at the start call for a leaf refit: the refit round's
+    programs are compiled before its first call, the refit beside the trees (in the compiling
+    thread), for the shapes the trees' program gives it (a sharding or dtype off would compile
+    it again in the call); the derivatives compiled for the round without a refit serve it."""
+    import threading
+
+    X, y = _regression_data(seed=9, n=50_000)  # rows sharded over two devices
+    compiles = []
+
+    def listener(name, duration, **kwargs):
+        if name.endswith("backend_compile_duration") and "round" in str(kwargs.get("fun_name")):
+            compiles.append((kwargs["fun_name"], threading.current_thread() is threading.main_thread()))
+
+    boosting.clear_compiled_rounds()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        model = jb.train(X, y, loss=_pinball, num_rounds=3, max_depth=3, eval_set=[(X[:200], y[:200])],
+                         eval_metric="mae")
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        boosting.clear_compiled_rounds()
+    assert model.params["leaf_refit"]
+    programs = collections.Counter(name for name, _ in compiles)
+    # The trees' twice: the round without a refit (compiled while the start was found), then
+    # the refit round's.
+    assert programs == {"jit(round_statistics)": 1, "jit(round_trees)": 2, "jit(round_refit)": 1,
+                        "jit(round_metrics)": 1}, compiles
+    assert [in_main for name, in_main in compiles if name == "jit(round_refit)"] == [False], compiles
 
 
 @pytest.mark.parametrize("trainer, settings", [("train", dict()),
