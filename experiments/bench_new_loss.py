@@ -4,9 +4,10 @@ A researcher trying losses fits one after another on the same data: each new los
 loss defined again (a notebook cell run again makes a new function), pays whatever its round
 must compile. Each run is a fresh process with an empty cache folder that times, in order, a
 fit of the built-in logistic loss, a custom focal loss, the focal loss defined again, another
-custom loss (``softplus(F) - y F``), and a warm fit of the built-in (its rounds alone: what
-every fit pays besides compiling). A later process with the same cache folder then fits the
-three custom losses again. 20 rounds of depth 6 on ``make_classification`` rows, 28 features.
+custom loss (``softplus(F) - y F``), a custom hinge loss (zero Hessians: its leaves are refit on
+the loss, the session's first refit), the hinge defined again, and a warm fit of the built-in
+(its rounds alone: what every fit pays besides compiling). A later process with the same cache
+folder then fits the five custom losses again. 20 rounds of depth 6 on ``make_classification`` rows, 28 features.
 Two cold processes (caches off) then time a built-in's 1-round fit, and one with the last 20k
 rows as an eval set scored by AUC, each with the seconds XLA spent compiling (all programs,
 summed: some compile side by side).
@@ -50,6 +51,11 @@ def focal():
 def softplus(raw_prediction, y):
     return jax.nn.softplus(raw_prediction) - y * raw_prediction
 
+def hinge():
+    def loss(raw_prediction, y):
+        return jax.nn.relu(1.0 - (2.0 * y - 1.0) * raw_prediction)
+    return loss
+
 def fit(loss):
     begin = time.perf_counter()
     jb.train(X, y, loss=loss, num_rounds=20, max_depth=6, learning_rate=0.1,
@@ -73,6 +79,8 @@ else:
     times["focal"] = fit(focal())
     times["focal defined again"] = fit(focal())
     times["softplus"] = fit(softplus)
+    times["hinge (refit)"] = fit(hinge())
+    times["hinge defined again"] = fit(hinge())
     if process == "first":
         times["built-in, warm"] = fit("logistic")
 print(jb.__file__)
