@@ -12,8 +12,9 @@ trees grown from them with the eval sets' predictions and metrics, which read no
 program serves every loss of the same shapes, so a new loss compiles its derivatives alone),
 a third for eval metrics that are the loss itself, and with a leaf refit, which reads the loss
 between a tree's splits and its leaf values, a program for the refit. In ``train_many`` it is
-one program (``round_function``). Rows are sharded over the devices of a 1-D mesh with ``shard_map``;
-the histograms and every other sum over rows are completed with ``psum`` inside the grower.
+one program (``round_function``). Rows are sharded over the devices of a 1-D mesh with
+``shard_map``; the histograms and every other sum over rows are completed with ``psum`` inside
+the grower.
 Eval-set predictions and metrics are updated on device, so nothing but a few scalars (metric
 values and health flags) comes back to the host per round.
 """
@@ -554,13 +555,18 @@ def _grow_scalar_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_
     return grown, histogram_buffer
 
 
+def _shared_row_leaf(row_leaves: RowLeaves) -> jax.Array:
+    """Each row's leaf (heap index) in the K trees of vector leaves, which share their splits."""
+    return RowLeaves(*(array[0] for array in row_leaves)).heap_index()
+
+
 def _refit_leaves(shape: RoundShape, growth: GrowthParams, grown: GrownTrees, refit: Callable) -> Tree:
     """Row-local: ``grown``'s trees with their leaf values set by ``refit`` (``_leaf_refit``),
     shrunk by the learning rate and kept within the leaves' bounds."""
     trees, row_leaves = grown.trees, grown.row_leaves
     if shape.vector_leaves is not None:
         K = shape.objective.num_outputs
-        row_leaf = row_leaves.position_leaf[0][row_leaves.last_position[0]]
+        row_leaf = _shared_row_leaf(row_leaves)
 
         def refit_output(step, offsets):
             # Coordinate descent: each output's leaf offsets exactly, given the others'.
@@ -587,7 +593,7 @@ def _refit_leaves(shape: RoundShape, growth: GrowthParams, grown: GrownTrees, re
 def _moved(shape: RoundShape, raw_prediction, trees: Tree, row_leaves: RowLeaves):
     """Row-local: the raw predictions moved by the round's trees (``row_leaves``: ``GrownTrees``')."""
     if shape.vector_leaves is not None:
-        return raw_prediction + trees.value.T[row_leaves.position_leaf[0][row_leaves.last_position[0]]]
+        return raw_prediction + trees.value.T[_shared_row_leaf(row_leaves)]
     position_values = jnp.take_along_axis(trees.value, row_leaves.position_leaf, axis=1)  # (K, 2^max_depth)
     return add_position_values(raw_prediction, position_values, row_leaves.last_position)
 
