@@ -133,8 +133,10 @@ class EvalMetric(NamedTuple):
         return self.function(y, y_pred if objective.vector_output else y_pred[:, 0], weight)
 
 
-def resolve_metrics(eval_metric, resolved: ResolvedLoss) -> tuple[EvalMetric, ...]:
-    """Eval metrics by name (``"loss"``, XGBoost names) or callables ``f(y, y_pred, weight)``."""
+def resolve_metrics(eval_metric, resolved: ResolvedLoss, label_shapes=()) -> tuple[EvalMetric, ...]:
+    """Eval metrics by name (``"loss"``, XGBoost names) or callables ``f(y, y_pred, weight)``;
+    ``label_shapes``: the eval sets' labels' shapes, which each metric must be able to score
+    the loss's predictions against (``check_metric``)."""
     if eval_metric is None:
         eval_metric = [DEFAULT_METRIC.get(resolved.name, LOSS_METRIC)]
     elif isinstance(eval_metric, str) or callable(eval_metric):
@@ -146,7 +148,28 @@ def resolve_metrics(eval_metric, resolved: ResolvedLoss) -> tuple[EvalMetric, ..
         else:
             metric = metrics.get_metric(entry)
             chosen.append(EvalMetric(metric.name, metric.function, resolved.objective))
+    for metric in chosen:
+        for shape in label_shapes:
+            check_metric(metric, tuple(shape[1:]), np.dtype(resolved.label_dtype).name, resolved.name)
     return tuple(chosen)
+
+
+@functools.lru_cache(maxsize=256)
+def check_metric(metric: EvalMetric, label_tail: tuple, label_dtype: str, loss_name: str) -> None:
+    """Raises a ValueError naming ``metric`` where it cannot score the loss's predictions
+    against labels of shape ``(n,) + label_tail`` (a metric of one output given a loss of
+    several, say), before anything is compiled: the metric is traced on shapes alone, once."""
+    if metric.function is None:  # the loss itself: the labels were checked against it
+        return
+    rows, K = 64, metric.objective.num_outputs
+    try:
+        jax.eval_shape(lambda y, raw_prediction, weight: metric(y, raw_prediction, weight),
+                       jax.ShapeDtypeStruct((rows,) + label_tail, label_dtype),
+                       jax.ShapeDtypeStruct((rows, K), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32))
+    except (TypeError, ValueError, IndexError) as error:
+        labels = "one label" if not label_tail else f"labels of shape {label_tail}"
+        raise ValueError(f"eval metric {metric.name!r} cannot score loss {loss_name!r}, which predicts {K} "
+                         f"output(s) a row, against {labels} a row: {error}") from None
 
 
 def higher_is_better(metric: EvalMetric) -> bool:

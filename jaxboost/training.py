@@ -516,7 +516,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
             raise ValueError("eval sets need a base_margin exactly when the training data has one")
         eval_rows.append(_DeviceRows(eval_dataset, resolved, mesh, margin=eval_margin, base_score=None,
                                      evaluation=True))
-    metrics = resolve_metrics(eval_metric, resolved)
+    metrics = resolve_metrics(eval_metric, resolved, [rows.y.shape for rows in eval_rows])
     if early_stopping_rounds is not None and not eval_rows:
         raise ValueError("early_stopping_rounds needs an eval_set")
     num_nodes = num_heap_nodes(max_depth)

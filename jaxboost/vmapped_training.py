@@ -171,7 +171,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         X_eval, y_eval = (entry, None) if isinstance(entry, Dataset) else entry
         eval_rows.append(_DeviceRows(_as_dataset(X_eval, y_eval, None, max_bin, None, reference=dataset), resolved,
                                      mesh, margin=None, base_score=None, evaluation=True))
-    metrics = resolve_metrics(eval_metric, resolved)
+    metrics = resolve_metrics(eval_metric, resolved, [rows.y.shape for rows in eval_rows])
 
     regularizers = []
     for values in per_model:

@@ -390,11 +390,19 @@ def test_a_new_refit_loss_compiles_its_derivatives_and_refit_but_not_the_trees(m
     assert traced == {"trees": 2, "derivatives": 3, "refit": 3}, traced
 
 
-def test_a_custom_loss_found_to_need_a_refit_compiles_its_refit_round_ahead_and_once():
-    """A custom loss's zero Hessians at the start call for a leaf refit: the refit round's
-    programs are compiled before its first call, the refit beside the trees (in the compiling
-    thread), for the shapes the trees' program gives it (a sharding or dtype off would compile
-    it again in the call); the derivatives compiled for the round without a refit serve it."""
+@pytest.mark.parametrize("settings, trees_programs", [
+    # The trees' twice: the round without a refit (compiled while the start was found, the
+    # refit unknown), then the refit round's.
+    (dict(loss=_pinball, eval_metric="mae"), 2),
+    (dict(loss="gaussian_nll", hessian="constant", multi_strategy="multi_output_tree", leaf_refit=True,
+          eval_metric="loss"), 1),
+])
+def test_a_refit_round_is_compiled_ahead_and_once(settings, trees_programs):
+    """A refit round's programs are compiled before its first call, the refit beside the trees
+    (in the compiling thread), for the shapes the trees' program gives it (a sharding or dtype
+    off would compile it again in the call): a custom loss whose zero Hessians at the start
+    call for a refit (its derivatives, compiled for the round without one, serve the refit
+    round), and vector leaves refit on a built-in."""
     import threading
 
     X, y = _regression_data(seed=9, n=50_000)  # rows sharded over two devices
@@ -407,16 +415,13 @@ def test_a_custom_loss_found_to_need_a_refit_compiles_its_refit_round_ahead_and_
     boosting.clear_compiled_rounds()
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        model = jb.train(X, y, loss=_pinball, num_rounds=3, max_depth=3, eval_set=[(X[:200], y[:200])],
-                         eval_metric="mae")
+        model = jb.train(X, y, num_rounds=3, max_depth=3, eval_set=[(X[:200], y[:200])], **settings)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
         boosting.clear_compiled_rounds()
     assert model.params["leaf_refit"]
     programs = collections.Counter(name for name, _ in compiles)
-    # The trees' twice: the round without a refit (compiled while the start was found), then
-    # the refit round's.
-    assert programs == {"jit(round_statistics)": 1, "jit(round_trees)": 2, "jit(round_refit)": 1,
+    assert programs == {"jit(round_statistics)": 1, "jit(round_trees)": trees_programs, "jit(round_refit)": 1,
                         "jit(round_metrics)": 1}, compiles
     assert [in_main for name, in_main in compiles if name == "jit(round_refit)"] == [False], compiles
 
@@ -740,6 +745,36 @@ def test_labels_outside_a_loss_range_are_rejected(loss, label):
     y[0] = label
     with pytest.raises(ValueError, match=loss):
         jb.train(X, y, loss=loss, **COMMON)
+
+
+@pytest.mark.parametrize("trainer", ["train", "train_many"])
+@pytest.mark.parametrize("loss, metric", [("gaussian_nll", "mae"), ("softmax", "auc"),
+                                          ("squared_error", lambda y, y_pred, weight: y_pred[:, 1])])
+def test_an_eval_metric_that_cannot_score_the_loss_is_rejected_by_name_before_compiling(trainer, loss, metric):
+    """A metric of one output given a loss of several (or one that fails on the predictions'
+    shape) names itself and the loss, before any round compiles: XLA's reshape error from
+    inside the compiled round had named neither."""
+    X, y = _binary_data(seed=2, n=300)
+    if loss == "softmax":
+        y = np.digitize(X[:, 0], [-0.5, 0.5]).astype(np.float32)
+    compiled = []
+
+    def listener(name, duration, **kwargs):
+        if name.endswith("backend_compile_duration") and "round" in str(kwargs.get("fun_name")):
+            compiled.append(kwargs["fun_name"])
+
+    settings = dict(loss=loss, num_rounds=2, max_depth=2, eval_set=[(X, y)], eval_metric=metric)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        name = metric if isinstance(metric, str) else "<lambda>"
+        with pytest.raises(ValueError, match=f"eval metric '{name}' cannot score loss '{loss}'"):
+            if trainer == "train":
+                jb.train(X, y, **settings)
+            else:
+                jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0]}, **settings)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not compiled, compiled
 
 
 def test_length_mismatch_and_feature_count_and_non_numeric():
