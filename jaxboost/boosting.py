@@ -28,11 +28,11 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
 from .devices import (MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, float32_jax, mesh_platform, model_split,
-                      replicated, row_sharding)
+                      row_sharding)
 from .grower import GrowthParams, RowLeaves, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
 from .line_search import minimise_segment_offsets, segment_sums
@@ -1024,7 +1024,9 @@ class SplitRound:
         """With a leaf refit: the shapes of the trees' program's ``GrownTrees`` and eval leaves,
         for raw predictions like ``raw_prediction``."""
         shape = self.shape
-        everywhere, by_rows = replicated(shape.mesh), row_sharding(shape.mesh, 2, row_axis=1)
+        # The shardings the trees' program gives them (``_GROWN_SPECS``; eval leaves as rows).
+        everywhere = NamedSharding(shape.mesh, _GROWN_SPECS.trees)
+        by_rows = NamedSharding(shape.mesh, _GROWN_SPECS.row_leaves.last_position)
         K, nodes = shape.objective.num_outputs, num_heap_nodes(shape.max_depth)
         grown_leading = 1 if shape.vector_leaves is not None else K
 
