@@ -108,6 +108,30 @@ def test_optax_huber_trains_with_zero_hessian_tails():
     assert huber_error < squared_error, (huber_error, squared_error)
 
 
+def _huber(delta):
+    def loss(raw_prediction, y):
+        residual = jnp.abs(raw_prediction - y)
+        return jnp.where(residual <= delta, 0.5 * residual ** 2, delta * (residual - 0.5 * delta))
+    return loss
+
+
+def test_a_custom_loss_counts_its_zero_hessians_at_its_starting_raw_predictions():
+    """A custom loss's need for a leaf refit is read off its Hessians where training starts:
+    at the starting value, or at the given base margins. Labels around 50 and a Huber loss of
+    delta 10: every row's Hessian is zero at a raw prediction of 0, none at the starting value
+    (about 50), so no refit; with delta 0.5 most rows are in the tails there."""
+    X, y = _regression_data(seed=2)
+    y = (50.0 + y / np.std(y)).astype(np.float32)
+    settings = dict(num_rounds=3, max_depth=3)
+    assert not jb.train(X, y, loss=_huber(10.0), **settings).params["leaf_refit"]
+    assert jb.train(X, y, loss=_huber(0.5), **settings).params["leaf_refit"]
+    assert jb.train(X, y, loss=lambda raw, y: jnp.abs(raw - y), **settings).params["leaf_refit"]
+    # Under a base margin no starting value is found: the raw predictions start at the margins.
+    assert jb.train(X, y, loss=_huber(10.0), base_margin=np.zeros(len(y), np.float32), **settings).params["leaf_refit"]
+    assert not jb.train(X, y, loss=_huber(10.0), base_margin=np.full(len(y), 50.0, np.float32),
+                        **settings).params["leaf_refit"]
+
+
 @cpu_devices_only
 def test_zero_hessian_rows_are_counted_on_the_devices_in_chunks(monkeypatch):
     """The check that turns the leaf refit on for a custom loss counts the weighted rows whose
