@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .cores import available_cpu_cores, process_cpu_cores
 from .host_memory import HOST_ALIGNMENT, aligned_empty
-from .native import per_platform
+from .native import COMPACT_FLAGS_TARGET, as_varying_as, available_native_target, per_platform
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -466,27 +466,42 @@ def all_sum_scattered(x: jax.Array, axis_name: str | None, scatter_axis: int) ->
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_axis, tiled=True)
 
 
-def chunks_in_use(count: jax.Array, chunk: int, num_slots: int,
-                  in_use: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def chunks_in_use(count: jax.Array, chunk: int, num_slots: int, in_use: jax.Array | None = None,
+                  kernel: str = "auto") -> tuple[jax.Array, jax.Array]:
     """``(starts, n)``: the first slots of the ``chunk``-slot chunks that hold one of the first
     ``count`` slots (traced) and, when ``in_use`` (bool, one flag per slot) is given, one of
-    its slots in use, in increasing order; ``n`` (traced) of them, the rest of ``starts`` padded.
+    its slots in use, in increasing order; ``n`` (traced) of them, the rest of ``starts`` 0.
+    ``kernel`` as for ``histogram.build_histogram``.
 
     Deep levels hold their nodes in slots by heap position, and on small data most of a level's
-    chunks hold no node that splits: those are skipped rather than computed and masked."""
+    chunks hold no node that splits: those are skipped rather than computed and masked.
+
+    On CPU a native kernel lists the used chunks. XLA's form compiled to a tenth of a round's
+    LLVM IR (97 KB, and 40 KB of its small matrix products' library code, of 916 KB on the
+    benchmark's depth-6 round; ``experiments/profile_compile.py``)."""
     num_chunks = num_slots // chunk
     index = jnp.arange(num_chunks, dtype=jnp.int32)
     used = index < (count + chunk - 1) // chunk
     if in_use is not None:
         used = used & jnp.any(in_use[:num_chunks * chunk].reshape(num_chunks, chunk), axis=1)
-    # jnp.nonzero, written out: its cumulative sum compiled to four reduce-window kernels on
-    # CPU (12-15 KB of a round's LLVM IR, 0.05-0.1 s of a cold fit's 2 s). A chunk's rank among
-    # the used is a product with a triangular matrix (exact: whole numbers), its place the
-    # first match.
-    earlier = jnp.asarray(np.tri(num_chunks, k=-1, dtype=np.float32))
-    rank = jnp.matmul(earlier, used.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
-    chosen = jnp.argmax(used[None, :] & (rank[None, :] == index[:, None]), axis=1)
-    return chosen.astype(jnp.int32) * chunk, rank[-1] + used[-1].astype(jnp.int32)
+    target = available_native_target(COMPACT_FLAGS_TARGET, "compact-flags", kernel)
+
+    def xla(used):
+        # jnp.nonzero, written out: its cumulative sum compiled to four reduce-window kernels on
+        # CPU. A chunk's rank among the used is a product with a triangular matrix (exact: whole
+        # numbers), its place the first match.
+        earlier = jnp.asarray(np.tri(num_chunks, k=-1, dtype=np.float32))
+        rank = jnp.matmul(earlier, used.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
+        chosen = jnp.argmax(used[None, :] & (rank[None, :] == index[:, None]), axis=1).astype(jnp.int32)
+        return chosen, rank[-1] + used[-1].astype(jnp.int32)
+
+    def native(used):
+        results = (jax.ShapeDtypeStruct((num_chunks,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+        outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(used.astype(jnp.int32))
+        return tuple(as_varying_as(output, (used,)) for output in outputs)
+
+    chosen, n = xla(used) if target is None else per_platform(used, cpu=native, default=xla)
+    return chosen * chunk, n
 
 
 def in_steps_on_cpu(in_steps: Callable[[], T], all_at_once: Callable[[], T]) -> T:

@@ -1292,6 +1292,34 @@ XLA_FFI_DEFINE_HANDLER(kSortedAucSumsHandler, SortedAucSumsImpl,
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Ret<ffi::Buffer<ffi::F32>>());
 
+// The positions of a vector's nonzero flags, in increasing order, then zeros; and how many there
+// are: the chunks of a level's slots that hold a live node, which the level's loops then visit
+// alone. Computed by XLA (each flag's rank as a product with a triangular matrix, its place as an
+// argmax over pairs of chunks), this bookkeeping of a few dozen flags was a tenth of a round's
+// machine code to compile.
+ffi::Error CompactFlagsImpl(ffi::Buffer<ffi::S32> flags, ffi::ResultBuffer<ffi::S32> positions,
+                            ffi::ResultBuffer<ffi::S32> count) {
+  const int64_t n = static_cast<int64_t>(flags.element_count());
+  if (static_cast<int64_t>(positions->element_count()) != n || count->element_count() != 1) {
+    return ffi::Error::InvalidArgument("compact-flags kernel: expected (n,) flags, (n,) positions and a count");
+  }
+  const int32_t* flag = flags.typed_data();
+  int32_t* position = positions->typed_data();
+  int32_t found = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (flag[i] != 0) position[found++] = static_cast<int32_t>(i);
+  }
+  std::fill(position + found, position + n, 0);
+  count->typed_data()[0] = found;
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kCompactFlagsHandler, CompactFlagsImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>());
+
 XLA_FFI_DEFINE_HANDLER(kFirstMaximumHandler, FirstMaximumImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::F32>>()
@@ -1873,6 +1901,10 @@ extern "C" XLA_FFI_Error* JaxboostChannelHistogram(XLA_FFI_CallFrame* call_frame
 
 extern "C" XLA_FFI_Error* JaxboostRouteHistogram(XLA_FFI_CallFrame* call_frame) {
   return kRouteHistogramHandler(call_frame);
+}
+
+extern "C" XLA_FFI_Error* JaxboostCompactFlags(XLA_FFI_CallFrame* call_frame) {
+  return kCompactFlagsHandler(call_frame);
 }
 
 extern "C" XLA_FFI_Error* JaxboostFirstMaximum(XLA_FFI_CallFrame* call_frame) {

@@ -1152,10 +1152,11 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(monkeypatc
             np.testing.assert_allclose(out[device], expected, rtol=1e-6, atol=1e-6, err_msg=f"live={live}")
 
 
-def test_chunks_in_use_lists_the_chunks_with_live_slots_in_use():
+@pytest.mark.parametrize("kernel", ["xla", "auto"])
+def test_chunks_in_use_lists_the_chunks_with_live_slots_in_use(kernel):
     """``chunks_in_use``: the starts of the chunks holding one of the first ``count`` slots
-    (and one slot in use), in order, and how many; ``update_leading_chunks`` replaces those
-    chunks only."""
+    (and one slot in use), in order, and how many, the rest 0 (XLA's form and, on CPU, the
+    native kernel's; also under vmap); ``update_leading_chunks`` replaces those chunks only."""
     from jaxboost.devices import chunks_in_use, update_leading_chunks
 
     rng = np.random.default_rng(1)
@@ -1163,12 +1164,12 @@ def test_chunks_in_use_lists_the_chunks_with_live_slots_in_use():
     in_use[8:16] = False
     for count in [0, 1, 8, 9, 40, 64]:
         for flags in [None, in_use]:
-            starts, used = jax.jit(lambda c, f: chunks_in_use(c, 8, 64, f))(
+            starts, used = jax.jit(lambda c, f: chunks_in_use(c, 8, 64, f, kernel=kernel))(
                 jnp.int32(count), None if flags is None else jnp.asarray(flags))
             expected = [start for start in range(0, -(-count // 8) * 8, 8)
                         if flags is None or flags[start:start + 8].any()]
             assert int(used) == len(expected)
-            np.testing.assert_array_equal(np.asarray(starts)[:len(expected)], expected)
+            np.testing.assert_array_equal(np.asarray(starts), expected + [0] * (8 - len(expected)))
             whole = np.zeros((64, 2), np.float32)
             updated = jax.jit(lambda c, f: update_leading_chunks(
                 jnp.asarray(whole), lambda start: jnp.ones((8, 2)) * (start + 1.0), c, 8, f))(
@@ -1177,6 +1178,14 @@ def test_chunks_in_use_lists_the_chunks_with_live_slots_in_use():
             for start in expected:
                 reference[start:start + 8] = start + 1.0
             np.testing.assert_array_equal(np.asarray(updated), reference)
+    # Models' flags, batched: each model's chunks.
+    flags = np.stack([in_use, in_use[::-1], np.zeros(64, bool)])
+    starts, used = jax.jit(jax.vmap(lambda f: chunks_in_use(jnp.int32(64), 8, 64, f, kernel=kernel)))(
+        jnp.asarray(flags))
+    for model, model_flags in enumerate(flags):
+        expected = [start for start in range(0, 64, 8) if model_flags[start:start + 8].any()]
+        assert int(used[model]) == len(expected)
+        np.testing.assert_array_equal(np.asarray(starts[model]), expected + [0] * (8 - len(expected)))
 
 
 @pytest.mark.parametrize("n_devices", [1, 2])
