@@ -106,6 +106,8 @@ class RoundShape(NamedTuple):
     feature_slots: int | None = None
     # Accelerators sum histograms (and leaf refits) as fixed-point integers: runs repeat bit for bit.
     deterministic_histogram: bool = False
+    # Some model's gamma can prune a split (``grower.prunes_splits``; else pruning is left out).
+    prune_splits: bool = True
 
 
 class RoundHealth(NamedTuple):
@@ -529,7 +531,7 @@ def _grow_vector_tree(shape: RoundShape, growth: GrowthParams, X_binned_T, row_o
     tree, row_leaves, bounds, histogram_buffer = grow_tree(
         X_binned_T, gradients, packed_hessians, feature_allowed, tree_key, growth, shape.max_depth,
         shape.max_bin, ROW_AXIS, shape.sample_level_columns, shape.vector_leaves, shape.missing_values, row_offset,
-        histogram_buffer, shape.kernel_threads, shape.feature_slots, shape.deterministic_histogram)
+        histogram_buffer, shape.kernel_threads, shape.feature_slots, shape.deterministic_histogram, shape.prune_splits)
     shared = [jnp.broadcast_to(field, (K,) + field.shape) for field in tree]
     trees = Tree(*shared)._replace(value=tree.value.T, sum_hessians=tree.sum_hessians.T)
     leading = partial(jax.tree_util.tree_map, lambda array: array[None])
@@ -547,7 +549,8 @@ def _grow_scalar_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_
             jax.random.fold_in(tree_key, output), growth, shape.max_depth, shape.max_bin, ROW_AXIS,
             shape.sample_level_columns, missing_values=shape.missing_values, row_offset=row_offset,
             histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads,
-            feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram)
+            feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram,
+            prune_splits=shape.prune_splits)
         return histogram_buffer, GrownTrees(tree, row_leaves, bounds)
 
     # The K trees one after the other, each growing in the buffer the last one left.

@@ -243,6 +243,13 @@ def _children(nodes: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
     return jnp.minimum(2 * nodes + 1, num_nodes - 1), jnp.minimum(2 * nodes + 2, num_nodes - 1)
 
 
+def prunes_splits(gamma: float) -> bool:
+    """Whether pruning by ``gamma`` can turn a split into a leaf: a split's loss change is above
+    ``MIN_LOSS_CHANGE``, so a smaller ``gamma`` (XGBoost's default 0) prunes none, and a tree
+    grown for it leaves the pruning out of its program (61 KB of the depth-6 round's LLVM IR)."""
+    return gamma > MIN_LOSS_CHANGE
+
+
 def prune_by_gamma(tree: Tree, max_depth: int, gamma: jax.Array) -> tuple[Tree, jax.Array]:
     """Turn into leaves, bottom-up, the splits whose children are leaves and whose loss_chg < gamma.
 
@@ -360,7 +367,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
               histogram_buffer: jax.Array | None = None,
               kernel_threads: int = 1,
               feature_slots: int | None = None,
-              deterministic_histogram: bool = False) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
+              deterministic_histogram: bool = False,
+              prune_splits: bool = True) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
     """Grow one tree.
 
     Args:
@@ -393,6 +401,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         the sums over devices, the subtraction and the split scan run over those slots only.
       deterministic_histogram: on accelerators, histograms sum fixed-point integers, so a tree
         does not depend on the order of the atomic adds (``build_histogram``).
+      prune_splits: False when ``params.gamma`` cannot prune a split (``prunes_splits``): the
+        pruning is left out of the program.
 
     Returns:
       ``(tree, row_leaves, (lower, upper), histogram_buffer)``: the tree's node arrays (values
@@ -667,9 +677,12 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             (_widened(carry[0], deep_capacity, histogram_buffer), carry[1]))
         tree = state.tree
     returned_buffer = None if histogram_buffer is None else state.histograms
-    tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
     # No leaf update per level: a row's last-level position names its path, and the table gives
     # the leaf on that path.
+    if not prune_splits:
+        row_leaves = RowLeaves(leaf_of_position(tree.is_leaf, max_depth), state.node_of_row)
+        return tree, row_leaves, node_bounds, returned_buffer
+    tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
     return (tree, RowLeaves(surviving_leaf[leaf_of_position(tree.is_leaf, max_depth)], state.node_of_row),
             node_bounds, returned_buffer)
 

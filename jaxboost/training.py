@@ -31,7 +31,7 @@ from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
                       float32_jax, replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
-from .grower import GrowthParams, tree_feature_slots
+from .grower import GrowthParams, prunes_splits, tree_feature_slots
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import collection_paused, release_free_memory, release_free_memory_after
 from .model import Model
@@ -549,7 +549,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
                        sample_level_columns=min(colsample_bylevel, colsample_bynode) < 1,
                        feature_slots=tree_feature_slots(colsample_bytree, dataset.n_features),
-                       deterministic_histogram=bool(deterministic_histogram))
+                       deterministic_histogram=bool(deterministic_histogram), prune_splits=prunes_splits(gamma))
     histograms = histogram_buffer(shape, dataset.n_features)
     schedule = _Schedule(learning_rate)
     first_round = 0 if init_model is None else init_model.num_rounds

@@ -26,7 +26,7 @@ from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rou
 from .dataset import Dataset
 from .devices import (float32_jax, kernel_threads, many_models_meshes, model_split, replicated, replicated_in_place,
                       row_sharding, solve_threads)
-from .grower import GrowthParams, tree_feature_slots
+from .grower import GrowthParams, prunes_splits, tree_feature_slots
 from .host_memory import collection_paused
 from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
@@ -232,7 +232,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        sample_level_columns=min(min(v["colsample_bylevel"], v["colsample_bynode"])
                                                 for v in per_model) < 1,
                        feature_slots=many_feature_slots([v["colsample_bytree"] for v in per_model], dataset.n_features),
-                       deterministic_histogram=bool(deterministic_histogram))
+                       deterministic_histogram=bool(deterministic_histogram),
+                       prune_splits=any(prunes_splits(v["gamma"]) for v in per_model))
     # The data every model reads, on each of the split's devices (small data: a copy each).
     shared = (lambda array: array) if split is None else partial(jax.device_put, device=replicated(split))
     row_offsets, y_device = shared(rows.row_offsets_device), shared(rows.y_device)

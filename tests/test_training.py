@@ -255,24 +255,28 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
     try:
         jb.train(X, y, num_rounds=4, max_depth=3, learning_rate=0.3)
         assert len(traces) == 1, "the round was traced more than once for one shape"
-        jb.train(X, y, num_rounds=3, max_depth=3, learning_rate=0.05, reg_lambda=5.0, reg_alpha=0.5, gamma=0.1,
+        jb.train(X, y, num_rounds=3, max_depth=3, learning_rate=0.05, reg_lambda=5.0, reg_alpha=0.5,
                  min_child_weight=3.0, seed=3)
         assert len(traces) == 1, "new hyperparameter values recompiled the round"
+        # Pruning is structure (left out where gamma cannot prune a split); gamma itself is traced.
+        jb.train(X, y, num_rounds=2, max_depth=3, gamma=0.1)
+        jb.train(X, y, num_rounds=2, max_depth=3, gamma=0.5, reg_lambda=3.0)
+        assert len(traces) == 2, "a new gamma recompiled the round"
         # Bounding leaves (max_delta_step > 0) is structure: the split scores then take the
         # bounded form alone; the bound itself is traced.
         jb.train(X, y, num_rounds=2, max_depth=3, max_delta_step=0.7)
         jb.train(X, y, num_rounds=2, max_depth=3, max_delta_step=0.2, reg_lambda=3.0)
-        assert len(traces) == 2, "a new max_delta_step recompiled the round"
+        assert len(traces) == 3, "a new max_delta_step recompiled the round"
         # Sampling is structure (left out of the program when off); its rates are traced, but
         # for the number of features a tree's sample keeps (the slots of its histograms).
         assert X.shape[1] == 5
         jb.train(X, y, num_rounds=2, max_depth=3, subsample=0.8, colsample_bytree=0.6, colsample_bynode=0.7)
         jb.train(X, y, num_rounds=2, max_depth=3, subsample=0.5, colsample_bytree=0.75, colsample_bynode=0.4)
-        assert len(traces) == 3, "new sampling rates recompiled the round"
+        assert len(traces) == 4, "new sampling rates recompiled the round"
         jb.train(X, y, num_rounds=2, max_depth=3, subsample=0.5, colsample_bytree=0.9, colsample_bynode=0.4)
-        assert len(traces) == 4, "a tree's sample of 4 features rather than 3 must trace a new round"
+        assert len(traces) == 5, "a tree's sample of 4 features rather than 3 must trace a new round"
         jb.train(X, y, num_rounds=2, max_depth=2)
-        assert len(traces) == 5, "a new depth must trace a new round"
+        assert len(traces) == 6, "a new depth must trace a new round"
     finally:
         boosting._grow_trees = original
         boosting.clear_compiled_rounds()
@@ -390,6 +394,52 @@ def test_a_leaf_refit_round_of_several_programs_grows_the_model_of_one(settings,
     common = {**dict(num_rounds=4, max_depth=4, learning_rate=0.5, eval_set=[(X[:300], y[:300])]), **settings}
     rounds = _split_round_grows_the_model_of_one(X, y, common, monkeypatch)
     assert rounds[-1].refit is not None and rounds[-1].metrics is not None, rounds
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_depth=6, min_child_weight=20.0),  # many nodes that do not split
+    dict(loss="absolute_error", monotone_constraints=[1, -1, 0, 0, 0], eval_set=True),
+    dict(loss="softmax", multi_strategy="multi_output_tree", colsample_bynode=0.6, missing=True),
+    dict(trainer="train_many", batch={"reg_lambda": [0.5, 2.0]}),
+])
+def test_a_gamma_that_prunes_nothing_leaves_the_pruning_out_and_grows_the_same_model(settings, monkeypatch):
+    """A split's loss change is above ``MIN_LOSS_CHANGE``, so a gamma below it (the default 0)
+    prunes nothing: the round leaves the pruning out (``grower.prunes_splits``) and grows, bit
+    for bit on CPU, the model of the round that prunes by that gamma."""
+    from jaxboost import grower, training, vmapped_training
+
+    settings = dict(settings)
+    X, y = _regression_data(seed=9, n=1500)
+    if settings.get("loss") == "softmax":
+        y = np.digitize(X[:, 0] + X[:, 1], [-0.5, 0.5]).astype(np.float32)
+    if settings.pop("missing", False):
+        X = X.copy()
+        X[np.random.default_rng(0).uniform(size=X.shape) < 0.1] = np.nan
+    if settings.pop("eval_set", False):
+        settings["eval_set"] = [(X[:300], y[:300])]
+    trainer = settings.pop("trainer", "train")
+    batch = settings.pop("batch", None)
+    common = {**dict(num_rounds=4, max_depth=4, learning_rate=0.5), **settings}
+
+    def fit():
+        if trainer == "train":
+            model = jb.train(X, y, **common)
+            return [model.predict_raw(X)] + [np.asarray(field) for field in model.trees]
+        return [model.predict_raw(X) for model in jb.train_many(X, y, batch=batch, **common)]
+
+    shapes = []
+    compiled = {"train": (training, "compiled_round"), "train_many": (vmapped_training, "compiled_many_rounds")}
+    module, name = compiled[trainer]
+    factory = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda shape, *rest: shapes.append(shape) or factory(shape, *rest))
+    left_out = fit()
+    assert shapes and not any(shape.prune_splits for shape in shapes)
+    monkeypatch.setattr(module, "prunes_splits", lambda gamma: True)
+    pruned = fit()
+    assert shapes[-1].prune_splits
+    assert grower.prunes_splits(2 * grower.MIN_LOSS_CHANGE) and not grower.prunes_splits(grower.MIN_LOSS_CHANGE)
+    for a, b in zip(left_out, pruned, strict=True):
+        assert_same_training(a, b)
 
 
 def test_a_new_refit_loss_compiles_its_derivatives_and_refit_but_not_the_trees(monkeypatch):
