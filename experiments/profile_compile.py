@@ -255,7 +255,8 @@ def main():
         return "" if value is None else f"{value:.{digits}f}"
 
     programs = sorted({program for _, phases, _ in runs for program in phases},
-                      key=lambda program: -median([phases.get(program, {}).get("compile_s") for _, phases, _ in runs]))
+                      key=lambda program: -(median([phases.get(program, {}).get("compile_s")
+                                                    for _, phases, _ in runs]) or 0))
     out = ["# Where a cold first fit's compile time goes", "",
            f"- command: `python experiments/profile_compile.py --task {args.task} --rows {args.rows} "
            f"--depth {args.depth} --repeats {args.repeats}`",

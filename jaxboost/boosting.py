@@ -825,22 +825,29 @@ def trees_shape(shape: RoundShape) -> RoundShape:
     return shape._replace(hessian_mode="exact", sample_rows=False)
 
 
+def _without_growth(shape: RoundShape) -> RoundShape:
+    """``shape`` less how its trees are grown, which only ``round_trees_function``'s program
+    reads: whether they are pruned (a first gamma that prunes compiles the trees alone)."""
+    return shape._replace(prune_splits=RoundShape._field_defaults["prune_splits"])
+
+
 def statistics_shape(shape: RoundShape) -> RoundShape:
     """``shape`` less the eval metrics and the leaf refit, which ``round_statistics_function``'s
     program does not read: a new eval set or metric does not trace the loss's derivatives again,
     nor does a custom loss found to need a refit."""
-    return shape._replace(metrics=(), leaf_refit=False)
+    return _without_growth(shape)._replace(metrics=(), leaf_refit=False)
 
 
 def refit_shape(shape: RoundShape) -> RoundShape:
     """``shape`` less what ``round_refit_function``'s program does not read (the eval metrics,
-    how the Hessians were formed)."""
-    return shape._replace(metrics=(), hessian_mode="exact")
+    how the Hessians were formed, how the trees were grown)."""
+    return _without_growth(shape)._replace(metrics=(), hessian_mode="exact")
 
 
 def metrics_shape(shape: RoundShape) -> RoundShape:
     """``shape`` as ``round_metrics_function``'s program reads it: without the loss where no
     metric is the loss, so that other losses' fits share the program."""
+    shape = _without_growth(shape)
     return shape if _metrics_read_loss(shape) else _without_loss(shape)
 
 

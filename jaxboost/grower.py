@@ -679,12 +679,13 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     returned_buffer = None if histogram_buffer is None else state.histograms
     # No leaf update per level: a row's last-level position names its path, and the table gives
     # the leaf on that path.
-    if not prune_splits:
-        row_leaves = RowLeaves(leaf_of_position(tree.is_leaf, max_depth), state.node_of_row)
-        return tree, row_leaves, node_bounds, returned_buffer
-    tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
-    return (tree, RowLeaves(surviving_leaf[leaf_of_position(tree.is_leaf, max_depth)], state.node_of_row),
-            node_bounds, returned_buffer)
+    surviving_leaf = None
+    if prune_splits:
+        tree, surviving_leaf = prune_by_gamma(tree, max_depth, params.gamma)
+    position_leaf = leaf_of_position(tree.is_leaf, max_depth)
+    if surviving_leaf is not None:
+        position_leaf = surviving_leaf[position_leaf]
+    return tree, RowLeaves(position_leaf, state.node_of_row), node_bounds, returned_buffer
 
 
 def leaf_of_position(is_leaf: jax.Array, max_depth: int) -> jax.Array:

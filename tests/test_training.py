@@ -241,9 +241,10 @@ def test_fits_with_eval_sets_trace_their_round_once(n_rows, monkeypatch):
     boosting.clear_compiled_rounds()
 
 
-def test_second_round_and_new_hyperparameters_do_not_recompile():
+def test_second_round_and_new_hyperparameters_do_not_recompile(monkeypatch):
     X, y = _regression_data(seed=5)
     traces = []
+    derivatives = _counted_traces(monkeypatch, traced="_tree_statistics")
     original = boosting._grow_trees
 
     def counting(*args, **kwargs):
@@ -262,6 +263,7 @@ def test_second_round_and_new_hyperparameters_do_not_recompile():
         jb.train(X, y, num_rounds=2, max_depth=3, gamma=0.1)
         jb.train(X, y, num_rounds=2, max_depth=3, gamma=0.5, reg_lambda=3.0)
         assert len(traces) == 2, "a new gamma recompiled the round"
+        assert derivatives["traced"] == 1, "a gamma that prunes traced the loss's derivatives again"
         # Bounding leaves (max_delta_step > 0) is structure: the split scores then take the
         # bounded form alone; the bound itself is traced.
         jb.train(X, y, num_rounds=2, max_depth=3, max_delta_step=0.7)
