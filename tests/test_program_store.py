@@ -234,7 +234,9 @@ def test_programs_are_stored_for_platforms_with_a_backend_present(tmp_path, monk
     arguments = (jax.ShapeDtypeStruct((4,), np.float32),)
     stored = program_store.stored_program("double", lambda: lambda x: 2 * x, "double", arguments, "cpu", {})
     assert stored is not None
-    np.testing.assert_array_equal(program_store.ready(stored)(np.ones(4, np.float32)), 2.0)
+    # A CPU program takes CPU arrays, also where a GPU is the default device.
+    on_cpu = jax.device_put(np.ones(4, np.float32), jax.devices("cpu")[0])
+    np.testing.assert_array_equal(program_store.ready(stored)(on_cpu), 2.0)
     assert (program_store.stored_program("double", lambda: lambda x: 2 * x, "double", arguments, "gpu", {}) is None) \
         == (not has_gpu)
     assert program_store.stored_program("double", lambda: lambda x: 2 * x, "double", arguments, "tpu", {}) is None

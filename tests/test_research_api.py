@@ -172,7 +172,7 @@ def test_learning_rate_schedule_equals_continued_training(regression_data):
     first = jb.train(X, y, num_rounds=4, max_depth=3, learning_rate=0.3, subsample=0.8, seed=3)
     continued = jb.train(X, y, num_rounds=4, max_depth=3, learning_rate=0.075, subsample=0.8, seed=3,
                          init_model=first)
-    np.testing.assert_allclose(scheduled.predict(X), continued.predict(X), rtol=1e-6, atol=1e-6)
+    assert_same_training(scheduled.predict(X), continued.predict(X), rtol=1e-6, atol=1e-6)
     constant = jb.train(X, y, num_rounds=4, max_depth=3, learning_rate=optax.constant_schedule(0.3), subsample=0.8,
                         seed=3)
     assert_same_training(constant.predict(X), first.predict(X))

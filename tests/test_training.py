@@ -407,7 +407,7 @@ def test_a_leaf_refit_round_of_several_programs_grows_the_model_of_one(settings,
 def test_a_gamma_that_prunes_nothing_leaves_the_pruning_out_and_grows_the_same_model(settings, monkeypatch):
     """A split's loss change is above ``MIN_LOSS_CHANGE``, so a gamma below it (the default 0)
     prunes nothing: the round leaves the pruning out (``grower.prunes_splits``) and grows, bit
-    for bit on CPU, the model of the round that prunes by that gamma."""
+    for bit, the model of the round that prunes by that gamma."""
     from jaxboost import grower, training, vmapped_training
 
     settings = dict(settings)
@@ -422,6 +422,8 @@ def test_a_gamma_that_prunes_nothing_leaves_the_pruning_out_and_grows_the_same_m
     trainer = settings.pop("trainer", "train")
     batch = settings.pop("batch", None)
     common = {**dict(num_rounds=4, max_depth=4, learning_rate=0.5), **settings}
+    # A GPU's float atomics flip near ties between any two fits (a default direction did).
+    common["deterministic_histogram"] = not repeatable_sums()
 
     def fit():
         if trainer == "train":
