@@ -1,7 +1,7 @@
 """Profile: where a cold first fit's compile time goes, by program, XLA phase and source function.
 
 Run from the repository root: ``python experiments/profile_compile.py`` (``--task``, ``--rows``,
-``--depth``, ``--repeats``, ``--top``, ``--output FILE.md``). It needs no package beyond the
+``--depth``, ``--loss``, ``--repeats``, ``--top``, ``--output FILE.md``). It needs no package beyond the
 benchmark's.
 
 Each repeat is a fresh process with every cache off (``JAXBOOST_CACHE_DIR=``) that fits one round
@@ -60,7 +60,7 @@ def listener(name, seconds, **kwargs):
 jax.monitoring.register_event_duration_secs_listener(listener)
 X, _, y, _ = make_task({task!r}, {rows})
 dataset = jb.Dataset(X, y)
-loss = "logistic" if {task!r} == "classification" else "squared_error"
+loss = {loss!r} or ("logistic" if {task!r} == "classification" else "squared_error")
 
 def cpu():
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -86,7 +86,8 @@ _TIMER = r"time: [0-9.]+ \w+ \(([0-9]+) us\)"
 
 def run_child(args, env_extra: dict) -> tuple[dict, str]:
     """One fresh process's first fit: its result and its log (standard error)."""
-    code = CHILD.format(experiments=str(REPO_ROOT / "experiments"), task=args.task, rows=args.rows, depth=args.depth)
+    code = CHILD.format(experiments=str(REPO_ROOT / "experiments"), task=args.task, rows=args.rows, depth=args.depth,
+                        loss=args.loss)
     env = dict(os.environ, JAXBOOST_CACHE_DIR="", **env_extra)
     with tempfile.TemporaryDirectory() as folder:  # the repository root would shadow an installed jaxboost
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=folder,
@@ -237,6 +238,7 @@ def main():
     parser.add_argument("--task", choices=["classification", "regression"], default="classification")
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows generated (80%% train)")
     parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--loss", help="a built-in loss's name (default: the task's, logistic or squared_error)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=15, help="rows in the source and pass tables")
     parser.add_argument("--output", help="write the tables to this Markdown file too")
@@ -270,7 +272,8 @@ def main():
            f"devices: {', '.join(runs[0][0]['devices'])}",
            f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
            f"load average {os.getloadavg()[0]:.2f} at the end",
-           f"- a 1-round fit of {args.task} ({int(args.rows * 0.8):,} training rows, depth {args.depth}) in a fresh "
+           f"- a 1-round fit of {args.task}{f' with {args.loss}' if args.loss else ''} "
+           f"({int(args.rows * 0.8):,} training rows, depth {args.depth}) in a fresh "
            "process, caches off; medians of the repeats (XLA's timers are its log's, which adds a little)", "",
            f"First fit: {cell(median([r['first_s'] for r, _, _ in runs]))} s wall "
            f"({', '.join(cell(r['first_s']) for r, _, _ in runs)}), "
