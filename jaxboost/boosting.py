@@ -108,6 +108,9 @@ class RoundShape(NamedTuple):
     deterministic_histogram: bool = False
     # Some model's gamma can prune a split (``grower.prunes_splits``; else pruning is left out).
     prune_splits: bool = True
+    # A custom loss whose leaf refit is still to be decided: the derivatives' program also tells
+    # whether some row of positive weight has an exactly zero Hessian (``RoundHealth.zero_hessian``).
+    counts_zero_hessians: bool = False
 
 
 class RoundHealth(NamedTuple):
@@ -116,6 +119,9 @@ class RoundHealth(NamedTuple):
 
     non_finite: jax.Array  # bool: a loss value, gradient or Hessian that is not finite
     negative_hessian: jax.Array  # bool: a Hessian below -NEGATIVE_HESSIAN_TOLERANCE
+    # bool: some row of positive sample weight, in the row sample or not, has a Hessian entry
+    # exactly zero (looked for where ``RoundShape.counts_zero_hessians``, else False).
+    zero_hessian: jax.Array
 
 
 def loss_derivatives(objective: Objective, raw_prediction: jax.Array, y: jax.Array, loss_params: dict | None = None):
@@ -423,7 +429,7 @@ def compiled_zero_hessian_count(objective: Objective, mesh: Mesh) -> Callable:
     def local_count(raw_prediction, y, sample_weight, loss_params):
         def zero_rows(raw_prediction, y, sample_weight):
             _, _, h = loss_derivatives(objective, raw_prediction, y, loss_params)
-            return ((jnp.any(h == 0, axis=1) & (sample_weight > 0)).astype(jnp.int32),)
+            return (zero_hessian_rows(h, sample_weight, jnp.int32),)
 
         (zero,) = in_row_chunks(zero_rows, (raw_prediction, y, sample_weight))
         return all_sum(row_sum(zero), ROW_AXIS)
@@ -434,31 +440,52 @@ def compiled_zero_hessian_count(objective: Objective, mesh: Mesh) -> Callable:
     return jax.jit(count, compiler_options=compiler_options(mesh_platform(mesh)))
 
 
-def _round_health(gradients, split_hessians) -> RoundHealth:
-    """The health marks of ``_marked_gradients`` and ``_split_hessians``, summed over all rows.
-    Gradients whose sum overflows float32 count as non-finite (so would the histograms' sums)."""
+def zero_hessian_rows(h, sample_weight, dtype=jnp.float32) -> jax.Array:
+    """Per row: 1 where the row has positive ``sample_weight`` and some Hessian entry (``h``:
+    ``(n, K)``, as the loss gives it) is exactly zero, else 0: the rows for which a custom loss
+    refits its leaves (``compiled_zero_hessian_count``, ``RoundHealth.zero_hessian``)."""
+    return (jnp.any(h == 0, axis=1) & (sample_weight > 0)).astype(dtype)
+
+
+def _round_health(gradients, split_hessians, zero_hessians=None) -> RoundHealth:
+    """The health marks of ``_marked_gradients`` and ``_split_hessians``, summed over all rows,
+    and whether some row is marked in ``zero_hessians`` (``zero_hessian_rows``; None: not
+    looked for). Gradients whose sum overflows float32 count as non-finite (so would the
+    histograms' sums)."""
     gradient_sum = all_sum(jnp.sum(row_sum(gradients)), ROW_AXIS)
     hessian_sum = all_sum(jnp.sum(row_sum(split_hessians)), ROW_AXIS)
     negative = hessian_sum == -jnp.inf
+    # Summed as the gradients are: XLA's CPU tree of reductions for a max over int8 rows had
+    # been 290 of the derivatives' program's 410 KB of LLVM IR.
+    zero = jnp.bool_(False) if zero_hessians is None else all_sum(row_sum(zero_hessians), ROW_AXIS) > 0
     return RoundHealth(non_finite=~jnp.isfinite(gradient_sum) | (~jnp.isfinite(hessian_sum) & ~negative),
-                       negative_hessian=negative)
+                       negative_hessian=negative, zero_hessian=zero)
 
 
-def _tree_statistics(shape: RoundShape, params: RoundParams, raw_prediction, y, row_weight):
+def _tree_statistics(shape: RoundShape, params: RoundParams, raw_prediction, y, row_weight, sample_weight=None):
     """Row-local: what the round's trees grow from, ``(gradients, hessians)`` (``grow_tree``'s:
     per output, or for vector leaves packed Hessian matrices), and the round's ``RoundHealth``.
-    The loss is read here, and in a leaf refit, alone."""
+    The loss is read here, and in a leaf refit, alone. ``sample_weight``: the rows' weights
+    before the row sample, for ``RoundHealth.zero_hessian`` (read where the shape counts zero
+    Hessians: a round's derivatives tell a custom loss's first fit whether to refit leaves, in
+    place of a program of their own)."""
     objective, leaves = shape.objective, shape.vector_leaves
+    counts = shape.counts_zero_hessians
+    if counts and sample_weight is None:
+        raise ValueError("a shape that counts zero Hessians needs the rows' sample weights")
 
-    def scalar_rows(raw_prediction, y, row_weight):
+    def scalar_rows(raw_prediction, y, row_weight, sample_weight=None):
         values, g, h = loss_derivatives(objective, raw_prediction, y, params.loss_params)
+        zero = () if sample_weight is None else (zero_hessian_rows(h, sample_weight),)
         counted = row_weight > 0
         h = _apply_hessian_mode(shape, params, h)
-        return _marked_gradients(counted, values, g, h, row_weight), _split_hessians(counted, h, row_weight)
+        return (_marked_gradients(counted, values, g, h, row_weight), _split_hessians(counted, h, row_weight)) + zero
 
-    def vector_rows(raw_prediction, y, row_weight):
+    def vector_rows(raw_prediction, y, row_weight, sample_weight=None):
         values, g, hessian = values_gradients_and_hessian_matrices(bind_loss(objective, params.loss_params),
                                                                    raw_prediction, y)
+        zero = (() if sample_weight is None
+                else (zero_hessian_rows(jnp.diagonal(hessian, axis1=-2, axis2=-1), sample_weight),))
         counted = row_weight > 0
         hessian = _apply_hessian_mode(shape, params, hessian)
         split_diagonal = _split_hessians(counted, jnp.diagonal(hessian, axis1=-2, axis2=-1), row_weight)
@@ -468,13 +495,14 @@ def _tree_statistics(shape: RoundShape, params: RoundParams, raw_prediction, y, 
         # Marked by the Hessian entries the tree reads (the diagonal, or the upper triangle):
         # marks from all K^2 made XLA compute every entry for them alone.
         return (_marked_gradients(counted, values, g, leaves.pack_hessian(hessian), row_weight), split_diagonal,
-                leaves.pack_hessian(weighted))
+                leaves.pack_hessian(weighted)) + zero
 
+    arrays = (raw_prediction, y, row_weight) + ((sample_weight,) if counts else ())
     if leaves is None:
-        gradients, hessians = in_row_chunks(scalar_rows, (raw_prediction, y, row_weight))
-        return (gradients, hessians), _round_health(gradients, hessians)
-    gradients, split_diagonal, hessians = in_row_chunks(vector_rows, (raw_prediction, y, row_weight))
-    return (gradients, hessians), _round_health(gradients, split_diagonal)
+        gradients, hessians, *zero = in_row_chunks(scalar_rows, arrays)
+        return (gradients, hessians), _round_health(gradients, hessians, *zero)
+    gradients, split_diagonal, hessians, *zero = in_row_chunks(vector_rows, arrays)
+    return (gradients, hessians), _round_health(gradients, split_diagonal, *zero)
 
 
 # Coordinate sweeps over the outputs when refitting vector leaves on the true loss.
@@ -610,10 +638,10 @@ def _refit_and_move(shape: RoundShape, params: RoundParams, grown: GrownTrees, r
 
 
 def _grow_round_trees(shape: RoundShape, params: RoundParams, X_binned_T, row_offsets, y, row_weight,
-                      raw_prediction, feature_allowed, tree_key, histogram_buffer):
+                      raw_prediction, feature_allowed, tree_key, histogram_buffer, sample_weight):
     """Row-local body of a whole round in one program (``round_function``): derivatives, trees,
     refits, update."""
-    statistics, health = _tree_statistics(shape, params, raw_prediction, y, row_weight)
+    statistics, health = _tree_statistics(shape, params, raw_prediction, y, row_weight, sample_weight)
     grown, histogram_buffer = _grow_trees(shape, params.growth, X_binned_T, row_offsets, statistics,
                                           feature_allowed, tree_key, histogram_buffer)
     if shape.leaf_refit:
@@ -757,7 +785,7 @@ def round_function(shape: RoundShape, inside_models_mesh: bool = False) -> Calla
         partial(_grow_round_trees, shape),
         **row_map,
         in_specs=(PartitionSpec(), codes, rows, rows, rows, PartitionSpec(ROW_AXIS, None),
-                  PartitionSpec(), PartitionSpec(), rows),
+                  PartitionSpec(), PartitionSpec(), rows, rows),
         out_specs=(PartitionSpec(ROW_AXIS, None), PartitionSpec(), PartitionSpec(), rows),
         check_vma=False,
     )
@@ -772,7 +800,7 @@ def round_function(shape: RoundShape, inside_models_mesh: bool = False) -> Calla
             feature_allowed = _feature_allowed(shape, params.colsample_bytree, X_binned_T.shape[0], column_key)
             raw_prediction, trees, health, histogram_buffer = grow(params, X_binned_T, row_offsets, y, row_weight,
                                                                    raw_prediction, feature_allowed, tree_key,
-                                                                   histogram_buffer)
+                                                                   histogram_buffer, sample_weight)
             eval_raw_predictions = tuple(predict_eval(trees, X_binned, raw_eval)
                                          for X_binned, _, _, raw_eval in eval_sets)
             metric_values = _metric_values(shape, params.loss_params, _eval_labels(eval_sets), eval_raw_predictions)
@@ -822,13 +850,18 @@ def trees_shape(shape: RoundShape) -> RoundShape:
                                                    num_outputs=shape.objective.num_outputs, link=None), metrics=())
     else:
         shape = _without_loss(shape)
-    return shape._replace(hessian_mode="exact", sample_rows=False)
+    return shape._replace(hessian_mode="exact", sample_rows=False, counts_zero_hessians=False)
 
 
 def _without_growth(shape: RoundShape) -> RoundShape:
     """``shape`` less how its trees are grown, which only ``round_trees_function``'s program
     reads: whether they are pruned (a first gamma that prunes compiles the trees alone)."""
     return shape._replace(prune_splits=RoundShape._field_defaults["prune_splits"])
+
+
+def _without_counting(shape: RoundShape) -> RoundShape:
+    """``shape`` less the count of zero Hessians, which only the derivatives' program reads."""
+    return shape._replace(counts_zero_hessians=False)
 
 
 def statistics_shape(shape: RoundShape) -> RoundShape:
@@ -841,13 +874,13 @@ def statistics_shape(shape: RoundShape) -> RoundShape:
 def refit_shape(shape: RoundShape) -> RoundShape:
     """``shape`` less what ``round_refit_function``'s program does not read (the eval metrics,
     how the Hessians were formed, how the trees were grown)."""
-    return _without_growth(shape)._replace(metrics=(), hessian_mode="exact")
+    return _without_counting(_without_growth(shape))._replace(metrics=(), hessian_mode="exact")
 
 
 def metrics_shape(shape: RoundShape) -> RoundShape:
     """``shape`` as ``round_metrics_function``'s program reads it: without the loss where no
     metric is the loss, so that other losses' fits share the program."""
-    shape = _without_growth(shape)
+    shape = _without_counting(_without_growth(shape))
     return shape if _metrics_read_loss(shape) else _without_loss(shape)
 
 
@@ -863,14 +896,14 @@ def round_statistics_function(shape: RoundShape) -> Callable:
     rows, predictions = PartitionSpec(ROW_AXIS), PartitionSpec(ROW_AXIS, None)
     statistics_of_rows = jax.shard_map(
         partial(_tree_statistics, shape), mesh=shape.mesh,
-        in_specs=(PartitionSpec(), predictions, rows, rows),
+        in_specs=(PartitionSpec(), predictions, rows, rows, rows),
         out_specs=((predictions, predictions), PartitionSpec()), check_vma=False)
 
     def round_statistics(params: RoundParams, y, sample_weight, row_index, raw_prediction, seed_key, round_index):
         with lowering_for(mesh_platform(shape.mesh)):
             row_key, _, _ = _round_keys(seed_key, round_index)
             row_weight = _row_weight(shape, params, sample_weight, row_index, row_key)
-            statistics, health = statistics_of_rows(params, raw_prediction, y, row_weight)
+            statistics, health = statistics_of_rows(params, raw_prediction, y, row_weight, sample_weight)
             return statistics, jnp.stack(health, axis=-1)
 
     return round_statistics
@@ -1021,6 +1054,14 @@ class SplitRound:
         if self.metrics:
             metric_values = self.metrics(*metrics_arguments, eval_raw_predictions)
         return raw_prediction, trees, health, eval_raw_predictions, metric_values, histogram_buffer
+
+    def zero_hessian(self, *arguments) -> bool:
+        """Whether some row of positive weight has an exactly zero Hessian entry at the round's
+        raw predictions, for a shape that counts them (``RoundShape.counts_zero_hessians``): the
+        derivatives' program alone, called with the round's ``arguments``."""
+        statistics_arguments, _, _, _ = self._arguments(*arguments)
+        _, health = self.statistics(*statistics_arguments)
+        return bool(RoundHealth(*np.asarray(health).T).zero_hessian)
 
     def statistics_specs(self, raw_prediction) -> tuple:
         """``(gradients, hessians)``' shapes for raw predictions like ``raw_prediction``."""

@@ -189,8 +189,8 @@ def found_while_compiling(compiled_round, arguments: tuple, find: Callable):
     one-fit process's peak (1M x 28, 100 rounds: 500-524 -> 489-498 MB; 10 classes at 160k rows:
     442-516 -> 419-498). The benchmark's, whose compile is a 1-round fit of its own, stayed within
     its spread (533-540 against 540-548 MB in alternating runs; 540-550 in two full runs after).
-    A custom loss's ``find`` also tells whether it needs a leaf refit (then the refit round is
-    compiled ahead in a second call, with nothing left to find)."""
+    A custom loss found to need a leaf refit compiles the refit round ahead in a second call,
+    with nothing left to find."""
     row_counts = tuple(leaf.shape for leaf in jax.tree_util.tree_leaves(arguments)
                        if isinstance(leaf, jax.ShapeDtypeStruct))
     compiled_for = set() if compiled_round is None else _ROUNDS_COMPILED_FOR.setdefault(compiled_round, set())
@@ -535,7 +535,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         base_score = np.zeros(K, np.float32)
     # A custom loss: whether its leaves are refit depends on its Hessians at the start (some
     # row's exactly zero: absolute error, hinge). The round without a refit, which most losses
-    # take, compiles while the start is found; a loss that needs the refit then compiles the
+    # take, compiles while the start is found, and its derivatives' program then tells (it
+    # counts zero Hessians for such a loss); a loss that needs the refit then compiles the
     # refit round's programs (its derivatives' are the same).
     refit_unknown = leaf_refit is None and resolved.leaf_refit is None
     leaf_refit = False if refit_unknown else bool(resolved.leaf_refit if leaf_refit is None else leaf_refit)
@@ -549,7 +550,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
                        sample_level_columns=min(colsample_bylevel, colsample_bynode) < 1,
                        feature_slots=tree_feature_slots(colsample_bytree, dataset.n_features),
-                       deterministic_histogram=bool(deterministic_histogram), prune_splits=prunes_splits(gamma))
+                       deterministic_histogram=bool(deterministic_histogram), prune_splits=prunes_splits(gamma),
+                       counts_zero_hessians=refit_unknown)
     histograms = histogram_buffer(shape, dataset.n_features)
     schedule = _Schedule(learning_rate)
     first_round = 0 if init_model is None else init_model.num_rounds
@@ -576,17 +578,22 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                                 [rows.raw_prediction_shape(K) for rows in eval_rows], first_round, histograms)
     boosting_round = stored_round(shape, arguments) or compiled_round(shape)
 
-    def start() -> tuple:
-        """The starting value, and whether a custom loss needs its leaves refit there."""
+    def start() -> np.ndarray:
+        """The starting value (and for a custom loss, the raw predictions started from it)."""
         found = _starting_value(resolved, train_rows, mesh) if base_score is None else base_score
-        if not refit_unknown:
-            return found, leaf_refit
-        start_raw_predictions(found)
-        return found, _leaf_refit_needed(resolved, train_rows)
+        if refit_unknown:
+            start_raw_predictions(found)
+        return found
 
     raw_predictions_started = refit_unknown
     if base_score is None or refit_unknown:
-        base_score, needs_refit = found_while_compiling(boosting_round if num_rounds else None, arguments, start)
+        base_score = found_while_compiling(boosting_round if num_rounds else None, arguments, start)
+    if refit_unknown:
+        # The derivatives' program of the round just compiled, rather than a program of its own
+        # (0.3 s of compile in a new loss's first fit).
+        needs_refit = (ready(boosting_round).zero_hessian(*round_arguments(
+            params, train_rows.raw_prediction, [rows.raw_prediction for rows in eval_rows], first_round, histograms))
+            if num_rounds else _leaf_refit_needed(resolved, train_rows))
         if needs_refit != leaf_refit:
             leaf_refit = needs_refit
             shape = shape._replace(leaf_refit=leaf_refit)

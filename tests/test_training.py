@@ -133,6 +133,35 @@ def test_a_custom_loss_counts_its_zero_hessians_at_its_starting_raw_predictions(
 
 
 @cpu_devices_only
+def test_a_custom_loss_finds_its_zero_hessians_with_the_rounds_derivatives(monkeypatch):
+    """A custom loss's first fit reads whether some row's Hessian is exactly zero (then its
+    leaves are refit) off the round's own derivatives' program, compiling no program of its
+    own: one such row among 70k, on the second device and in a later chunk of rows, is found,
+    whether the row sample of the first round holds it or not; without it, no refit."""
+    from jaxboost import training
+    from jaxboost.devices import row_mesh
+
+    def no_count_program(*args, **kwargs):
+        raise AssertionError("a fit of rounds should not compile the zero-Hessian count program")
+
+    n_rows = 70_000
+    assert row_mesh(n_rows).size == 2
+    rng = np.random.default_rng(6)
+    X = rng.normal(size=(n_rows, 3)).astype(np.float32)
+    y = (0.1 * rng.normal(size=n_rows)).astype(np.float32)
+    outlier = y.copy()
+    outlier[69_000] = 50.0  # in Huber's tail (delta 1) at any start near 0, its Hessian 0
+    monkeypatch.setattr(boosting, "DERIVATIVE_CHUNK_ROWS", 4096)
+    monkeypatch.setattr(training, "compiled_zero_hessian_count", no_count_program)
+    settings = dict(loss=_huber(1.0), num_rounds=1, max_depth=2)
+    assert not jb.train(X, y, **settings).params["leaf_refit"]
+    assert jb.train(X, outlier, **settings).params["leaf_refit"]
+    for seed in range(4):
+        model = jb.train(X, outlier, subsample=0.3, seed=seed, **settings)
+        assert model.params["leaf_refit"], seed
+
+
+@cpu_devices_only
 def test_zero_hessian_rows_are_counted_on_the_devices_in_chunks(monkeypatch):
     """The check that turns the leaf refit on for a custom loss counts the weighted rows whose
     Hessian is exactly zero (Huber's tails), over rows sharded on the devices and computed a
@@ -299,9 +328,24 @@ def _split_round_grows_the_model_of_one(X, y, settings: dict, monkeypatch) -> li
     with monkeypatch.context() as patched:
         patched.setattr(training, "compiled_round", recorded)
         split = jb.train(X, y, **settings)
+    class OneProgram:
+        """The round as one program; a custom loss's refit decided as ``SplitRound`` decides it."""
+
+        def __init__(self, shape):
+            self.shape = shape
+            self.program = jax.jit(boosting.round_function(shape), **boosting._round_jit_options(shape))
+
+        def __call__(self, *arguments):
+            return self.program(*arguments)
+
+        def lower(self, *arguments):
+            return self.program.lower(*arguments)
+
+        def zero_hessian(self, *arguments):
+            return boosting.compiled_round(self.shape).zero_hessian(*arguments)
+
     with monkeypatch.context() as patched:
-        patched.setattr(training, "compiled_round",
-                        lambda shape: jax.jit(boosting.round_function(shape), **boosting._round_jit_options(shape)))
+        patched.setattr(training, "compiled_round", OneProgram)
         whole = jb.train(X, y, **settings)
     for name, a, b in zip(split.trees._fields, split.trees, whole.trees):
         assert_same_training(np.asarray(a), np.asarray(b), err_msg=name)
@@ -516,8 +560,9 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     another sharding, would lower and compile the round a second time). The memory the compiler
     freed is handed back before the first round. The starting value's thread starts once the
     round is lowered (tracing both at once, the threads had taken turns on the GIL); for a
-    custom loss, that thread also finds whether it needs a leaf refit. A second fit of the same
-    shapes finds the round compiled, and finds its starting value in the caller's thread."""
+    custom loss, that thread also starts the raw predictions there, where the round's
+    derivatives tell whether it needs a leaf refit. A second fit of the same shapes finds the
+    round compiled, and finds its starting value in the caller's thread."""
     import threading
 
     from jaxboost import training, vmapped_training
@@ -557,6 +602,8 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
             steps.append("round called")
             return compiled(*args)
         call.lower = compiled.lower
+        if hasattr(compiled, "zero_hessian"):  # a custom loss's refit: decided by the round's derivatives
+            call.zero_hessian = compiled.zero_hessian
         return call
 
     def fit(num_rounds=3):
