@@ -328,6 +328,7 @@ def _split_round_grows_the_model_of_one(X, y, settings: dict, monkeypatch) -> li
     with monkeypatch.context() as patched:
         patched.setattr(training, "compiled_round", recorded)
         split = jb.train(X, y, **settings)
+
     class OneProgram:
         """The round as one program; a custom loss's refit decided as ``SplitRound`` decides it."""
 
