@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 import warnings
 from typing import Callable, TypeVar
 
@@ -86,6 +87,12 @@ MIN_CACHED_COMPILE_SECONDS = 0.02
 # The persistent cache's size, unless JAXBOOST_CACHE_MAX_MB says otherwise: each compiled round
 # takes 1-3 MB, one for every shape (rows, features, depth, bins, loss, sample size) fitted.
 DEFAULT_CACHE_MAX_MB = 1024
+# A trim reads every entry's size and age: with 5,800 entries (300 MB) it took 50-70 ms of each
+# import on a 2-core machine, more than the rest of jaxboost's own import. So an import trims
+# only when the last trim (``TRIM_RECORD``, which keeps its limit) is this old, or was to a
+# larger limit; until then the folder may pass its limit by what an hour's compiles add.
+TRIM_INTERVAL_SECONDS = 3600
+TRIM_RECORD = "trimmed"
 
 
 def configure_compilation_cache() -> None:
@@ -96,8 +103,8 @@ def configure_compilation_cache() -> None:
     turns this off. Programs that compile in more than 0.02 s are kept (JAX's default keeps
     only those over one second, which left the starting value's 0.3 s to every new process;
     ``MIN_CACHED_COMPILE_SECONDS``). The folder is kept to ``JAXBOOST_CACHE_MAX_MB`` (default
-    1024; 0: no limit) at import, the entries used longest ago deleted first
-    (``trim_compilation_cache``).
+    1024; 0: no limit) at import, the entries used longest ago deleted first, at most once an
+    hour (``trim_compilation_cache_when_due``).
     """
     if jax.config.jax_compilation_cache_dir:
         return
@@ -110,7 +117,7 @@ def configure_compilation_cache() -> None:
     except OSError:
         return  # read-only home: compile every time rather than fail
     if max_bytes:
-        trim_compilation_cache(folder, max_bytes)
+        trim_compilation_cache_when_due(folder, max_bytes)
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_SECONDS)
 
@@ -148,6 +155,29 @@ def cache_max_bytes() -> int:
     if not megabytes >= 0:  # also NaN
         raise ValueError(f"JAXBOOST_CACHE_MAX_MB must be a number of megabytes >= 0 (0: no limit); got {chosen!r}")
     return int(megabytes * 2 ** 20)
+
+
+def trim_compilation_cache_when_due(folder: str, max_bytes: int, now: float | None = None) -> int | None:
+    """``trim_compilation_cache`` when ``folder``'s last trim (``TRIM_RECORD``) is missing,
+    unreadable, ``TRIM_INTERVAL_SECONDS`` old (or from the future), or was to a limit above
+    ``max_bytes``; the bytes freed, or None when no trim was due."""
+    record = os.path.join(folder, TRIM_RECORD)
+    now = time.time() if now is None else now
+    try:
+        trimmed_at = os.stat(record).st_mtime
+        with open(record, encoding="ascii") as stream:
+            trimmed_to = int(stream.read())
+    except (OSError, ValueError):
+        trimmed_at, trimmed_to = None, None
+    if trimmed_at is not None and 0 <= now - trimmed_at < TRIM_INTERVAL_SECONDS and trimmed_to <= max_bytes:
+        return None
+    freed = trim_compilation_cache(folder, max_bytes)
+    try:
+        write_whole(record, str(max_bytes).encode("ascii"))
+        os.utime(record, (now, now))
+    except OSError:  # a read-only folder: trimmed again next time
+        pass
+    return freed
 
 
 def trim_compilation_cache(folder: str, max_bytes: int) -> int:

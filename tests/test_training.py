@@ -1453,6 +1453,34 @@ def test_the_compilation_cache_is_trimmed_to_its_size_limit_least_recently_used_
             cache_max_bytes()
 
 
+def test_an_import_trims_the_compilation_cache_at_most_once_an_hour_unless_the_limit_falls(tmp_path):
+    """``trim_compilation_cache_when_due`` trims a folder never trimmed, then not again within
+    ``TRIM_INTERVAL_SECONDS`` of its last trim at the same or a larger limit; a smaller limit,
+    an hour passed, or an unreadable record trims at once."""
+    from jaxboost.devices import TRIM_INTERVAL_SECONDS, TRIM_RECORD, trim_compilation_cache_when_due
+
+    def add_entry(name):
+        entry = tmp_path / f"jit_{name}-cache"
+        entry.write_bytes(b"x" * 1000)
+        os.utime(entry, (1e9, 1e9))  # used longest ago: the first to go
+
+    start = 2e9
+    add_entry("first")
+    assert trim_compilation_cache_when_due(str(tmp_path), 500, now=start) == 1000
+    add_entry("second")
+    assert trim_compilation_cache_when_due(str(tmp_path), 500, now=start + TRIM_INTERVAL_SECONDS - 1) is None
+    assert trim_compilation_cache_when_due(str(tmp_path), 5000, now=start + 10) is None
+    assert (tmp_path / "jit_second-cache").exists()
+    assert trim_compilation_cache_when_due(str(tmp_path), 499, now=start + 20) == 1000  # a smaller limit
+    add_entry("third")
+    assert trim_compilation_cache_when_due(str(tmp_path), 499, now=start + 30) is None
+    assert trim_compilation_cache_when_due(str(tmp_path), 499, now=start + 20 + TRIM_INTERVAL_SECONDS) == 1000
+    add_entry("fourth")
+    (tmp_path / TRIM_RECORD).write_text("unreadable")
+    assert trim_compilation_cache_when_due(str(tmp_path), 499, now=start + 40 + TRIM_INTERVAL_SECONDS) == 1000
+    assert sorted(path.name for path in tmp_path.iterdir()) == [TRIM_RECORD]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 42, -7, 2 ** 31, 2 ** 32 + 5])
 def test_seed_key_data_is_jax_prng_key(seed):
     """Training makes its threefry key on the host; it must be JAX's key for the same seed, so
