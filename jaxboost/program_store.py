@@ -24,6 +24,12 @@ a trace.
 it turns off the compilation cache), and ``JAXBOOST_PROGRAM_STORE=0`` turns the store alone off.
 Serializing needs the ``flatbuffers`` package (the ``fast-start`` extra); without it rounds are
 traced as before. CPU and GPU programs (``STORED_PLATFORMS``).
+
+On a CPU the compiled program is stored too (``<key>.executable``, ``CompiledOnce``): a later
+process loads it and skips the lowering of the stored program and the persistent cache's lookup
+as well (its key is a hash of the lowered module). Loading a program's executable from the store
+runs its machine code, as loading it from JAX's persistent cache does: the folder must be the
+user's own.
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ import hashlib
 import importlib
 import logging
 import os
+import pickle
 import re
 import threading
+import zlib
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -56,6 +64,11 @@ SOURCE_PACKAGES = ("jaxboost", "jaxboost.losses")
 # Stored programs kept (about 50 KB each); the oldest written go first past this.
 MAX_STORED_PROGRAMS = 2000
 _SUFFIX = ".jaxexport"
+# Compiled programs (``CompiledOnce``), kept as many as the exported ones; zlib-compressed:
+# a round's trees pickle to 400 KB, 80 KB compressed.
+EXECUTABLE_SUFFIX = ".executable"
+# Platforms whose executables are stored: a CPU's (a GPU's load has not been measured).
+EXECUTABLE_PLATFORMS = ("cpu",)
 # Platforms whose programs are stored (devices' names; a TPU's rounds are traced as before:
 # storing them has not been run on one).
 STORED_PLATFORMS = ("cpu", "gpu")
@@ -212,17 +225,17 @@ def _load(path: Path, specs: list) -> jax.export.Exported | None:
     return exported
 
 
-def _save(folder: Path, path: Path, exported: jax.export.Exported) -> None:
+def _save(folder: Path, path: Path, serialized: bytes) -> None:
     try:
-        write_whole(path, exported.serialize())  # whole or not at all, for processes reading meanwhile
-        _trim(folder)
+        write_whole(path, serialized)  # whole or not at all, for processes reading meanwhile
+        _trim(folder, path.suffix)
     except OSError as error:
         logger.debug("program not stored in %s: %s", folder, error)
 
 
-def _trim(folder: Path, keep: int = MAX_STORED_PROGRAMS) -> None:
+def _trim(folder: Path, suffix: str = _SUFFIX, keep: int = MAX_STORED_PROGRAMS) -> None:
     entries = []
-    for path in folder.glob("*" + _SUFFIX):
+    for path in folder.glob("*" + suffix):
         try:
             entries.append((path.stat().st_mtime, path))
         except OSError:
@@ -349,18 +362,33 @@ class StoredProgram:
     def __init__(self, folder: Path, key: str, make_function: Callable[[], Callable], arguments: tuple,
                  platform: str, jit_options: dict):
         self.path = folder / (key + _SUFFIX)
+        self._platform = platform
+        self._callable = None
         self._made = None
-        self._making = threading.Lock()
+        self._stored = False
+        self._making = threading.RLock()
         # Their specs, not the arguments: a program never made must not keep a fit's arrays alive.
         self._make_arguments = (folder, make_function, jax.tree_util.tree_map(_spec, arguments), platform,
                                 jit_options)
 
     def jitted(self) -> Callable:
-        """The program, jitted with the options it was asked for."""
+        """The program's callable: on a CPU (``EXECUTABLE_PLATFORMS``) a ``CompiledOnce``, else
+        the program jitted with the options it was asked for."""
+        with self._making:
+            if self._callable is None:
+                if self._platform in EXECUTABLE_PLATFORMS:
+                    self._callable = CompiledOnce(self.path.with_suffix(EXECUTABLE_SUFFIX), self.program)
+                else:
+                    self._callable = self.program()[0]
+        return self._callable
+
+    def program(self) -> tuple[Callable, bool]:
+        """The program jitted with the options it was asked for, and whether it is the stored
+        one (a program that could not be stored is jitted as without the store)."""
         with self._making:
             if self._made is None:
                 self._make()
-        return self._made
+        return self._made, self._stored
 
     def _make(self) -> None:
         folder, make_function, arguments, platform, jit_options = self._make_arguments
@@ -369,7 +397,7 @@ class StoredProgram:
         if exported is None:
             try:
                 exported = _exported(function, arguments, platform)
-                _save(folder, self.path, exported)
+                _save(folder, self.path, exported.serialize())
             except Exception as error:  # noqa: BLE001 - what cannot be stored is jitted as without the store
                 logger.debug("program %s not stored, jitted instead: %s", self.path.name, error)
                 self._made, self._make_arguments = jax.jit(function, **jit_options), None
@@ -381,10 +409,136 @@ class StoredProgram:
         jitted = jax.jit(call, **jit_options)
         if platform == "cpu" and not calls_lapack(exported) and _lapack_readying_skippable():
             jitted = _LoweredWithoutLapack(jitted)
-        self._made, self._make_arguments = jitted, None
+        self._made, self._stored, self._make_arguments = jitted, True, None
 
     def lower(self, *arguments):
         return self.jitted().lower(*arguments)
+
+
+def _executable_environment() -> str:
+    """What a CPU executable depends on beyond its program's key: the backend's version and
+    XLA's flags (as JAX's persistent cache keys its entries)."""
+    client = jax.devices("cpu")[0].client
+    return f"{client.platform_version};{os.environ.get('XLA_FLAGS', '')}"
+
+
+# A CPU executable that JAX loaded from its persistent cache does not serialize whole: loaded
+# again, it fails to find its own functions when run. So only an executable just compiled is
+# stored, one for which JAX writes a persistent cache entry: it records that event in the
+# compiling thread, counted here per thread (a JAX that records no such event stores none).
+_CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"
+_CACHE_WRITES = threading.local()
+
+
+@functools.cache
+def _count_cache_writes() -> None:
+    def on_event(event: str, **_) -> None:
+        if event == _CACHE_WRITE_EVENT:
+            _CACHE_WRITES.count = getattr(_CACHE_WRITES, "count", 0) + 1
+
+    jax.monitoring.register_event_listener(on_event)
+
+
+def _cache_writes() -> int:
+    """Persistent cache entries written by this thread's compiles so far."""
+    _count_cache_writes()
+    return getattr(_CACHE_WRITES, "count", 0)
+
+
+def _store_executable(path: Path, compiled) -> None:
+    try:
+        from jax.experimental import serialize_executable
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        devices = [device.id for device in compiled.runtime_executable().local_devices()]
+        record = pickle.dumps((_executable_environment(), devices, payload, in_tree, out_tree))
+        _save(path.parent, path, zlib.compress(record, 1))
+    except Exception as error:  # noqa: BLE001 - an executable that cannot be stored is compiled again next time
+        logger.debug("executable %s not stored: %s", path.name, error)
+
+
+def _load_executable(path: Path):
+    """The ``jax.stages.Compiled`` stored at ``path``, or None (none stored, unreadable, or
+    compiled by another backend or with other XLA flags)."""
+    try:
+        record = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        environment, device_ids, payload, in_tree, out_tree = pickle.loads(zlib.decompress(record))
+        if environment != _executable_environment():
+            logger.debug("executable %s compiled elsewhere, compiled anew", path.name)
+            return None
+        from jax.experimental import serialize_executable
+        by_id = {device.id: device for device in jax.devices("cpu")}
+        devices = [by_id[device_id] for device_id in device_ids]
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree, backend=devices[0].client,
+                                                         execution_devices=devices)
+    except Exception as error:  # noqa: BLE001 - any unreadable entry is compiled anew
+        logger.debug("executable %s unreadable, compiled anew: %s", path.name, error)
+        path.unlink(missing_ok=True)  # stored again if compiled, not read again if loaded from JAX's cache
+        return None
+
+
+class CompiledOnce:
+    """A stored program on a CPU, compiled once for the arguments its key describes and then
+    called as that executable (a ``jax.stages.Compiled``). A process that finds the executable
+    in the store (``path``) loads it: it skips the program's lowering (a call of its exported
+    form) and the persistent cache's lookup, which hashes the lowered module; a later process's
+    first fit of 455 x 30 rows had spent 0.10-0.12 s lowering its round's two programs. One that
+    does not lowers the program (``program()``: the jitted program and whether it is the stored
+    one) and compiles it, and stores the executable if it was compiled rather than loaded from
+    JAX's persistent cache (``_CACHE_WRITE_EVENT``): where JAX's cache held the program already
+    (compiled by a jaxboost that did not store executables, or an executable lost since), later
+    processes load it from there as before. Should a call's arguments differ in type from
+    those it was compiled for (in type or sharding), this and later calls go to the jitted program."""
+
+    def __init__(self, path: Path, program: Callable[[], tuple[Callable, bool]]):
+        self.path, self._program = path, program
+        self._compiled = None
+        self._jitted_only = False
+        self._compiling = threading.Lock()
+
+    def lower(self, *arguments) -> "_Compiling":
+        """What ``compile()`` readies: the program lowered for ``arguments`` here, in the
+        caller's thread, unless its executable is stored (loaded by ``compile``)."""
+        if self._compiled is not None or self._jitted_only or self.path.exists():
+            return _Compiling(self, None, arguments)
+        return _Compiling(self, self._program()[0].lower(*arguments), arguments)
+
+    def compiled(self, lowered, arguments: tuple):
+        """The executable: this object's, else the stored one, else ``lowered`` (or the program
+        lowered for ``arguments``) compiled now, and stored."""
+        with self._compiling:
+            if self._compiled is None:
+                compiled = _load_executable(self.path)
+                if compiled is None:
+                    program, stored = self._program()
+                    writes = _cache_writes()
+                    compiled = (lowered or program.lower(*arguments)).compile()
+                    if stored and _cache_writes() > writes:  # compiled here, not loaded
+                        _store_executable(self.path, compiled)
+                self._compiled = compiled
+        return self._compiled
+
+    def __call__(self, *arguments):
+        if self._jitted_only:
+            return self._program()[0](*arguments)
+        compiled = self._compiled or self.compiled(None, arguments)
+        try:
+            return compiled(*arguments)
+        except (TypeError, ValueError) as mismatch:  # checked before the call runs: no donated buffer is spent
+            logger.debug("executable %s called with other arguments, jitted instead: %s", self.path.name, mismatch)
+            self._jitted_only = True
+            return self._program()[0](*arguments)
+
+
+class _Compiling(NamedTuple):
+    program: CompiledOnce
+    lowered: object  # jax.stages.Lowered, or None where the executable is to be loaded
+    arguments: tuple
+
+    def compile(self) -> None:
+        self.program.compiled(self.lowered, self.arguments)
 
 
 def ready(program) -> Callable:

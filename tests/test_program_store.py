@@ -54,6 +54,16 @@ def _fit_in_process(tmp_path, monkeypatch, store: str, loss="logistic", **settin
     return model.predict_raw(X)
 
 
+def _stored_programs(folder, executables: bool = False) -> list:
+    """The stored programs' names (their exported forms'); ``executables``: each has its
+    executable beside it (in a process whose JAX cache folder was empty: a program that JAX
+    loads from there has its executable stored by none)."""
+    exported = sorted(path.stem for path in folder.glob("*" + program_store._SUFFIX))
+    if executables:
+        assert sorted(path.stem for path in folder.glob("*" + program_store.EXECUTABLE_SUFFIX)) == exported
+    return exported
+
+
 def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_store_their_trees_alone(tmp_path,
                                                                                                    monkeypatch):
     """In one process: the round (its statistics and its trees) and the starting value exported
@@ -64,7 +74,7 @@ def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_store_
     folder = tmp_path / "programs"
     assert not folder.exists()
     exported = _fit_in_process(tmp_path, monkeypatch, "1")
-    stored = sorted(folder.iterdir())
+    stored = _stored_programs(folder)
     assert len(stored) == 3  # the round's statistics and trees, and the starting value
     loaded = _fit_in_process(tmp_path, monkeypatch, "1")
     np.testing.assert_array_equal(exported, traced)
@@ -74,18 +84,22 @@ def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_store_
         return jax.nn.softplus(raw_prediction) - y * raw_prediction
 
     custom = _fit_in_process(tmp_path, monkeypatch, "1", loss=custom_logistic)
-    assert sorted(folder.iterdir()) == stored
+    assert _stored_programs(folder) == stored
     np.testing.assert_allclose(custom, traced, rtol=1e-5, atol=1e-5)
     deeper = _fit_in_process(tmp_path, monkeypatch, "1", loss=custom_logistic, max_depth=4)
-    assert len(list(folder.iterdir())) == len(stored) + 1
+    assert len(_stored_programs(folder)) == len(stored) + 1
     np.testing.assert_array_equal(deeper, _fit_in_process(tmp_path, monkeypatch, "0", loss=custom_logistic,
                                                           max_depth=4))
 
 
 def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
     """The first process traces the round's two programs and the starting value (each as ``flat``, the
-    exported form) and stores them; the next loads them and traces neither; both predict what a
-    process without the store predicts, bit for bit. A corrupt entry is traced anew and replaced."""
+    exported form), compiles them (each as ``call``, a call of the exported form) and stores both
+    forms; the next loads their executables and neither traces nor lowers them; all predict what
+    a process without the store predicts, bit for bit. A corrupt executable is deleted and its
+    exported form lowered; a program whose two forms are corrupt is traced anew and its exported
+    form replaced. (Their executables, which JAX loads from its persistent cache, are not stored
+    again: such an executable does not serialize whole.)"""
     code = ("import numpy as np, jaxboost as jb\n"
             "X = np.random.default_rng(0).normal(size=(300, 4)).astype(np.float32)\n"
             "model = jb.train(X, (X[:, 0] + X[:, 1] > 0).astype(np.float32), loss='logistic', num_rounds=3,"
@@ -114,16 +128,28 @@ def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
               "Finished tracing _coordinate_sweeps")
     assert all(name in log_without for name in traced)
     assert log_first.count("Finished tracing flat") == 3 and not any(name in log_first for name in traced)
-    assert "Finished tracing flat" not in log_second and not any(name in log_second for name in traced)
+    assert log_first.count("Finished tracing call") == 3
+    assert not any(name in log_second for name in traced + ("Finished tracing flat", "Finished tracing call"))
+    assert "'jit_call'" not in log_second  # not even looked up in the persistent cache
     assert first == without and second == without
 
-    entries = sorted((tmp_path / "programs").iterdir())
-    assert len(entries) == 3
-    entries[0].write_bytes(b"not a program")
+    folder = tmp_path / "programs"
+    names = _stored_programs(folder, executables=True)
+    assert len(names) == 3
+    executable = folder / (names[0] + program_store.EXECUTABLE_SUFFIX)
+    executable.write_bytes(b"not an executable")
     after_corruption, log_after = run("1")
-    assert log_after.count("Finished tracing flat") == 1
+    assert log_after.count("Finished tracing call") == 1 and "Finished tracing flat" not in log_after
+    assert "Persistent compilation cache hit for 'jit_call'" in log_after
     assert after_corruption == without
-    assert entries[0].stat().st_size > 1000  # written again
+    assert not executable.exists()
+    for suffix in (program_store._SUFFIX, program_store.EXECUTABLE_SUFFIX):
+        (folder / (names[1] + suffix)).write_bytes(b"not a program")
+    after_corruption, log_after = run("1")
+    assert log_after.count("Finished tracing flat") == 1 and log_after.count("Finished tracing call") == 2
+    assert after_corruption == without
+    assert (folder / (names[1] + program_store._SUFFIX)).stat().st_size > 1000  # written again
+    assert not (folder / (names[1] + program_store.EXECUTABLE_SUFFIX)).exists()
 
 
 def test_programs_calling_lapack_are_told_apart():
@@ -154,7 +180,7 @@ def test_a_refit_round_stores_its_programs_and_custom_losses_store_none_of_their
     traced = _fit_in_process(tmp_path, monkeypatch, "0", loss="absolute_error")
     folder = tmp_path / "programs"
     exported = _fit_in_process(tmp_path, monkeypatch, "1", loss="absolute_error")
-    stored = sorted(folder.iterdir())
+    stored = _stored_programs(folder)
     assert len(stored) == 4
     loaded = _fit_in_process(tmp_path, monkeypatch, "1", loss="absolute_error")
     np.testing.assert_array_equal(exported, traced)
@@ -164,7 +190,7 @@ def test_a_refit_round_stores_its_programs_and_custom_losses_store_none_of_their
         return jax.numpy.abs(raw_prediction - y)
 
     custom = _fit_in_process(tmp_path, monkeypatch, "1", loss=custom_absolute_error)
-    assert len(list(folder.iterdir())) == len(stored) + 1
+    assert len(_stored_programs(folder)) == len(stored) + 1
     np.testing.assert_allclose(custom, traced, rtol=1e-5, atol=1e-5)
 
 
@@ -199,7 +225,7 @@ def test_train_many_stores_its_round_and_grows_the_same_models(tmp_path, monkeyp
         models = jb.train_many(X, y, loss="logistic", num_rounds=3, max_depth=3, seeds=[0, 1],
                                batch=dict(reg_lambda=[0.5, 2.0]), subsample=0.8)
         raw.append(np.stack([model.predict_raw(X) for model in models]))
-    assert len(list((tmp_path / "programs").iterdir())) == 1
+    assert len(_stored_programs(tmp_path / "programs")) == 1
     np.testing.assert_array_equal(raw[1], raw[0])
     np.testing.assert_array_equal(raw[2], raw[0])
 
@@ -254,3 +280,56 @@ def test_only_a_cpu_programs_key_asks_which_native_kernels_are_built(monkeypatch
     assert gpu_key is not None and not asked
     cpu_key = program_store.program_key("double", "double", arguments, None, "cpu")
     assert asked and cpu_key != gpu_key
+
+
+def test_a_stored_executable_is_loaded_donates_as_the_jitted_program_and_takes_other_arguments_jitted(
+        tmp_path, monkeypatch):
+    """On a CPU a stored program's executable is stored by the process that compiles it; a new
+    program object for the same key loads it without making the program (no exported form read,
+    nothing lowered) and donates what the jitted program donates; arguments placed otherwise go
+    to the jitted program. An executable that JAX loaded from its persistent cache is not stored."""
+    if not jax.config.jax_compilation_cache_dir:
+        pytest.skip("JAX's persistent cache is off in this process (JAXBOOST_CACHE_DIR empty)")
+    monkeypatch.setenv("JAXBOOST_PROGRAM_STORE", "1")
+    monkeypatch.setenv("JAXBOOST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(program_store, "_IN_PROCESS", collections.OrderedDict())
+    # A program no earlier process compiled (JAX's cache misses), kept there however fast it compiles.
+    factor = float(np.random.default_rng().integers(2, 2 ** 24))
+    minimum = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        arguments = (jax.ShapeDtypeStruct((64,), np.float32), jax.ShapeDtypeStruct((), np.float32))
+
+        def program():
+            stored = program_store.stored_program("scaled", lambda: lambda x, y: (x * factor + y, y + 1),
+                                                  ("scaled", factor), arguments, "cpu", dict(donate_argnums=(0,)))
+            program_store._IN_PROCESS.clear()
+            return stored
+
+        def check(callable_program, device=None):
+            x = jax.device_put(np.arange(64, dtype=np.float32), device)
+            scaled, plus_one = callable_program(x, np.float32(2.0))
+            np.testing.assert_allclose(scaled, np.arange(64) * factor + 2, rtol=1e-6)
+            assert float(plus_one) == 3.0
+            assert x.is_deleted()  # donated
+
+        first = program()
+        check(program_store.ready(first))
+        executable = first.path.with_suffix(program_store.EXECUTABLE_SUFFIX)
+        assert executable.stat().st_size > 1000 and first.path.exists()
+
+        loaded = program()
+        callable_program = program_store.ready(loaded)
+        assert isinstance(callable_program, program_store.CompiledOnce)
+        check(callable_program)
+        assert loaded._made is None  # the exported form never read, nothing lowered
+        if len(jax.devices()) > 1:  # compiled for the first device, given rows on the last
+            check(callable_program, device=jax.devices()[-1])
+            assert callable_program._jitted_only and loaded._made is not None
+
+        executable.unlink()
+        from_jax_cache = program()
+        check(program_store.ready(from_jax_cache))
+        assert not executable.exists()
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
