@@ -489,8 +489,8 @@ class CompiledOnce:
     one) and compiles it, and stores the executable if it was compiled rather than loaded from
     JAX's persistent cache (``_CACHE_WRITE_EVENT``): where JAX's cache held the program already
     (compiled by a jaxboost that did not store executables, or an executable lost since), later
-    processes load it from there as before. Should a call's arguments differ in type from
-    those it was compiled for (in type or sharding), this and later calls go to the jitted program."""
+    processes load it from there as before. Should a call's arguments differ from those it was
+    compiled for (in type or placement), this and later calls go to the jitted program."""
 
     def __init__(self, path: Path, program: Callable[[], tuple[Callable, bool]]):
         self.path, self._program = path, program
@@ -523,7 +523,7 @@ class CompiledOnce:
     def __call__(self, *arguments):
         if self._jitted_only:
             return self._program()[0](*arguments)
-        compiled = self._compiled or self.compiled(None, arguments)
+        compiled = self._compiled if self._compiled is not None else self.compiled(None, arguments)
         try:
             return compiled(*arguments)
         except (TypeError, ValueError) as mismatch:  # checked before the call runs: no donated buffer is spent
