@@ -12,6 +12,7 @@ import numpy as np
 
 from . import losses
 from .devices import compiler_options
+from .program_store import ready, store_folder, stored_program
 
 
 # Module-level functions (not lambdas or jitted callables), so that a Model holding one pickles.
@@ -77,19 +78,40 @@ LINK_STEP_ROWS = 256
 ACCELERATOR_LINK_CHUNK_ROWS = 16384
 
 
-@lru_cache(maxsize=32)
-def _compiled_link(link: Callable, in_steps: bool, platform: str) -> Callable:
-    # The training rounds' compiler options: without XLA's YNNPACK fusions a softmax over 10
-    # outputs of one chunk took 0.087 ms instead of 0.133.
-    options = compiler_options(platform)
+def _link_function(link: Callable, in_steps: bool) -> Callable:
+    """``link`` on a chunk: as it is, or in steps of ``LINK_STEP_ROWS`` rows."""
     if not in_steps:
-        return jax.jit(link, compiler_options=options)
+        return link
 
     def stepped(raw_prediction):
         steps = jax.lax.map(link, raw_prediction.reshape((-1, LINK_STEP_ROWS) + raw_prediction.shape[1:]))
         return steps.reshape((raw_prediction.shape[0],) + steps.shape[2:])
 
-    return jax.jit(stepped, compiler_options=options)
+    return stepped
+
+
+def _jit_options(platform: str) -> dict:
+    # The training rounds' compiler options: without XLA's YNNPACK fusions a softmax over 10
+    # outputs of one chunk took 0.087 ms instead of 0.133.
+    return dict(compiler_options=compiler_options(platform))
+
+
+@lru_cache(maxsize=32)
+def _compiled_link(link: Callable, in_steps: bool, platform: str) -> Callable:
+    return jax.jit(_link_function(link, in_steps), **_jit_options(platform))
+
+
+@lru_cache(maxsize=32)
+def _stored_link(link: Callable, in_steps: bool, platform: str, chunk_shape: tuple, folder) -> Callable | None:
+    """A built-in link's program for chunks of ``chunk_shape`` through the program store (on a
+    CPU, its executable: a later process's first prediction had lowered the link, the process's
+    first lowering, which imports MLIR's dialect modules: 0.078 s of a 455-row prediction);
+    None where the store is off (``folder`` None) or cannot hold it (a link of the user's)."""
+    if folder is None:
+        return None
+    stored = stored_program("link", lambda: _link_function(link, in_steps), (link, in_steps),
+                            (jax.ShapeDtypeStruct(chunk_shape, jnp.float32),), platform, _jit_options(platform))
+    return None if stored is None else ready(stored)
 
 
 @lru_cache(maxsize=1)
@@ -122,7 +144,8 @@ def apply_link(link: Callable, raw_prediction: np.ndarray) -> np.ndarray:
     padded = np.zeros((-(-n_rows // chunk_rows) * chunk_rows,) + raw_prediction.shape[1:], np.float32)
     padded[:n_rows] = raw_prediction
     platform = link_platform()
-    compiled = _compiled_link(link, in_steps, platform)
+    compiled = (_stored_link(link, in_steps, platform, (chunk_rows,) + raw_prediction.shape[1:], store_folder())
+                or _compiled_link(link, in_steps, platform))
     # Host arrays go in as they are, run on the platform's device by making it the default one
     # where it is not (a GPU machine's): committing each chunk there with a device_put had cost
     # 24.5 us a chunk against 7.3 (on CPU; on the default platform a device_put doubled one row's

@@ -93,12 +93,12 @@ def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_store_
 
 
 def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
-    """The first process traces the round's two programs and the starting value (each as ``flat``, the
-    exported form), compiles them (each as ``call``, a call of the exported form) and stores both
-    forms; the next loads their executables and neither traces nor lowers them; all predict what
-    a process without the store predicts, bit for bit. A corrupt executable is deleted and its
-    exported form lowered; a program whose two forms are corrupt is traced anew and its exported
-    form replaced. (Their executables, which JAX loads from its persistent cache, are not stored
+    """The first process traces the round's two programs, the starting value and the prediction's
+    link (each as ``flat``, the exported form), compiles them (each as ``call``, a call of the
+    exported form) and stores both forms; the next loads their executables and neither traces
+    nor lowers them; all predict what a process without the store predicts, bit for bit. A
+    corrupt executable is deleted and its exported form lowered; a program whose two forms are
+    corrupt is traced anew and its exported form replaced. (Their executables, which JAX loads from its persistent cache, are not stored
     again: such an executable does not serialize whole.)"""
     code = ("import numpy as np, jaxboost as jb\n"
             "X = np.random.default_rng(0).normal(size=(300, 4)).astype(np.float32)\n"
@@ -106,7 +106,7 @@ def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
             " max_depth=3)\n"
             "import sys\n"
             "print('scipy' in sys.modules)\n"
-            "print(model.predict_raw(X[:50]).tobytes().hex())\n")
+            "print(model.predict_raw(X[:50]).tobytes().hex() + model.predict(X[:50]).tobytes().hex())\n")
 
     def run(store: str):
         env = dict(os.environ, JAXBOOST_CACHE_DIR=str(tmp_path), JAXBOOST_PROGRAM_STORE=store, JAX_LOG_COMPILES="1",
@@ -127,15 +127,16 @@ def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
     traced = ("Finished tracing round_statistics", "Finished tracing round_trees",
               "Finished tracing _coordinate_sweeps")
     assert all(name in log_without for name in traced)
-    assert log_first.count("Finished tracing flat") == 3 and not any(name in log_first for name in traced)
-    assert log_first.count("Finished tracing call") == 3
+    # The round's two programs, the starting value and the prediction's link.
+    assert log_first.count("Finished tracing flat") == 4 and not any(name in log_first for name in traced)
+    assert log_first.count("Finished tracing call") == 4
     assert not any(name in log_second for name in traced + ("Finished tracing flat", "Finished tracing call"))
     assert "'jit_call'" not in log_second  # not even looked up in the persistent cache
     assert first == without and second == without
 
     folder = tmp_path / "programs"
     names = _stored_programs(folder, executables=True)
-    assert len(names) == 3
+    assert len(names) == 4
     executable = folder / (names[0] + program_store.EXECUTABLE_SUFFIX)
     executable.write_bytes(b"not an executable")
     after_corruption, log_after = run("1")
