@@ -1,5 +1,5 @@
-"""Program store: a fit's programs (its round's and its starting value), traced and lowered once,
-kept on disk for later processes.
+"""Program store: a fit's programs (its round's and its starting value) and a prediction's
+link, traced and lowered once, kept on disk for later processes.
 
 JAX's persistent compilation cache (``devices.configure_compilation_cache``) spares a new
 process XLA's compile, but not the tracing and lowering that come before it: a fit of a
