@@ -25,11 +25,11 @@ it turns off the compilation cache), and ``JAXBOOST_PROGRAM_STORE=0`` turns the 
 Serializing needs the ``flatbuffers`` package (the ``fast-start`` extra); without it rounds are
 traced as before. CPU and GPU programs (``STORED_PLATFORMS``).
 
-On a CPU the compiled program is stored too (``<key>.executable``, ``CompiledOnce``): a later
-process loads it and skips the lowering of the stored program and the persistent cache's lookup
-as well (its key is a hash of the lowered module). Loading a program's executable from the store
-runs its machine code, as loading it from JAX's persistent cache does: the folder must be the
-user's own.
+On a CPU the store keeps the compiled program instead (``<key>.executable``, ``CompiledOnce``):
+a later process loads it and skips the tracing, the lowering and the persistent cache's lookup
+(its key is a hash of the lowered module); the exported form is stored only for a program whose
+executable cannot be. Loading a program's executable from the store runs its machine code, as
+loading it from JAX's persistent cache does: the folder must be the user's own.
 """
 
 from __future__ import annotations
@@ -372,30 +372,44 @@ class StoredProgram:
         self._platform = platform
         self._callable = None
         self._made = None
-        self._stored = False
+        self._traced = None
         self._making = threading.RLock()
+        self._traced_arguments = (make_function, jit_options)
         # Their specs, not the arguments: a program never made must not keep a fit's arrays alive.
         self._make_arguments = (folder, make_function, jax.tree_util.tree_map(_spec, arguments), platform,
                                 jit_options)
 
     def jitted(self) -> Callable:
         """The program's callable: on a CPU (``EXECUTABLE_PLATFORMS``) a ``CompiledOnce``, else
-        the program jitted with the options it was asked for."""
+        the exported program (``exported_program``)."""
         with self._making:
             if self._callable is None:
                 if self._platform in EXECUTABLE_PLATFORMS:
-                    self._callable = CompiledOnce(self.path.with_suffix(EXECUTABLE_SUFFIX), self.program)
+                    self._callable = CompiledOnce(self.path.with_suffix(EXECUTABLE_SUFFIX), self)
                 else:
-                    self._callable = self.program()[0]
+                    self._callable = self.exported_program()
         return self._callable
 
-    def program(self) -> tuple[Callable, bool]:
-        """The program jitted with the options it was asked for, and whether it is the stored
-        one (a program that could not be stored is jitted as without the store)."""
+    def exported_program(self) -> Callable:
+        """A call of the program's exported form, jitted with the options it was asked for: the
+        form loaded from the store, else traced now and stored (a program that cannot be stored
+        is jitted as without the store)."""
         with self._making:
             if self._made is None:
                 self._make()
-        return self._made, self._stored
+        return self._made
+
+    def exported_stored(self) -> bool:
+        """Whether the store holds the program's exported form (made here or by another process)."""
+        return self._made is not None or self.path.exists()
+
+    def traced_program(self) -> Callable:
+        """The program as without the store: its function jitted with the options it was asked for."""
+        with self._making:
+            if self._traced is None:
+                make_function, jit_options = self._traced_arguments
+                self._traced = jax.jit(make_function(), **jit_options)
+        return self._traced
 
     def _make(self) -> None:
         folder, make_function, arguments, platform, jit_options = self._make_arguments
@@ -416,7 +430,7 @@ class StoredProgram:
         jitted = jax.jit(call, **jit_options)
         if platform == "cpu" and not calls_lapack(exported) and _lapack_readying_skippable():
             jitted = _LoweredWithoutLapack(jitted)
-        self._made, self._stored, self._make_arguments = jitted, True, None
+        self._made, self._make_arguments = jitted, None
 
     def lower(self, *arguments):
         return self.jitted().lower(*arguments)
@@ -489,54 +503,61 @@ def _load_executable(path: Path):
 class CompiledOnce:
     """A stored program on a CPU, compiled once for the arguments its key describes and then
     called as that executable (a ``jax.stages.Compiled``). A process that finds the executable
-    in the store (``path``) loads it: it skips the program's lowering (a call of its exported
-    form) and the persistent cache's lookup, which hashes the lowered module; a later process's
-    first fit of 455 x 30 rows had spent 0.10-0.12 s lowering its round's two programs. One that
-    does not lowers the program (``program()``: the jitted program and whether it is the stored
-    one) and compiles it, and stores the executable if it was compiled rather than loaded from
-    JAX's persistent cache (``_CACHE_WRITE_EVENT``): where JAX's cache held the program already
-    (compiled by a jaxboost that did not store executables, or an executable lost since), later
-    processes load it from there as before. Should a call's arguments differ from those it was
-    compiled for (in type or placement), this and later calls go to the jitted program."""
+    in the store (``path``) loads it: it traces and lowers nothing, and skips the persistent
+    cache's lookup, which hashes the lowered module (a later process's first fit of 455 x 30
+    rows had spent 0.10-0.12 s lowering its round's two programs). One that does not lowers the
+    program: a call of its exported form where the store holds that, else the program traced as
+    without the store (``source``: the ``StoredProgram``). Compiled here, the executable is
+    stored, and the exported form is not made: exporting had cost the first process 0.4 s of a
+    new shape's 3 s on a 2-core machine. Loaded from JAX's persistent cache instead, the
+    executable cannot be stored (``_CACHE_WRITE_EVENT``), so the exported form is stored: later
+    processes lower it rather than trace the program, and store the executable that compiles.
+    Should a call's arguments differ from those it was compiled for (in type or placement), this
+    and later calls go to the program traced as without the store."""
 
-    def __init__(self, path: Path, program: Callable[[], tuple[Callable, bool]]):
-        self.path, self._program = path, program
+    def __init__(self, path: Path, source: StoredProgram):
+        self.path, self._source = path, source
         self._compiled = None
         self._jitted_only = False
         self._compiling = threading.Lock()
+
+    def _to_lower(self) -> Callable:
+        source = self._source
+        return source.exported_program() if source.exported_stored() else source.traced_program()
 
     def lower(self, *arguments) -> "_Compiling":
         """What ``compile()`` readies: the program lowered for ``arguments`` here, in the
         caller's thread, unless its executable is stored (loaded by ``compile``)."""
         if self._compiled is not None or self._jitted_only or self.path.exists():
             return _Compiling(self, None, arguments)
-        return _Compiling(self, self._program()[0].lower(*arguments), arguments)
+        return _Compiling(self, self._to_lower().lower(*arguments), arguments)
 
     def compiled(self, lowered, arguments: tuple):
         """The executable: this object's, else the stored one, else ``lowered`` (or the program
-        lowered for ``arguments``) compiled now, and stored."""
+        lowered for ``arguments``) compiled now and stored."""
         with self._compiling:
             if self._compiled is None:
                 compiled = _load_executable(self.path)
                 if compiled is None:
-                    program, stored = self._program()
                     writes = _cache_writes()
-                    compiled = (lowered or program.lower(*arguments)).compile()
-                    if stored and _cache_writes() > writes:  # compiled here, not loaded
+                    compiled = (lowered or self._to_lower().lower(*arguments)).compile()
+                    if _cache_writes() > writes:  # compiled here, not loaded from JAX's cache
                         _store_executable(self.path, compiled)
+                    else:
+                        self._source.exported_program()
                 self._compiled = compiled
         return self._compiled
 
     def __call__(self, *arguments):
         if self._jitted_only:
-            return self._program()[0](*arguments)
+            return self._source.traced_program()(*arguments)
         compiled = self._compiled if self._compiled is not None else self.compiled(None, arguments)
         try:
             return compiled(*arguments)
         except (TypeError, ValueError) as mismatch:  # checked before the call runs: no donated buffer is spent
             logger.debug("executable %s called with other arguments, jitted instead: %s", self.path.name, mismatch)
             self._jitted_only = True
-            return self._program()[0](*arguments)
+            return self._source.traced_program()(*arguments)
 
 
 class _Compiling(NamedTuple):
