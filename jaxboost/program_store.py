@@ -404,11 +404,12 @@ class StoredProgram:
         return self._made is not None or self.path.exists()
 
     def traced_program(self) -> Callable:
-        """The program as without the store: its function jitted with the options it was asked for."""
+        """The program as without the store: its function jitted with the options it was asked
+        for, under a name that ends with its key's start (``_keyed``)."""
         with self._making:
             if self._traced is None:
                 make_function, jit_options = self._traced_arguments
-                self._traced = jax.jit(make_function(), **jit_options)
+                self._traced = jax.jit(_keyed(make_function(), self.path.stem), **jit_options)
         return self._traced
 
     def _make(self) -> None:
@@ -427,13 +428,33 @@ class StoredProgram:
         def call(*call_arguments):
             return exported.call(*jax.tree_util.tree_leaves(call_arguments))
 
-        jitted = jax.jit(call, **jit_options)
+        jitted = jax.jit(_keyed(call, self.path.stem), **jit_options)
         if platform == "cpu" and not calls_lapack(exported) and _lapack_readying_skippable():
             jitted = _LoweredWithoutLapack(jitted)
         self._made, self._make_arguments = jitted, None
 
     def lower(self, *arguments):
         return self.jitted().lower(*arguments)
+
+
+# Characters of a program's key in the name it is compiled under.
+KEY_IN_NAME = 12
+
+
+def _keyed(function: Callable, key: str) -> Callable:
+    """``function`` under its name followed by the start of the program's key. JAX's persistent
+    cache keys a program by its module, whose name this is: a program of another jaxboost (or
+    other settings the key names) is another entry, so its first process compiles it and stores
+    the executable, where it had found the old entry, whose executable does not serialize whole,
+    and stored none (after an upgrade, the second process had then compiled it)."""
+    base = getattr(function, "__name__", None) or getattr(getattr(function, "func", None), "__name__", "program")
+
+    @functools.wraps(function)
+    def program(*arguments):
+        return function(*arguments)
+
+    program.__name__ = program.__qualname__ = f"{base}_{key[:KEY_IN_NAME]}"
+    return program
 
 
 def _executable_environment() -> str:
@@ -477,6 +498,12 @@ def _store_executable(path: Path, compiled) -> None:
         logger.debug("executable %s not stored: %s", path.name, error)
 
 
+# jaxlib's LAPACK kernels' custom call targets begin so (``lapack_ssyevd_ffi``...); a serialized
+# executable holds its targets' names as they are (a source location that happens to hold the
+# word only readies the kernels for nothing).
+_LAPACK_TARGET_PREFIX = b"lapack_"
+
+
 def _load_executable(path: Path):
     """The ``jax.stages.Compiled`` stored at ``path``, or None (none stored, unreadable, or
     compiled by another backend or with other XLA flags)."""
@@ -489,6 +516,11 @@ def _load_executable(path: Path):
         if environment != _executable_environment():
             logger.debug("executable %s compiled elsewhere, compiled anew", path.name)
             return None
+        if _LAPACK_TARGET_PREFIX in payload:
+            # jaxlib's LAPACK kernels take their routines from SciPy when a program calling them
+            # is lowered; one loaded unlowered must ready them first (it had crashed the process).
+            from jax._src.lax import linalg
+            linalg.initialize_lapack()
         from jax.experimental import serialize_executable
         by_id = {device.id: device for device in jax.devices("cpu")}
         devices = [by_id[device_id] for device_id in device_ids]

@@ -6,8 +6,10 @@ user code are never stored."""
 import collections
 import functools
 import os
+import pickle
 import subprocess
 import sys
+import zlib
 
 import jax
 import numpy as np
@@ -299,9 +301,10 @@ def test_a_stored_executable_is_loaded_donates_as_the_jitted_program_and_takes_o
     try:
         arguments = (jax.ShapeDtypeStruct((64,), np.float32), jax.ShapeDtypeStruct((), np.float32))
 
-        def program():
+        def program(version="this jaxboost"):
             stored = program_store.stored_program("scaled", lambda: lambda x, y: (x * factor + y, y + 1),
-                                                  ("scaled", factor), arguments, "cpu", dict(donate_argnums=(0,)))
+                                                  ("scaled", factor, version), arguments, "cpu",
+                                                  dict(donate_argnums=(0,)))
             program_store._IN_PROCESS.clear()
             return stored
 
@@ -330,5 +333,41 @@ def test_a_stored_executable_is_loaded_donates_as_the_jitted_program_and_takes_o
         from_jax_cache = program()
         check(program_store.ready(from_jax_cache))
         assert not executable.exists() and from_jax_cache.path.exists()  # exported instead
+
+        # The same function under another key (another jaxboost, say) is compiled under another
+        # name, so JAX's cache has no entry for it: compiled, its executable is stored.
+        upgraded = program("another jaxboost")
+        check(program_store.ready(upgraded))
+        assert upgraded.path.with_suffix(program_store.EXECUTABLE_SUFFIX).exists() and not upgraded.path.exists()
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
+
+
+def test_a_later_process_readies_lapack_for_a_loaded_executable_that_calls_it(tmp_path):
+    """Softmax's starting value takes Newton steps along the Hessian's eigenvectors (LAPACK's
+    ``syevd``). jaxlib's LAPACK kernels take their routines from SciPy when a program calling
+    them is lowered; a later process loads that program's executable unlowered, and had crashed
+    calling it. It readies them first, and predicts what the first process predicted."""
+    code = ("import numpy as np, jaxboost as jb\n"
+            "rng = np.random.default_rng(1)\n"
+            "X = rng.normal(size=(240, 4)).astype(np.float32)\n"
+            "y = np.digitize(X[:, 0] + 0.3 * rng.normal(size=240), [-0.5, 0.5]).astype(np.float32)\n"
+            "model = jb.train(X, y, loss='softmax', num_rounds=2, max_depth=2)\n"
+            "print(model.base_score.tobytes().hex() + model.predict(X[:20]).tobytes().hex())\n")
+
+    def run():
+        env = dict(os.environ, JAXBOOST_CACHE_DIR=str(tmp_path), JAXBOOST_PROGRAM_STORE="1", JAX_LOG_COMPILES="1",
+                   JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
+        assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+        return done.stdout.strip().splitlines()[-1], done.stderr
+
+    first, log_first = run()
+    assert "Finished tracing newton_constant" in log_first
+    payloads = [pickle.loads(zlib.decompress(path.read_bytes()))[2]
+                for path in (tmp_path / "programs").glob("*" + program_store.EXECUTABLE_SUFFIX)]
+    assert sum(program_store._LAPACK_TARGET_PREFIX in payload for payload in payloads) == 1  # the Newton steps'
+    second, log_second = run()
+    assert "Finished tracing newton_constant" not in log_second
+    assert second == first
