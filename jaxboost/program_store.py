@@ -504,6 +504,19 @@ def _store_executable(path: Path, compiled) -> None:
 _LAPACK_TARGET_PREFIX = b"lapack_"
 
 
+def _ready_lapack() -> bool:
+    """Readies jaxlib's LAPACK kernels, which take their routines from SciPy when a program
+    calling them is lowered: an executable calling them, loaded unlowered, had crashed the
+    process. False where this JAX has no such step to take."""
+    try:
+        from jax._src.lax import linalg
+        linalg.initialize_lapack()
+    except (ImportError, AttributeError) as error:
+        logger.debug("LAPACK's kernels not readied: %s", error)
+        return False
+    return True
+
+
 def _load_executable(path: Path):
     """The ``jax.stages.Compiled`` stored at ``path``, or None (none stored, unreadable, or
     compiled by another backend or with other XLA flags)."""
@@ -516,11 +529,8 @@ def _load_executable(path: Path):
         if environment != _executable_environment():
             logger.debug("executable %s compiled elsewhere, compiled anew", path.name)
             return None
-        if _LAPACK_TARGET_PREFIX in payload:
-            # jaxlib's LAPACK kernels take their routines from SciPy when a program calling them
-            # is lowered; one loaded unlowered must ready them first (it had crashed the process).
-            from jax._src.lax import linalg
-            linalg.initialize_lapack()
+        if _LAPACK_TARGET_PREFIX in payload and not _ready_lapack():
+            return None  # lowered and compiled as without its executable, which stays for a later JAX
         from jax.experimental import serialize_executable
         by_id = {device.id: device for device in jax.devices("cpu")}
         devices = [by_id[device_id] for device_id in device_ids]
