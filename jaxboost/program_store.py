@@ -374,10 +374,9 @@ class StoredProgram:
         self._made = None
         self._traced = None
         self._making = threading.RLock()
-        self._traced_arguments = (make_function, jit_options)
+        self._folder, self._make_function, self._jit_options = folder, make_function, jit_options
         # Their specs, not the arguments: a program never made must not keep a fit's arrays alive.
-        self._make_arguments = (folder, make_function, jax.tree_util.tree_map(_spec, arguments), platform,
-                                jit_options)
+        self._specs = jax.tree_util.tree_map(_spec, arguments)
 
     def jitted(self) -> Callable:
         """The program's callable: on a CPU (``EXECUTABLE_PLATFORMS``) a ``CompiledOnce``, else
@@ -400,7 +399,8 @@ class StoredProgram:
         return self._made
 
     def exported_stored(self) -> bool:
-        """Whether the store holds the program's exported form (made here or by another process)."""
+        """Whether ``exported_program`` is made here already, or its form is in the store (made
+        by another process)."""
         return self._made is not None or self.path.exists()
 
     def traced_program(self) -> Callable:
@@ -408,30 +408,29 @@ class StoredProgram:
         for, under a name that ends with its key's start (``_keyed``)."""
         with self._making:
             if self._traced is None:
-                make_function, jit_options = self._traced_arguments
-                self._traced = jax.jit(_keyed(make_function(), self.path.stem), **jit_options)
+                self._traced = jax.jit(_keyed(self._make_function(), self.path.stem), **self._jit_options)
         return self._traced
 
     def _make(self) -> None:
-        folder, make_function, arguments, platform, jit_options = self._make_arguments
-        function = make_function()
-        exported = _load(self.path, jax.tree_util.tree_leaves(arguments))
+        function, specs, jit_options = self._make_function(), self._specs, self._jit_options
+        self._specs = None
+        exported = _load(self.path, jax.tree_util.tree_leaves(specs))
         if exported is None:
             try:
-                exported = _exported(function, arguments, platform)
-                _save(folder, self.path, exported.serialize())
+                exported = _exported(function, specs, self._platform)
+                _save(self._folder, self.path, exported.serialize())
             except Exception as error:  # noqa: BLE001 - what cannot be stored is jitted as without the store
                 logger.debug("program %s not stored, jitted instead: %s", self.path.name, error)
-                self._made, self._make_arguments = jax.jit(function, **jit_options), None
+                self._made = jax.jit(function, **jit_options)
                 return
 
         def call(*call_arguments):
             return exported.call(*jax.tree_util.tree_leaves(call_arguments))
 
         jitted = jax.jit(_keyed(call, self.path.stem), **jit_options)
-        if platform == "cpu" and not calls_lapack(exported) and _lapack_readying_skippable():
+        if self._platform == "cpu" and not calls_lapack(exported) and _lapack_readying_skippable():
             jitted = _LoweredWithoutLapack(jitted)
-        self._made, self._make_arguments = jitted, None
+        self._made = jitted
 
     def lower(self, *arguments):
         return self.jitted().lower(*arguments)
