@@ -83,39 +83,56 @@ def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Arra
         return all_sum(segment_sums(weighted_derivative(per_row_offsets), segment_ids, num_segments, deterministic),
                        axis_name)
 
-    def derivative(offsets, direction):
-        # ``direction`` picks the one-sided derivative of alpha |c| at c = 0.
-        return loss_derivative(offsets) + penalty_derivative(offsets, reg, direction)
-
     zero = jnp.zeros(num_segments, jnp.float32)
-    # The smooth part of the slope at 0 (loss plus any custom penalty; L1 handled apart).
-    slope_at_zero = loss_derivative(zero) + penalty_derivative(zero, reg.replace(reg_alpha=jnp.float32(0)), zero)
-    # 0 is optimal when the subdifferential there, slope +- alpha, contains 0.
-    solved_at_zero = jnp.abs(slope_at_zero) <= reg.reg_alpha
-    direction = jnp.where(slope_at_zero > 0, -1.0, 1.0)  # towards the minimiser
-    newton_estimate = (jnp.abs(slope_at_zero) - reg.reg_alpha) / (segment_weights + reg.reg_lambda + 1e-12)
-    first_step = jnp.maximum(jnp.nan_to_num(newton_estimate), MIN_FIRST_STEP) * direction
+    no_l1 = reg.replace(reg_alpha=jnp.float32(0))
 
-    # One loop, one derivative per step for every segment: a segment not yet bracketed probes
+    # One loop, one derivative per step for every segment: the first step probes 0, whose slope
+    # sets each segment's direction and first probe; then a segment not yet bracketed probes
     # its far end (doubling it until the slope turns), a bracketed one bisects. Written once,
-    # the derivative (the loss's autodiff and a segment sum) is compiled once.
+    # the derivative (the loss's autodiff and a segment sum) is traced and compiled once: the
+    # probe at 0 had been a copy of its own before the loop. The segments' state is one array,
+    # rows lower, upper, bracketed, direction and solved at 0 (flags as 0/1): XLA's CPU fusions
+    # have one output each, and five outputs each recomputed the step's shared values. Together:
+    # the starting value's program 141 -> 116 KB of LLVM IR (22 -> 16 modules), a refit round's
+    # 121 -> 101 KB.
     def step(state):
-        lower, upper, bracketed, iteration = state
+        segments, iteration = state
+        lower, upper, bracketed, direction, solved_at_zero = segments
+        bracketed, solved_at_zero = bracketed > 0, solved_at_zero > 0
+        started = iteration >= 0
         middle = 0.5 * (lower + upper)
-        probe = jnp.where(bracketed, middle, upper)
-        past_minimiser = derivative(probe, direction) * direction >= 0
+        probe = jnp.where(started, jnp.where(bracketed, middle, upper), zero)
+        slope = loss_derivative(probe)
+
+        # The first step: the smooth part of the slope at 0 (loss plus any custom penalty; L1
+        # handled apart). 0 is optimal when the subdifferential there, slope +- alpha, holds 0.
+        slope_at_zero = slope + penalty_derivative(zero, no_l1, zero)
+        solved_first = jnp.abs(slope_at_zero) <= reg.reg_alpha
+        direction_first = jnp.where(slope_at_zero > 0, -1.0, 1.0)  # towards the minimiser
+        newton_estimate = (jnp.abs(slope_at_zero) - reg.reg_alpha) / (segment_weights + reg.reg_lambda + 1e-12)
+        first_probe = jnp.maximum(jnp.nan_to_num(newton_estimate), MIN_FIRST_STEP) * direction_first
+
+        # Later steps. ``direction`` picks the one-sided derivative of alpha |c| at c = 0.
+        past_minimiser = (slope + penalty_derivative(probe, reg, direction)) * direction >= 0
         newly_bracketed = ~bracketed & (past_minimiser | (iteration + 1 >= MAX_EXPANSIONS))
-        lower = jnp.where(bracketed, jnp.where(past_minimiser, lower, middle), jnp.where(past_minimiser, lower, upper))
-        upper = jnp.where(bracketed, jnp.where(past_minimiser, middle, upper),
-                          jnp.where(past_minimiser, upper, 2.0 * upper))
-        return lower, upper, bracketed | newly_bracketed, iteration + 1
+        lower_next = jnp.where(bracketed, jnp.where(past_minimiser, lower, middle),
+                               jnp.where(past_minimiser, lower, upper))
+        upper_next = jnp.where(bracketed, jnp.where(past_minimiser, middle, upper),
+                               jnp.where(past_minimiser, upper, 2.0 * upper))
+        later = jnp.stack([lower_next, upper_next, (bracketed | newly_bracketed).astype(jnp.float32), direction,
+                           solved_at_zero.astype(jnp.float32)])
+        first = jnp.stack([zero, first_probe, solved_first.astype(jnp.float32), direction_first,
+                           solved_first.astype(jnp.float32)])
+        return jnp.where(started, later, first), iteration + 1
 
     def unresolved(state):
-        lower, upper, bracketed, iteration = state
+        segments, iteration = state
+        lower, upper, bracketed, _, solved_at_zero = segments
         width = jnp.abs(upper - lower)
         scale = jnp.maximum(jnp.abs(lower), jnp.abs(upper))
-        open_segments = ~solved_at_zero & (~bracketed | (width > 2e-7 * scale + 1e-30))
-        return jnp.any(open_segments) & (iteration < MAX_EXPANSIONS + MAX_BISECTIONS)
+        open_segments = (solved_at_zero == 0) & ((bracketed == 0) | (width > 2e-7 * scale + 1e-30))
+        return (iteration < 0) | (jnp.any(open_segments) & (iteration < MAX_EXPANSIONS + MAX_BISECTIONS))
 
-    lower, upper, _, _ = lax.while_loop(unresolved, step, (zero, first_step, solved_at_zero, 0))
-    return jnp.where(solved_at_zero, 0.0, 0.5 * (lower + upper))
+    start = jnp.stack([zero, zero, zero, jnp.ones(num_segments, jnp.float32), zero])
+    (lower, upper, _, _, solved_at_zero), _ = lax.while_loop(unresolved, step, (start, -1))
+    return jnp.where(solved_at_zero > 0, 0.0, 0.5 * (lower + upper))
