@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .devices import axis_devices, in_steps_on_cpu, update_leading_chunks
 from .histogram import cumulative_over_bins, first_maximum
@@ -61,6 +62,16 @@ class NodeBounds(NamedTuple):
 def hessian_mass(sum_hessians: jax.Array, leaves: VectorLeaves | None) -> jax.Array:
     """A node's Hessian sum as one number: for vector leaves, the trace."""
     return sum_hessians if leaves is None else jnp.sum(leaves.diagonal(sum_hessians), axis=-1)
+
+
+def _unravel_valid_index(flat: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """``jnp.unravel_index`` of indices known to lie in ``[0, prod(shape))``, as uint32."""
+    flat = flat.astype(jnp.uint32)
+    indices = []
+    for size in reversed(shape[1:]):
+        indices.append(lax.rem(flat, jnp.uint32(size)))
+        flat = lax.div(flat, jnp.uint32(size))
+    return (flat, *reversed(indices))
 
 
 def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
@@ -157,10 +168,13 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     else:
         loss_change = jnp.stack([gains(left) for left in lefts], axis=2)
     best, best_value = first_maximum(loss_change)
-    feature, direction, threshold_bin = jnp.unravel_index(best, (n_features, len(directions), n_value_bins))
+    # The flat index is a valid one (0 <= best < its size): unsigned, its unravelling and the
+    # gathers below skip jnp's handling of negative and out-of-range indices, code that every
+    # fusion reading the winner had repeated.
+    feature, direction, threshold_bin = _unravel_valid_index(best, (n_features, len(directions), n_value_bins))
 
     # The winner's children, recomputed from the running sums exactly as the scan formed them.
-    nodes = jnp.arange(num_nodes)
+    nodes = jnp.arange(num_nodes, dtype=jnp.uint32)
     missing_goes_left = direction == 0
     left_sums = value_cumsum[nodes, feature, threshold_bin] + jnp.where(missing_goes_left[:, None],
                                                                         missing[nodes, feature, 0], 0.0)
