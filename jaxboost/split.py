@@ -232,6 +232,28 @@ def scan_chunk_nodes(num_slots: int, cells_per_node: int) -> int:
     return min(1 << (fitting.bit_length() - 1), num_slots)
 
 
+def _packed_choice(choice: SplitChoice) -> jax.Array:
+    """``choice``'s fields side by side in one float32 ``(nodes, channels)`` array: integers and
+    flags travel exactly as float32 (< 2^24). One array is one collective to gather, or one
+    slice update to write: a write per field had been a fusion per field, each recomputing the
+    fields' shared values (XLA's CPU fusions have one output each)."""
+    num_nodes = choice.feature.shape[0]
+    return jnp.concatenate([field.reshape(num_nodes, -1).astype(jnp.float32) for field in choice], axis=1)
+
+
+def _unpacked_choice(packed: jax.Array, template: SplitChoice) -> SplitChoice:
+    """The ``SplitChoice`` that ``_packed_choice`` packed, with ``template``'s shapes and dtypes
+    (its node count may differ)."""
+    num_nodes = packed.shape[0]
+    fields, start = [], 0
+    for field in template:
+        width = math.prod(field.shape[1:])
+        part = packed[:, start:start + width]
+        fields.append(part.reshape((num_nodes,) + field.shape[1:]).astype(field.dtype))
+        start += width
+    return SplitChoice(*fields)
+
+
 def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                                    min_child_weight: jax.Array, bounds: NodeBounds | None = None,
                                    leaves: VectorLeaves | None = None, live_nodes: jax.Array | None = None,
@@ -265,7 +287,9 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
 
     def in_steps():
         empty = _empty_choice(num_nodes, leaves)
-        return update_leading_chunks(empty, lambda start: scan_nodes(start, chunk), live_nodes, chunk, active)
+        packed = update_leading_chunks(_packed_choice(empty), lambda start: _packed_choice(scan_nodes(start, chunk)),
+                                       live_nodes, chunk, active)
+        return _unpacked_choice(packed, empty)
 
     return in_steps_on_cpu(in_steps, lambda: scan_nodes(0, num_nodes))
 
@@ -303,16 +327,8 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
                                            min_child_weight, local_bounds, leaves, live_nodes,
                                            missing_values=missing_values, active=active)
     local = local._replace(feature=local.feature + start)
-    # One collective for all fields: integers and flags travel exactly as float32 (< 2^24).
-    num_nodes = local.feature.shape[0]
-    columns = [field.reshape(num_nodes, -1).astype(jnp.float32) for field in local]
-    packed = jnp.concatenate(columns, axis=1).T  # (channels of all fields, nodes)
-    gathered = jax.lax.all_gather(packed, axis_name)  # (devices, channels, nodes)
+    # One collective for all fields.
+    gathered = jax.lax.all_gather(_packed_choice(local).T, axis_name)  # (devices, channels, nodes)
     winner = jnp.argmax(gathered[:, 0, :], axis=0)  # channel 0 is loss_change
     best = jnp.take_along_axis(gathered, winner[None, None, :], axis=0)[0].T  # (nodes, channels)
-    fields, start_column = [], 0
-    for field, column in zip(local, columns):
-        part = best[:, start_column:start_column + column.shape[1]]
-        fields.append(part.reshape(field.shape).astype(field.dtype))
-        start_column += column.shape[1]
-    return SplitChoice(*fields)
+    return _unpacked_choice(best, local)
