@@ -5,8 +5,8 @@ Each run is a fresh Python process that imports the library, makes the data and 
 training rows. jaxboost runs with its caches in a folder of this benchmark's: once primed by a
 first process, later processes find the compiled round in JAX's persistent compilation cache,
 and with the program store (``jaxboost.program_store``) its lowered form too, so they skip
-tracing it, and on a CPU its executable, so they skip lowering it (a built-in link's as well). The settings alternate run by run; XGBoost, which compiles nothing, is the
-reference.
+tracing it, and on a CPU its executable, so they skip lowering it (a built-in link's as well).
+The settings alternate run by run; XGBoost, which compiles nothing, is the reference.
 
     python experiments/bench_first_fit.py [--rows 455] [--repeats 5]
 """

@@ -181,6 +181,10 @@ def store_folder() -> Path | None:
 
 @functools.lru_cache(maxsize=8)
 def _store_folder(store: str, cache_dir: str | None, home: str | None) -> Path | None:
+    """``store_folder`` for the settings it reads: ``JAXBOOST_PROGRAM_STORE``, and the cache
+    folder's ``JAXBOOST_CACHE_DIR`` and ``HOME`` (read again by ``cache_folder``; here they key
+    the cache of answers)."""
+    del cache_dir, home
     if store == "0":
         return None
     cache = cache_folder()

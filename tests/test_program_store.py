@@ -56,16 +56,17 @@ def _fit_in_process(tmp_path, monkeypatch, store: str, loss="logistic", **settin
     return model.predict_raw(X)
 
 
+def _stored_forms(folder, suffix) -> list:
+    """The names of the programs stored in ``folder`` in the form of ``suffix``."""
+    return sorted(path.stem for path in folder.glob("*" + suffix))
+
+
 def _stored_programs(folder) -> list:
     """The stored programs' names: on a CPU, a program compiled by this process has its
     executable stored, one loaded from JAX's persistent cache its exported form (which of the
     two depends on what that cache held before, here the folder of the process's import)."""
-    return sorted({path.stem for suffix in (program_store._SUFFIX, program_store.EXECUTABLE_SUFFIX)
-                   for path in folder.glob("*" + suffix)})
-
-
-def _stored_forms(folder, suffix) -> list:
-    return sorted(path.stem for path in folder.glob("*" + suffix))
+    return sorted(set(_stored_forms(folder, program_store._SUFFIX))
+                  | set(_stored_forms(folder, program_store.EXECUTABLE_SUFFIX)))
 
 
 def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_store_their_trees_alone(tmp_path,
