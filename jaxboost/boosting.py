@@ -40,6 +40,7 @@ from .native import lowering_for
 from .predictor import add_position_values, leaf_index, predict_round
 from .program_store import ready, serializable_record, store_folder, stored_program
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
+from .sampling import derived_keys, uniform_of_counters
 from .sums import row_sum
 from .tree import Tree, num_heap_nodes, pack_fields
 
@@ -574,7 +575,7 @@ def _grow_scalar_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_
     def one_output(histogram_buffer, output):
         tree, row_leaves, bounds, histogram_buffer = grow_tree(
             X_binned_T, gradients[:, output], split_hessians[:, output], feature_allowed,
-            jax.random.fold_in(tree_key, output), growth, shape.max_depth, shape.max_bin, ROW_AXIS,
+            derived_keys(tree_key, output, 1)[0], growth, shape.max_depth, shape.max_bin, ROW_AXIS,
             shape.sample_level_columns, missing_values=shape.missing_values, row_offset=row_offset,
             histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads,
             feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram,
@@ -682,22 +683,6 @@ def seed_key_data(seed: int) -> np.ndarray:
     return np.array([0, int(seed) % 2 ** 32], np.uint32)
 
 
-def _mix32(x: jax.Array) -> jax.Array:
-    """A 32-bit integer hash with good avalanche (two xor-shift-multiply rounds)."""
-    for multiplier in (0x7FEB352D, 0x846CA68B):
-        x = (x ^ (x >> 16)) * jnp.uint32(multiplier)
-    return x ^ (x >> 16)
-
-
-def uniform_of_rows(key: jax.Array, row_index: jax.Array) -> jax.Array:
-    """One uniform [0, 1) number per row, from a counter-based hash of the (raw, two-word) key
-    and each row's index in the training data: a row draws the same number wherever the
-    padded layout puts it, so row sampling is the same on any number of devices."""
-    words = key.astype(jnp.uint32)
-    bits = _mix32(_mix32(row_index.astype(jnp.uint32) ^ words[0]) ^ words[1])
-    return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
-
-
 @lru_cache(maxsize=64)
 def round_tree_template(shape: RoundShape) -> Tree:
     """The shapes and dtypes (``ShapeDtypeStruct``) of one round's trees, ``(K, nodes)`` a
@@ -735,13 +720,14 @@ def _eval_predictor(shape: RoundShape, row_map: dict) -> Callable:
 
 def _round_keys(seed_key, round_index) -> tuple:
     """The round's keys for its row sample, its trees' column sample and its trees."""
-    return tuple(jax.random.split(jax.random.fold_in(seed_key, round_index), 3))
+    return tuple(derived_keys(seed_key, 3 * round_index, 3))
 
 
 def _row_weight(shape: RoundShape, params: RoundParams, sample_weight, row_index, row_key):
     if not shape.sample_rows:
         return sample_weight
-    return jnp.where(uniform_of_rows(row_key, row_index) < params.subsample, sample_weight, 0.0)
+    # Drawn by each row's index in the data: the same sample on any number of devices.
+    return jnp.where(uniform_of_counters(row_key, row_index) < params.subsample, sample_weight, 0.0)
 
 
 def _feature_allowed(shape: RoundShape, colsample_bytree, n_features: int, column_key):

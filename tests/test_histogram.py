@@ -283,7 +283,9 @@ def test_sample_features_keeps_the_allowed_features_of_smallest_scores(monkeypat
     of the smallest uniform scores: the same subset as a stable NumPy sort of the same scores,
     also when scores tie (float32 uniforms do: a sort-path sample of 500 features once kept 251
     at a fraction of 0.5)."""
+    from jaxboost import grower
     from jaxboost.grower import sample_features
+    from jaxboost.sampling import uniform_scores
 
     key = jax.random.PRNGKey(n_features)
     rng = np.random.default_rng(n_features)
@@ -291,10 +293,10 @@ def test_sample_features_keeps_the_allowed_features_of_smallest_scores(monkeypat
     allowed[0] = True
     allowed[1] = False
     allowed[1, 3] = True  # one allowed feature: kept whatever the fraction
-    scores = np.asarray(jax.random.uniform(key, allowed.shape))
+    scores = np.asarray(uniform_scores(key, allowed.shape))
     if ties:  # eight distinct scores: many features tie at every cut
         scores = np.floor(scores * 8) / 8
-        monkeypatch.setattr(jax.random, "uniform", lambda _, shape: jnp.asarray(scores).reshape(shape))
+        monkeypatch.setattr(grower, "uniform_scores", lambda _, shape: jnp.asarray(scores).reshape(shape))
     # A function of its own: jit would reuse the trace of sample_features with the true uniforms.
     kept = np.asarray(jax.jit(lambda *args: sample_features(*args))(key, jnp.asarray(allowed), jnp.float32(fraction)))
     for row in range(allowed.shape[0]):

@@ -1526,20 +1526,40 @@ def test_seed_key_data_is_jax_prng_key(seed):
 def test_row_sampling_draws_by_row_index():
     """Row sampling's uniform numbers come from each row's index in the data, not its place in
     the padded layout: permuting the indices permutes the draws; they are uniform (deciles
-    within 1% of a tenth) and a new round key draws anew."""
-    from jaxboost.boosting import uniform_of_rows
+    within 1% of a tenth) and the next round's key draws anew."""
+    from jaxboost.boosting import _round_keys
+    from jaxboost.sampling import uniform_of_counters
 
-    key = jnp.asarray(jb.boosting.seed_key_data(3))
+    seed_key = jnp.asarray(jb.boosting.seed_key_data(3))
+    key, next_key = (_round_keys(seed_key, jnp.int32(round_index))[0] for round_index in (0, 1))
     index = np.arange(200_000, dtype=np.int32)
-    draws = np.asarray(uniform_of_rows(key, jnp.asarray(index)))
+    draws = np.asarray(uniform_of_counters(key, jnp.asarray(index)))
     order = np.random.default_rng(0).permutation(index.size)
-    np.testing.assert_array_equal(np.asarray(uniform_of_rows(key, jnp.asarray(index[order]))), draws[order])
+    np.testing.assert_array_equal(np.asarray(uniform_of_counters(key, jnp.asarray(index[order]))), draws[order])
     assert draws.min() >= 0.0 and draws.max() < 1.0
     deciles = np.histogram(draws, bins=10, range=(0, 1))[0] / index.size
     np.testing.assert_allclose(deciles, 0.1, atol=0.01)
-    other = np.asarray(uniform_of_rows(jax.random.fold_in(key, 1), jnp.asarray(index)))
+    other = np.asarray(uniform_of_counters(next_key, jnp.asarray(index)))
     assert abs(np.corrcoef(draws, other)[0, 1]) < 0.01
     assert np.mean((draws < 0.5) == (other < 0.5)) == pytest.approx(0.5, abs=0.01)
+
+
+def test_round_and_tree_keys_are_distinct_and_their_feature_scores_uniform():
+    """Every round's three keys (rows, columns, trees) over 2,000 rounds and two seeds differ,
+    and so do a tree key's per-output keys; a tree's feature scores are uniform (deciles within
+    1% of a tenth over 200 trees) and two keys' scores are uncorrelated."""
+    from jaxboost.boosting import _round_keys
+    from jaxboost.sampling import derived_keys, uniform_scores
+
+    keys = np.concatenate([np.stack(jax.vmap(lambda r: jnp.stack(_round_keys(seed_key, r)))(jnp.arange(2000)))
+                           .reshape(-1, 2) for seed_key in map(jnp.asarray, map(jb.boosting.seed_key_data, (0, 1)))])
+    assert len({tuple(key) for key in keys.tolist()}) == len(keys) == 12_000
+    per_output = np.stack([np.asarray(derived_keys(jnp.asarray(keys[2]), output, 1)[0]) for output in range(10)])
+    assert len({tuple(key) for key in per_output.tolist()} | {tuple(keys[2])}) == 11
+    scores = np.asarray(jax.vmap(lambda key: uniform_scores(key, (69, 28)))(jnp.asarray(keys[:200])))
+    assert scores.min() >= 0.0 and scores.max() < 1.0
+    np.testing.assert_allclose(np.histogram(scores, bins=10, range=(0, 1))[0] / scores.size, 0.1, atol=0.01)
+    assert abs(np.corrcoef(scores[0].ravel(), scores[1].ravel())[0, 1]) < 0.06
 
 
 @pytest.mark.parametrize("sample", ["colsample_bylevel", "colsample_bynode"])
