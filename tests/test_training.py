@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import functools
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -551,28 +550,6 @@ def test_a_refit_round_is_compiled_ahead_and_once(settings, trees_programs):
     assert [in_main for name, in_main in compiles if name == "jit(round_refit)"] == [False], compiles
 
 
-def test_a_round_that_fails_to_lower_raises_its_error_and_leaves_no_compile_running(monkeypatch):
-    """The derivatives' program starts compiling before the trees' is traced: when the trees'
-    tracing fails, the fit raises that error once the compile begun has stopped, and leaves no
-    compiling thread behind."""
-    import threading
-
-    def broken_trees(*args, **kwargs):
-        raise RuntimeError("the trees cannot be traced")
-
-    X, y = _regression_data(seed=7)
-    monkeypatch.setattr(boosting, "_grow_trees", broken_trees)
-    boosting.clear_compiled_rounds()
-    try:
-        with pytest.raises(RuntimeError, match="the trees cannot be traced") as raised:
-            jb.train(X, y, num_rounds=2, max_depth=3)
-        # While the error's frames (and what they hold) are alive.
-        assert not [thread.name for thread in threading.enumerate() if thread.name.startswith("jaxboost-compile")]
-        del raised
-    finally:
-        boosting.clear_compiled_rounds()
-
-
 @pytest.mark.parametrize("trainer, settings", [("train", dict()),
                                                ("train", dict(subsample=0.5, eval_set=True, loss="logistic")),
                                                ("train", dict(loss=lambda raw, y: 0.5 * (raw - y) ** 2)),
@@ -597,19 +574,15 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         y = (y > np.median(y)).astype(np.float32)
         settings["eval_set"] = [(X[:300], y[:300])]
     lowered, starting_threads, steps, in_64_bits, order = [], [], [], [], []
-    lowering_ends, compile_starts = {}, {}
 
     def listener(name, duration, **kwargs):
-        program = str(kwargs.get("fun_name"))
-        if "round" not in program:
+        if "round" not in str(kwargs.get("fun_name")):
             return
         if name.endswith("jaxpr_to_mlir_module_duration"):
-            lowered.append((threading.get_ident(), program))
-            lowering_ends.setdefault(program, time.perf_counter())
+            lowered.append((threading.get_ident(), kwargs.get("fun_name")))
             steps.append("round lowered")
             order.append("round lowered")
         elif name.endswith("backend_compile_duration"):  # also a persistent-cache hit
-            compile_starts.setdefault(program, time.perf_counter() - duration)
             steps.append("round compiled")
 
     def recording_starting_value(*args, **kwargs):
@@ -677,14 +650,8 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     assert first_fit_order[:programs + 1] == ["round lowered"] * programs + ["starting value"], first_fit_order
     # Compiled before its first call, and once; the free pages the compiler left are handed back
     # before the rounds' buffers come on top of them.
-    assert first_fit_steps[0] == "round lowered", first_fit_steps
-    assert (sorted(first_fit_steps[:2 * programs]) == ["round compiled"] * programs + ["round lowered"] * programs
-            and first_fit_steps[2 * programs:2 * programs + 2] == ["pages handed back", "round called"]), first_fit_steps
-    if programs == 2:
-        # The derivatives' program compiles while the trees' is still being traced and lowered.
-        [statistics] = [program for program in lowering_ends if "statistics" in program]
-        [trees] = [program for program in lowering_ends if "trees" in program]
-        assert compile_starts[statistics] < lowering_ends[trees], (compile_starts, lowering_ends)
+    assert first_fit_steps[:2 * programs + 2] == (["round lowered"] * programs + ["round compiled"] * programs
+                                                  + ["pages handed back", "round called"]), first_fit_steps
     assert steps.count("round compiled") == programs and steps.count("pages handed back") == 1, steps
     assert starting_threads[len(first_fit_threads):] == [threading.get_ident()] * len(first_fit_threads)
     assert not any(in_64_bits), in_64_bits
