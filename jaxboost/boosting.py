@@ -678,8 +678,9 @@ def histogram_buffer(shape: RoundShape, n_features: int, models: int | None = No
 
 
 def seed_key_data(seed: int) -> np.ndarray:
-    """``jax.random.key_data(jax.random.PRNGKey(seed))``, made on the host: a threefry key is
-    the seed's two 32-bit words, and JAX's seeding is one more program to compile in a first fit."""
+    """The seed's raw key, ``jax.random.key_data(jax.random.PRNGKey(seed))``: the seed's two
+    32-bit words, from which ``sampling``'s draws derive the rounds' keys. Made on the host:
+    JAX's seeding is one more program to compile in a first fit."""
     return np.array([0, int(seed) % 2 ** 32], np.uint32)
 
 

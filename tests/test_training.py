@@ -1483,8 +1483,8 @@ def test_an_import_trims_the_compilation_cache_at_most_once_an_hour_unless_the_l
 
 @pytest.mark.parametrize("seed", [0, 1, 42, -7, 2 ** 31, 2 ** 32 + 5])
 def test_seed_key_data_is_jax_prng_key(seed):
-    """Training makes its threefry key on the host; it must be JAX's key for the same seed, so
-    that row and column sampling are those of ``jax.random.PRNGKey(seed)``."""
+    """Training makes its seed's raw key on the host; it is JAX's key data for the same seed, so
+    a seed names the key that ``jax.random.PRNGKey(seed)`` does (the samples derive from it)."""
     from jaxboost.boosting import seed_key_data
 
     np.testing.assert_array_equal(seed_key_data(seed), np.asarray(jax.random.key_data(jax.random.PRNGKey(seed))))
