@@ -41,7 +41,7 @@ from .predictor import add_position_values, leaf_index, predict_round
 from .program_store import ready, serializable_record, store_folder, stored_program
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
 from .sampling import derived_keys, uniform_of_counters
-from .sums import row_sum
+from .sums import row_sum, row_sums
 from .tree import Tree, num_heap_nodes, pack_fields
 
 # Hessians below this are reported as negative rather than taken as rounding noise.
@@ -274,9 +274,12 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
     loss = bind_loss(objective, loss_params)
     counted = weights > 0
 
-    def weighted_sum(per_row):
+    def weighted(per_row):
         w = weights.reshape(weights.shape + (1,) * (per_row.ndim - 1))
-        return row_sum(jnp.where(counted.reshape(w.shape), w * per_row, 0.0))
+        return jnp.where(counted.reshape(w.shape), w * per_row, 0.0)
+
+    def weighted_sum(per_row):
+        return row_sum(weighted(per_row))
 
     def row_losses(constant):
         return jax.vmap(loss)(raw_prediction + constant, y)
@@ -291,7 +294,7 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
             # One Hessian column per output, in turn (n x K values at a time rather than
             # n x K x K); the gradient's sums come with each, from the same pass.
             gradients, column = jax.jvp(row_gradients, (constant,), (basis,))
-            return weighted_sum(gradients), weighted_sum(jnp.abs(gradients)), weighted_sum(column)
+            return row_sums(weighted(gradients), weighted(jnp.abs(gradients)), weighted(column))
 
         total_gradients, gross_gradients, hessian = jax.lax.map(
             derivatives_along, jnp.eye(objective.num_outputs, dtype=constant.dtype))
@@ -453,12 +456,13 @@ def _round_health(gradients, split_hessians, zero_hessians=None) -> RoundHealth:
     and whether some row is marked in ``zero_hessians`` (``zero_hessian_rows``; None: not
     looked for). Gradients whose sum overflows float32 count as non-finite (so would the
     histograms' sums)."""
-    gradient_sum = all_sum(jnp.sum(row_sum(gradients)), ROW_AXIS)
-    hessian_sum = all_sum(jnp.sum(row_sum(split_hessians)), ROW_AXIS)
-    negative = hessian_sum == -jnp.inf
     # Summed as the gradients are: XLA's CPU tree of reductions for a max over int8 rows had
     # been 290 of the derivatives' program's 410 KB of LLVM IR.
-    zero = jnp.bool_(False) if zero_hessians is None else all_sum(row_sum(zero_hessians), ROW_AXIS) > 0
+    sums = row_sums(gradients, split_hessians, *(() if zero_hessians is None else (zero_hessians,)))
+    gradient_sum = all_sum(jnp.sum(sums[0]), ROW_AXIS)
+    hessian_sum = all_sum(jnp.sum(sums[1]), ROW_AXIS)
+    negative = hessian_sum == -jnp.inf
+    zero = jnp.bool_(False) if zero_hessians is None else all_sum(sums[2], ROW_AXIS) > 0
     return RoundHealth(non_finite=~jnp.isfinite(gradient_sum) | (~jnp.isfinite(hessian_sum) & ~negative),
                        negative_hessian=negative, zero_hessian=zero)
 

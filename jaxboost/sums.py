@@ -18,10 +18,18 @@ XLA fuse the values' computation into it, one row at a time: a loss's derivative
 separate loop computes in vectors and over threads (a starting value's line search went from
 5 to 25 ms at 100k rows).
 
+``row_sums`` sums several arrays of the same rows: each keeps its own product (its values'
+loop), and their partial sums share one compensated pass, the same sums bit for bit. Each pass
+is a kernel that LLVM unrolls over its columns (47 KB of optimised IR for ten): with ten
+classes, softmax's starting value went from 941 to 808 KB and its derivatives' program from 465
+to 376 KB.
+
 Other backends get ``jnp.sum``: the rewrite is the CPU compiler's.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +50,8 @@ def _neumaier_merge(left, right):
     return added, error_left + error_right + rounding
 
 
-def _blocked_sum(values: jax.Array) -> jax.Array:
+def _block_partials(values: jax.Array) -> jax.Array:
+    """The sums of ``values``' rows 32 at a time (as one matrix product), ``(blocks, ...)``."""
     n_rows = values.shape[0]
     padded_rows = -(-n_rows // BLOCK_ROWS) * BLOCK_ROWS
     if padded_rows != n_rows:
@@ -50,11 +59,32 @@ def _blocked_sum(values: jax.Array) -> jax.Array:
     # Row i * blocks + j of the values is element (i, j) here: each column sums 32 rows.
     blocks = values.reshape((BLOCK_ROWS, -1))
     partial = jnp.matmul(jnp.ones(BLOCK_ROWS, values.dtype), blocks, precision=jax.lax.Precision.HIGHEST)
-    partial = partial.reshape((padded_rows // BLOCK_ROWS,) + values.shape[1:])
+    return partial.reshape((padded_rows // BLOCK_ROWS,) + values.shape[1:])
+
+
+def _compensated_sum(partial: jax.Array) -> jax.Array:
+    """The Neumaier sum of ``partial`` over its leading axis."""
     zero = jnp.zeros((), partial.dtype)
     added, error = jax.lax.reduce((partial, jnp.zeros_like(partial)), (zero, zero), _neumaier_merge, (0,))
     # An infinite sum leaves a NaN error (inf - inf): the sum is that infinity, as a plain one's.
     return jnp.where(jnp.isfinite(added), added + error, added)
+
+
+def _blocked_sum(values: jax.Array) -> jax.Array:
+    return _compensated_sum(_block_partials(values))
+
+
+def _blocked_sums(*arrays: jax.Array) -> tuple:
+    """``_blocked_sum`` of each array (the same rows), their partial sums side by side in one
+    compensated pass: each pass is a kernel of its own, unrolled over its columns."""
+    partials = [_block_partials(values) for values in arrays]
+    widths = [math.prod(partial.shape[1:]) for partial in partials]
+    total = _compensated_sum(jnp.concatenate([partial.reshape(partial.shape[0], -1) for partial in partials], axis=1))
+    sums, start = [], 0
+    for values, width in zip(arrays, widths):
+        sums.append(total[start:start + width].reshape(values.shape[1:]))
+        start += width
+    return tuple(sums)
 
 
 def row_sum(values: jax.Array) -> jax.Array:
@@ -63,3 +93,15 @@ def row_sum(values: jax.Array) -> jax.Array:
     if values.shape[0] <= BLOCK_ROWS:
         return jnp.sum(values, axis=0)
     return per_platform(values, cpu=_blocked_sum, default=lambda values: jnp.sum(values, axis=0))
+
+
+def row_sums(*arrays: jax.Array) -> tuple:
+    """``row_sum`` of each array of rows (all with the same rows), the same sums; on CPU their
+    compensated passes are one."""
+    if arrays[0].shape[0] <= BLOCK_ROWS:
+        return _plain_sums(*arrays)
+    return per_platform(*arrays, cpu=_blocked_sums, default=_plain_sums)
+
+
+def _plain_sums(*arrays: jax.Array) -> tuple:
+    return tuple(jnp.sum(values, axis=0) for values in arrays)

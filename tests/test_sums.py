@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxboost.devices import compiler_options
-from jaxboost.sums import BLOCK_ROWS, row_sum
+from jaxboost.sums import BLOCK_ROWS, row_sum, row_sums
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
 
@@ -42,6 +42,22 @@ def test_row_sum_keeps_non_finite_sums_as_jnp_sum_does(specials, expected):
     values[[5, 77][:len(specials)]] = specials
     np.testing.assert_equal(float(jax.jit(row_sum)(values)), expected)
     np.testing.assert_equal(float(jnp.sum(values)), expected)
+
+
+@pytest.mark.parametrize("rows", [BLOCK_ROWS, 5000, 106_497])
+def test_row_sums_are_each_arrays_row_sum_bit_for_bit(rows):
+    """Several arrays of the same rows summed in one compensated pass give each array's own
+    ``row_sum``, bit for bit, whatever their trailing shapes (scaled apart, so that a column
+    summed with another's partials would show), also with infinities."""
+    rng = np.random.default_rng(rows)
+    arrays = [(rng.standard_normal((rows,) + shape) * scale).astype(np.float32)
+              for shape, scale in [((10,), 1e5), ((), 1.0), ((2, 3), 1e-3)]]
+    arrays[1][rows // 2] = np.inf
+    together = jax.jit(row_sums)(*arrays)
+    for values, summed in zip(arrays, together):
+        alone = np.asarray(jax.jit(row_sum)(values))
+        assert summed.shape == alone.shape
+        np.testing.assert_array_equal(np.asarray(summed), alone)
 
 
 def test_row_sum_compiles_without_reduce_window_chains_on_cpu():
