@@ -96,8 +96,8 @@ def row_sum(values: jax.Array) -> jax.Array:
 
 
 def row_sums(*arrays: jax.Array) -> tuple:
-    """``row_sum`` of each array of rows (all with the same rows), the same sums; on CPU their
-    compensated passes are one."""
+    """``row_sum`` of each array of rows (all with the same rows and dtype), the same sums; on
+    CPU their compensated passes are one."""
     if arrays[0].shape[0] <= BLOCK_ROWS:
         return _plain_sums(*arrays)
     return per_platform(*arrays, cpu=_blocked_sums, default=_plain_sums)
