@@ -33,6 +33,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .native import per_platform
 
@@ -78,13 +79,9 @@ def _blocked_sums(*arrays: jax.Array) -> tuple:
     """``_blocked_sum`` of each array (the same rows), their partial sums side by side in one
     compensated pass: each pass is a kernel of its own, unrolled over its columns."""
     partials = [_block_partials(values) for values in arrays]
-    widths = [math.prod(partial.shape[1:]) for partial in partials]
     total = _compensated_sum(jnp.concatenate([partial.reshape(partial.shape[0], -1) for partial in partials], axis=1))
-    sums, start = [], 0
-    for values, width in zip(arrays, widths):
-        sums.append(total[start:start + width].reshape(values.shape[1:]))
-        start += width
-    return tuple(sums)
+    ends = np.cumsum([math.prod(values.shape[1:]) for values in arrays])[:-1]
+    return tuple(part.reshape(values.shape[1:]) for part, values in zip(jnp.split(total, ends), arrays))
 
 
 def row_sum(values: jax.Array) -> jax.Array:
