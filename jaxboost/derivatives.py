@@ -9,9 +9,11 @@ rows are batched with ``jax.vmap``. Nobody writes a derivative by hand.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 
@@ -62,3 +64,34 @@ def output_gradient(loss: Callable, raw_prediction: jax.Array, y: jax.Array, out
     """Row-wise ``d loss / d raw_prediction[output]`` (the whole gradient when ``output`` is None)."""
     g = jax.vmap(jax.grad(loss))(raw_prediction, y)
     return g if output is None else g[:, output]
+
+
+
+def hessian_vanishes(loss: Callable, y_example: jax.ShapeDtypeStruct, loss_params: dict | None = None) -> bool:
+    """Whether autodiff's Hessian of a single-output ``loss`` is zero at every raw prediction,
+    as tracing alone shows: its jaxpr is the literal 0 for a piecewise-linear loss (absolute
+    error, hinge, quantile), whose branches' second derivatives vanish symbolically. False
+    where some input may make it nonzero (Huber's quadratic middle), and for a multi-output
+    loss, whose Hessian batched autodiff builds as an array of zeros rather than a literal.
+    The answer is kept per loss and shapes: the trace took 15-70 ms, a fit's worth on small data.
+
+    Args:
+      loss: per-example loss ``loss(raw_prediction, y, **loss_params)``, raw prediction a scalar.
+      y_example: one example's label: its shape and dtype.
+      loss_params: the loss's keyword parameters (traced, so only their shapes matter).
+    """
+    params = tuple(sorted((name, jnp.shape(value), jnp.result_type(value).name)
+                          for name, value in (loss_params or {}).items()))
+    return _hessian_is_literal_zero(loss, tuple(y_example.shape), jnp.dtype(y_example.dtype).name, params)
+
+
+@functools.lru_cache(maxsize=64)
+def _hessian_is_literal_zero(loss: Callable, y_shape: tuple, y_dtype: str, params: tuple) -> bool:
+    def hessian(raw_prediction, y, loss_params):
+        return _example_value_gradient_and_hessian(lambda f, label: loss(f, label, **loss_params), raw_prediction,
+                                                   y)[2]
+
+    traced = jax.make_jaxpr(hessian)(jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct(y_shape, y_dtype),
+                                     {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in params})
+    (output,) = traced.jaxpr.outvars
+    return isinstance(output, jax.extend.core.Literal) and bool(output.val == 0)

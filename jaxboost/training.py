@@ -29,6 +29,7 @@ from .boosting import (HESSIAN_MODES, RoundHealth, RoundParams, RoundShape, comp
                        histogram_buffer, round_tree_template, seed_key_data, starting_value, stored_round)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
+from .derivatives import hessian_vanishes
 from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
                       float32_jax, replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
 from .grower import GrowthParams, prunes_splits, tree_feature_slots
@@ -221,8 +222,21 @@ def _starting_value(resolved: ResolvedLoss, rows: _DeviceRows, mesh) -> np.ndarr
     return np.asarray(starting_value(resolved.objective, zeros, y_one, weight_one, resolved.loss_params))
 
 
+def _hessian_vanishes(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:
+    """Whether a custom loss's Hessian is zero at every raw prediction, as its trace shows
+    (``derivatives.hessian_vanishes``; a multi-output loss: not shown, False)."""
+    if resolved.objective.vector_output:
+        return False
+    label = jax.ShapeDtypeStruct(rows.y.shape[1:], rows.y.dtype)
+    return hessian_vanishes(resolved.objective.loss, label, resolved.loss_params)
+
+
 def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:
-    """Custom losses: refit leaves when some weighted row has an exactly zero Hessian at the start."""
+    """Custom losses: refit leaves when some weighted row has an exactly zero Hessian at the
+    start. A Hessian zero everywhere (``_hessian_vanishes``) compiles no count program: a
+    ``train_many`` of a piecewise-linear loss had compiled one."""
+    if _hessian_vanishes(resolved, rows):
+        return bool(np.any(rows.sample_weight > 0))
     count = compiled_zero_hessian_count(resolved.objective, rows.mesh)
     return int(count(rows.raw_prediction, rows.y_device, rows.sample_weight_device, resolved.loss_params)) > 0
 
@@ -534,12 +548,14 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     elif margin is not None:
         base_score = np.zeros(K, np.float32)
     # A custom loss: whether its leaves are refit depends on its Hessians at the start (some
-    # row's exactly zero: absolute error, hinge). The round without a refit, which most losses
-    # take, compiles while the start is found, and its derivatives' program then tells (it
-    # counts zero Hessians for such a loss); a loss that needs the refit then compiles the
-    # refit round's programs (its derivatives' are the same).
+    # row's exactly zero: absolute error, hinge). The round the loss's trace foretells compiles
+    # while the start is found: with the refit where its Hessian is zero everywhere, else
+    # without, which most losses take. Its derivatives' program then tells (it counts zero
+    # Hessians for such a loss); where it tells otherwise, the other round's programs compile
+    # (its derivatives' are the same).
     refit_unknown = leaf_refit is None and resolved.leaf_refit is None
-    leaf_refit = False if refit_unknown else bool(resolved.leaf_refit if leaf_refit is None else leaf_refit)
+    leaf_refit = (_hessian_vanishes(resolved, train_rows) if refit_unknown
+                  else bool(resolved.leaf_refit if leaf_refit is None else leaf_refit))
 
     shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
                        leaf_refit=leaf_refit,

@@ -424,6 +424,69 @@ def _pinball(raw_prediction, y):
     return jnp.maximum(0.8 * residual, -0.2 * residual)
 
 
+
+def _clipped_absolute_error(raw_prediction, y):
+    return jnp.minimum(jnp.abs(raw_prediction - y), 3.0)
+
+
+def _half_squared_above(raw_prediction, y):
+    return jnp.where(raw_prediction > y, 0.5 * (raw_prediction - y) ** 2, 0.0)
+
+
+@pytest.mark.parametrize("loss, loss_params, vanishes", [
+    (_custom_absolute_error, None, True),
+    (_pinball, None, True),
+    (lambda raw, y, tau: jnp.maximum(tau * (y - raw), (tau - 1) * (y - raw)), {"tau": 0.3}, True),
+    (lambda raw, y: jnp.maximum(0.0, 1.0 - (2 * y - 1) * raw), None, True),  # hinge
+    (_clipped_absolute_error, None, True),
+    (lambda raw, y: 0.5 * (raw - y) ** 2, None, False),
+    (_huber(1.0), None, False),  # zero in its tails alone
+    (_half_squared_above, None, False),  # zero on one side alone
+    (optax.losses.sigmoid_binary_cross_entropy, None, False),
+])
+def test_a_loss_whose_hessian_is_zero_everywhere_is_told_by_its_trace(loss, loss_params, vanishes):
+    """Where autodiff's Hessian of a loss is the literal zero (piecewise-linear losses), its
+    trace tells so without compiling; a Hessian zero for some inputs alone is not told. Each
+    answer agrees with the Hessians computed on labels and raw predictions on both sides of
+    the kinks."""
+    from jaxboost.derivatives import hessian_vanishes
+
+    params = {name: jnp.float32(value) for name, value in (loss_params or {}).items()}
+    label = jax.ShapeDtypeStruct((), jnp.float32)
+    assert hessian_vanishes(loss, label, params) is vanishes
+    raw, labels = np.meshgrid(np.linspace(-6, 6, 49, dtype=np.float32), np.array([0.0, 1.0], np.float32))
+    _, hessians = gradients_and_hessians(lambda r, y: loss(r, y, **params), raw.ravel(), labels.ravel())
+    assert bool(np.all(np.asarray(hessians) == 0)) is vanishes
+
+
+def test_a_custom_loss_whose_trace_tells_its_refit_compiles_no_count_program(monkeypatch):
+    """A piecewise-linear custom loss needs its leaves refit, as its trace tells: ``train_many``
+    and a fit of no rounds compile no program to count zero Hessians, while a loss zero in part
+    (Huber's tails) still counts them; a multi-output loss is not told by its trace."""
+    from jaxboost import training
+
+    X, y = _regression_data(seed=3, n=500)
+    counted = []
+    count_program = training.compiled_zero_hessian_count
+
+    def counting(*args, **kwargs):
+        counted.append(args[0])
+        return count_program(*args, **kwargs)
+
+    monkeypatch.setattr(training, "compiled_zero_hessian_count", counting)
+    settings = dict(num_rounds=2, max_depth=2)
+    models = jb.train_many(X, y, loss=_pinball, seeds=[0, 1], **settings)
+    assert all(model.params["leaf_refit"] for model in models)
+    assert jb.train(X, y, loss=_custom_absolute_error, num_rounds=0).params["leaf_refit"]
+    assert counted == []
+    jb.train_many(X, y, loss=_huber(0.01), seeds=[0, 1], **settings)
+    assert len(counted) == 1
+    two_outputs = jb.train(X, y, loss=lambda raw, y: jnp.sum(jnp.abs(raw - jnp.stack([y, -y]))),
+                           num_outputs=2, num_rounds=0)
+    assert two_outputs.params["leaf_refit"]
+    assert len(counted) == 2
+
+
 @pytest.mark.parametrize("settings", [
     dict(loss="absolute_error", subsample=0.7, eval_metric=["mae", "loss"]),
     dict(loss=_custom_absolute_error, eval_metric=["rmse"]),  # refit found from its zero Hessians
@@ -496,9 +559,8 @@ def test_a_new_refit_loss_compiles_its_derivatives_and_refit_but_not_the_trees(m
     """A leaf refit reads the loss after the trees are grown, in a program of its own: losses
     that need one (the built-in absolute error; custom absolute and pinball losses, found to
     need one by their zero Hessians) each trace their derivatives and refit, and share one
-    program of the refit round's trees. A custom loss's derivatives, compiled while its need
-    for a refit was unknown, serve its refit round too, and the trees of a round without a
-    refit are traced once, for the first custom loss."""
+    program of the refit round's trees. The custom losses' traces foretell their refit (their
+    Hessians are the literal zero), so no round without a refit is traced."""
     X, y = _regression_data(seed=5)
     traced = _counted_traces(monkeypatch, trees="_grow_trees", derivatives="_tree_statistics",
                              refit="_refit_and_move")
@@ -511,13 +573,16 @@ def test_a_new_refit_loss_compiles_its_derivatives_and_refit_but_not_the_trees(m
             assert np.isfinite(model.evals_result["validation_0"]["mae"]).all()
     finally:
         boosting.clear_compiled_rounds()
-    assert traced == {"trees": 2, "derivatives": 3, "refit": 3}, traced
+    assert traced == {"trees": 1, "derivatives": 3, "refit": 3}, traced
 
 
 @pytest.mark.parametrize("settings, trees_programs", [
     # The trees' twice: the round without a refit (compiled while the start was found, the
-    # refit unknown), then the refit round's.
-    (dict(loss=_pinball, eval_metric="mae"), 2),
+    # trace leaving the refit unknown: Huber's Hessian is 1 in its middle), then the refit
+    # round's, for the rows in its tails at the start.
+    (dict(loss=_huber(0.1), eval_metric="mae"), 2),
+    # Once: the trace foretells the refit (the pinball's Hessian is the literal zero).
+    (dict(loss=_pinball, eval_metric="mae"), 1),
     (dict(loss="gaussian_nll", hessian="constant", multi_strategy="multi_output_tree", leaf_refit=True,
           eval_metric="loss"), 1),
 ])
@@ -526,7 +591,7 @@ def test_a_refit_round_is_compiled_ahead_and_once(settings, trees_programs):
     (in the compiling thread), for the shapes the trees' program gives it (a sharding or dtype
     off would compile it again in the call): a custom loss whose zero Hessians at the start
     call for a refit (its derivatives, compiled for the round without one, serve the refit
-    round), and vector leaves refit on a built-in."""
+    round), one whose trace foretells it, and vector leaves refit on a built-in."""
     import threading
 
     X, y = _regression_data(seed=9, n=50_000)  # rows sharded over two devices
