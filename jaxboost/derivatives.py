@@ -80,18 +80,22 @@ def hessian_vanishes(loss: Callable, y_example: jax.ShapeDtypeStruct, loss_param
       y_example: one example's label: its shape and dtype.
       loss_params: the loss's keyword parameters (traced, so only their shapes matter).
     """
-    params = tuple(sorted((name, jnp.shape(value), jnp.result_type(value).name)
-                          for name, value in (loss_params or {}).items()))
-    return _hessian_is_literal_zero(loss, tuple(y_example.shape), jnp.dtype(y_example.dtype).name, params)
+    leaves, structure = jax.tree_util.tree_flatten(dict(loss_params or {}))
+    leaf_specs = tuple((jnp.shape(leaf), jnp.result_type(leaf).name) for leaf in leaves)
+    return _hessian_is_literal_zero(loss, tuple(y_example.shape), jnp.dtype(y_example.dtype).name, structure,
+                                    leaf_specs)
 
 
 @functools.lru_cache(maxsize=64)
-def _hessian_is_literal_zero(loss: Callable, y_shape: tuple, y_dtype: str, params: tuple) -> bool:
+def _hessian_is_literal_zero(loss: Callable, y_shape: tuple, y_dtype: str, params_structure, leaf_specs: tuple
+                             ) -> bool:
     def hessian(raw_prediction, y, loss_params):
         return _example_value_gradient_and_hessian(lambda f, label: loss(f, label, **loss_params), raw_prediction,
                                                    y)[2]
 
+    params = jax.tree_util.tree_unflatten(params_structure,
+                                          [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in leaf_specs])
     traced = jax.make_jaxpr(hessian)(jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct(y_shape, y_dtype),
-                                     {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in params})
+                                     params)
     (output,) = traced.jaxpr.outvars
     return isinstance(output, jax.extend.core.Literal) and bool(output.val == 0)

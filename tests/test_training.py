@@ -437,6 +437,7 @@ def _half_squared_above(raw_prediction, y):
     (_custom_absolute_error, None, True),
     (_pinball, None, True),
     (lambda raw, y, tau: jnp.maximum(tau * (y - raw), (tau - 1) * (y - raw)), {"tau": 0.3}, True),
+    (lambda raw, y, band: jnp.maximum(jnp.abs(raw - y) - band["width"], 0.0), {"band": {"width": 0.5}}, True),
     (lambda raw, y: jnp.maximum(0.0, 1.0 - (2 * y - 1) * raw), None, True),  # hinge
     (_clipped_absolute_error, None, True),
     (lambda raw, y: 0.5 * (raw - y) ** 2, None, False),
@@ -451,7 +452,7 @@ def test_a_loss_whose_hessian_is_zero_everywhere_is_told_by_its_trace(loss, loss
     the kinks."""
     from jaxboost.derivatives import hessian_vanishes
 
-    params = {name: jnp.float32(value) for name, value in (loss_params or {}).items()}
+    params = jax.tree_util.tree_map(jnp.float32, loss_params or {})
     label = jax.ShapeDtypeStruct((), jnp.float32)
     assert hessian_vanishes(loss, label, params) is vanishes
     raw, labels = np.meshgrid(np.linspace(-6, 6, 49, dtype=np.float32), np.array([0.0, 1.0], np.float32))
