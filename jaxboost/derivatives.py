@@ -4,7 +4,9 @@ The loss is ``loss(raw_prediction, y) -> scalar`` for ONE example, the optax con
 ``raw_prediction`` is a scalar for single-output losses and a length-K vector otherwise. The
 gradient comes from ``jax.grad`` and the Hessian diagonal from forward-over-reverse
 (``jax.jvp`` of the gradient), both in one pass (the whole K x K matrix for vector leaves);
-rows are batched with ``jax.vmap``. Nobody writes a derivative by hand.
+rows are batched with ``jax.vmap``. Nobody writes a derivative by hand. A loss's trace alone
+tells whether its Hessian is zero everywhere (``hessian_vanishes``: a piecewise-linear loss,
+whose leaves are refit).
 """
 
 from __future__ import annotations

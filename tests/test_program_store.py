@@ -45,7 +45,7 @@ def test_descriptions_name_jaxboost_code_and_refuse_user_code(monkeypatch):
         describe(quantile)
 
 
-def _fit_in_process(tmp_path, monkeypatch, store: str, loss="logistic", **settings):
+def _fit_in_process(tmp_path, monkeypatch, store: str, loss="logistic", return_model=False, **settings):
     monkeypatch.setenv("JAXBOOST_PROGRAM_STORE", store)
     monkeypatch.setenv("JAXBOOST_CACHE_DIR", str(tmp_path))
     program_store._IN_PROCESS.clear()
@@ -53,7 +53,7 @@ def _fit_in_process(tmp_path, monkeypatch, store: str, loss="logistic", **settin
     X = rng.normal(size=(257, 5)).astype(np.float32)
     y = (X[:, 0] + 0.5 * rng.normal(size=257) > 0).astype(np.float32)
     model = jb.train(X, y, loss=loss, num_rounds=3, **{"max_depth": 3, **settings})
-    return model.predict_raw(X)
+    return model if return_model else model.predict_raw(X)
 
 
 def _stored_forms(folder, suffix) -> list:
@@ -176,8 +176,10 @@ def test_a_refit_round_stores_its_programs_and_custom_losses_store_none_of_their
     """A round with a leaf refit (absolute error) stores its statistics, its trees and its refit,
     with the starting value, and the loaded programs predict what the traced ones do, bit for
     bit. A custom absolute error's refit and derivatives read its code and are not stored; its
-    refit round's trees are the built-in's (the one entry more is the round without a refit
-    that its first fit compiles while its Hessians are still unknown)."""
+    refit round's trees are the built-in's (its Hessian, the literal zero in its trace,
+    foretells the refit). A custom Huber loss, whose tails' zero Hessians its first fit finds
+    at the start, stores one entry more: the round without a refit, compiled while its need of
+    one was unknown."""
     traced = _fit_in_process(tmp_path, monkeypatch, "0", loss="absolute_error")
     folder = tmp_path / "programs"
     exported = _fit_in_process(tmp_path, monkeypatch, "1", loss="absolute_error")
@@ -191,8 +193,15 @@ def test_a_refit_round_stores_its_programs_and_custom_losses_store_none_of_their
         return jax.numpy.abs(raw_prediction - y)
 
     custom = _fit_in_process(tmp_path, monkeypatch, "1", loss=custom_absolute_error)
-    assert len(_stored_programs(folder)) == len(stored) + 1
+    assert len(_stored_programs(folder)) == len(stored)
     np.testing.assert_allclose(custom, traced, rtol=1e-5, atol=1e-5)
+
+    def custom_huber(raw_prediction, y, delta=0.01):
+        residual = jax.numpy.abs(raw_prediction - y)
+        return jax.numpy.where(residual <= delta, 0.5 * residual ** 2, delta * (residual - 0.5 * delta))
+
+    assert _fit_in_process(tmp_path, monkeypatch, "1", loss=custom_huber, return_model=True).params["leaf_refit"]
+    assert len(_stored_programs(folder)) == len(stored) + 1
 
 
 @pytest.mark.parametrize("step, error", [
