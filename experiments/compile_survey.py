@@ -48,6 +48,7 @@ CONFIGS = {
     "subsample-0.8": ("classification", dict(loss="logistic", subsample=0.8)),
     "custom-focal": ("classification", dict(loss="focal")),
     "custom-hinge-refit-found": ("classification", dict(loss="hinge")),
+    "custom-three-quantiles": ("regression", dict(loss="quantiles", num_outputs=3)),
 }
 
 
@@ -61,6 +62,12 @@ def _custom_loss(name: str):
             p_true = jnp.where(y > 0, p, 1 - p)
             return -((1 - p_true) ** gamma) * jnp.log(jnp.clip(p_true, 1e-7, 1.0))
         return focal
+    if name == "quantiles":
+        def quantiles(raw_prediction, y):  # the 0.1, 0.5 and 0.9 quantiles, one output each
+            residual = y - raw_prediction
+            taus = jnp.array([0.1, 0.5, 0.9])
+            return jnp.sum(jnp.maximum(taus * residual, (taus - 1) * residual))
+        return quantiles
     return lambda raw_prediction, y: jnp.maximum(0.0, 1.0 - (2 * y - 1) * raw_prediction)
 
 
@@ -81,7 +88,7 @@ def worker(config: str, rows: int) -> dict:
     else:
         X, y = make_classification(rows, 28, n_informative=14, n_redundant=4, random_state=0)
     X, y = X.astype(np.float32), y.astype(np.float32)
-    if settings["loss"] in ("focal", "hinge"):
+    if settings["loss"] in ("focal", "hinge", "quantiles"):
         settings["loss"] = _custom_loss(settings["loss"])
     if settings.pop("eval_set", False):
         settings["eval_set"] = [(X[:5000], y[:5000])]

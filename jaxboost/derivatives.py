@@ -69,35 +69,49 @@ def output_gradient(loss: Callable, raw_prediction: jax.Array, y: jax.Array, out
 
 
 
-def hessian_vanishes(loss: Callable, y_example: jax.ShapeDtypeStruct, loss_params: dict | None = None) -> bool:
-    """Whether autodiff's Hessian of a single-output ``loss`` is zero at every raw prediction,
-    as tracing alone shows: its jaxpr is the literal 0 for a piecewise-linear loss (absolute
-    error, hinge, quantile), whose branches' second derivatives vanish symbolically. False
-    where some input may make it nonzero (Huber's quadratic middle), and for a multi-output
-    loss, whose Hessian batched autodiff builds as an array of zeros rather than a literal.
-    The answer is kept per loss and shapes: the trace took 15-70 ms, a fit's worth on small data.
+def hessian_vanishes(loss: Callable, y_example: jax.ShapeDtypeStruct, loss_params: dict | None = None,
+                     num_outputs: int | None = None) -> bool:
+    """Whether autodiff's Hessian of ``loss`` is zero at every raw prediction, as tracing alone
+    shows: for a piecewise-linear loss (absolute error, hinge, quantile, several quantiles at
+    once) its branches' second derivatives vanish symbolically, and the Hessian's jaxpr is the
+    literal 0 (for several outputs, that literal broadcast to the K x K matrix). False where
+    some input may make it nonzero (Huber's quadratic middle). The answer is kept per loss and
+    shapes: the trace took 15-70 ms, a fit's worth on small data.
 
     Args:
-      loss: per-example loss ``loss(raw_prediction, y, **loss_params)``, raw prediction a scalar.
+      loss: per-example loss ``loss(raw_prediction, y, **loss_params)``.
       y_example: one example's label: its shape and dtype.
       loss_params: the loss's keyword parameters (traced, so only their shapes matter).
+      num_outputs: the raw prediction's length K for a loss of a vector (None: a scalar).
     """
     leaves, structure = jax.tree_util.tree_flatten(dict(loss_params or {}))
     leaf_specs = tuple((jnp.shape(leaf), jnp.result_type(leaf).name) for leaf in leaves)
-    return _hessian_is_literal_zero(loss, tuple(y_example.shape), jnp.dtype(y_example.dtype).name, structure,
-                                    leaf_specs)
+    raw_shape = () if num_outputs is None else (num_outputs,)
+    return _hessian_is_literal_zero(loss, raw_shape, tuple(y_example.shape), jnp.dtype(y_example.dtype).name,
+                                    structure, leaf_specs)
+
+
+# Primitives that only place their one operand's values: a literal 0 stays 0 through them.
+_PLACING_PRIMITIVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+                                 "convert_element_type", "copy"})
 
 
 @functools.lru_cache(maxsize=64)
-def _hessian_is_literal_zero(loss: Callable, y_shape: tuple, y_dtype: str, params_structure, leaf_specs: tuple
-                             ) -> bool:
+def _hessian_is_literal_zero(loss: Callable, raw_shape: tuple, y_shape: tuple, y_dtype: str, params_structure,
+                             leaf_specs: tuple) -> bool:
     def hessian(raw_prediction, y, loss_params):
         return _example_value_gradient_and_hessian(lambda f, label: loss(f, label, **loss_params), raw_prediction,
-                                                   y)[2]
+                                                   y, full=True)[2]
 
     params = jax.tree_util.tree_unflatten(params_structure,
                                           [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in leaf_specs])
-    traced = jax.make_jaxpr(hessian)(jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct(y_shape, y_dtype),
-                                     params)
-    (output,) = traced.jaxpr.outvars
-    return isinstance(output, jax.extend.core.Literal) and bool(output.val == 0)
+    traced = jax.make_jaxpr(hessian)(jax.ShapeDtypeStruct(raw_shape, jnp.float32),
+                                     jax.ShapeDtypeStruct(y_shape, y_dtype), params)
+    producer = {id(var): equation for equation in traced.jaxpr.eqns for var in equation.outvars}
+    (value,) = traced.jaxpr.outvars
+    while not isinstance(value, jax.extend.core.Literal) and id(value) in producer:
+        equation = producer[id(value)]
+        if equation.primitive.name not in _PLACING_PRIMITIVES:
+            return False
+        value = equation.invars[0]
+    return isinstance(value, jax.extend.core.Literal) and bool(value.val == 0)

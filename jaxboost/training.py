@@ -224,11 +224,11 @@ def _starting_value(resolved: ResolvedLoss, rows: _DeviceRows, mesh) -> np.ndarr
 
 def _hessian_vanishes(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:
     """Whether a custom loss's Hessian is zero at every raw prediction, as its trace shows
-    (``derivatives.hessian_vanishes``; a multi-output loss: not shown, False)."""
-    if resolved.objective.vector_output:
-        return False
+    (``derivatives.hessian_vanishes``)."""
+    objective = resolved.objective
     label = jax.ShapeDtypeStruct(rows.y.shape[1:], rows.y.dtype)
-    return hessian_vanishes(resolved.objective.loss, label, resolved.loss_params)
+    return hessian_vanishes(objective.loss, label, resolved.loss_params,
+                            objective.num_outputs if objective.vector_output else None)
 
 
 def _leaf_refit_needed(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:

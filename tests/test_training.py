@@ -433,37 +433,62 @@ def _half_squared_above(raw_prediction, y):
     return jnp.where(raw_prediction > y, 0.5 * (raw_prediction - y) ** 2, 0.0)
 
 
-@pytest.mark.parametrize("loss, loss_params, vanishes", [
-    (_custom_absolute_error, None, True),
-    (_pinball, None, True),
-    (lambda raw, y, tau: jnp.maximum(tau * (y - raw), (tau - 1) * (y - raw)), {"tau": 0.3}, True),
-    (lambda raw, y, band: jnp.maximum(jnp.abs(raw - y) - band["width"], 0.0), {"band": {"width": 0.5}}, True),
-    (lambda raw, y: jnp.maximum(0.0, 1.0 - (2 * y - 1) * raw), None, True),  # hinge
-    (_clipped_absolute_error, None, True),
-    (lambda raw, y: 0.5 * (raw - y) ** 2, None, False),
-    (_huber(1.0), None, False),  # zero in its tails alone
-    (_half_squared_above, None, False),  # zero on one side alone
-    (optax.losses.sigmoid_binary_cross_entropy, None, False),
+def _quantiles_at_once(raw_prediction, y):
+    """Three quantiles' pinball losses, one output each."""
+    taus = jnp.array([0.1, 0.5, 0.9])
+    residual = y - raw_prediction
+    return jnp.sum(jnp.maximum(taus * residual, (taus - 1) * residual))
+
+
+def _multiclass_hinge(raw_prediction, y):
+    """Crammer and Singer's: the margin of the true class over the best other one."""
+    label = y.astype(jnp.int32)
+    best_other = jnp.max(jnp.where(jnp.arange(raw_prediction.shape[0]) == label, -jnp.inf, raw_prediction))
+    return jnp.maximum(0.0, 1.0 + best_other - raw_prediction[label])
+
+
+@pytest.mark.parametrize("loss, loss_params, num_outputs, vanishes", [
+    (_custom_absolute_error, None, None, True),
+    (_pinball, None, None, True),
+    (lambda raw, y, tau: jnp.maximum(tau * (y - raw), (tau - 1) * (y - raw)), {"tau": 0.3}, None, True),
+    (lambda raw, y, band: jnp.maximum(jnp.abs(raw - y) - band["width"], 0.0), {"band": {"width": 0.5}}, None, True),
+    (lambda raw, y: jnp.maximum(0.0, 1.0 - (2 * y - 1) * raw), None, None, True),  # hinge
+    (_clipped_absolute_error, None, None, True),
+    (_quantiles_at_once, None, 3, True),
+    (_multiclass_hinge, None, 3, True),
+    (lambda raw, y: 0.5 * (raw - y) ** 2, None, None, False),
+    (_huber(1.0), None, None, False),  # zero in its tails alone
+    (_half_squared_above, None, None, False),  # zero on one side alone
+    (optax.losses.sigmoid_binary_cross_entropy, None, None, False),
+    (lambda raw, y: jnp.abs(raw[0] - y) + (raw[1] - y) ** 2, None, 2, False),  # one output's Hessian zero
+    (lambda raw, y: jax.nn.logsumexp(raw) - raw[y.astype(jnp.int32)], None, 3, False),  # softmax
 ])
-def test_a_loss_whose_hessian_is_zero_everywhere_is_told_by_its_trace(loss, loss_params, vanishes):
-    """Where autodiff's Hessian of a loss is the literal zero (piecewise-linear losses), its
-    trace tells so without compiling; a Hessian zero for some inputs alone is not told. Each
-    answer agrees with the Hessians computed on labels and raw predictions on both sides of
-    the kinks."""
-    from jaxboost.derivatives import hessian_vanishes
+def test_a_loss_whose_hessian_is_zero_everywhere_is_told_by_its_trace(loss, loss_params, num_outputs, vanishes):
+    """Where autodiff's Hessian of a loss is the literal zero (piecewise-linear losses; for a
+    vector of outputs, the literal broadcast to the matrix), its trace tells so without
+    compiling; a Hessian zero for some inputs or entries alone is not told. Each answer agrees
+    with the Hessians computed on labels and raw predictions on both sides of the kinks."""
+    from jaxboost.derivatives import hessian_vanishes, values_gradients_and_hessian_matrices
 
     params = jax.tree_util.tree_map(jnp.float32, loss_params or {})
     label = jax.ShapeDtypeStruct((), jnp.float32)
-    assert hessian_vanishes(loss, label, params) is vanishes
-    raw, labels = np.meshgrid(np.linspace(-6, 6, 49, dtype=np.float32), np.array([0.0, 1.0], np.float32))
-    _, hessians = gradients_and_hessians(lambda r, y: loss(r, y, **params), raw.ravel(), labels.ravel())
+    assert hessian_vanishes(loss, label, params, num_outputs) is vanishes
+    with_params = lambda r, y: loss(r, y, **params)  # noqa: E731
+    if num_outputs is None:
+        raw, labels = np.meshgrid(np.linspace(-6, 6, 49, dtype=np.float32), np.array([0.0, 1.0], np.float32))
+        _, hessians = gradients_and_hessians(with_params, raw.ravel(), labels.ravel())
+    else:
+        rng = np.random.default_rng(0)
+        raw = rng.normal(scale=3.0, size=(200, num_outputs)).astype(np.float32)
+        labels = rng.integers(0, num_outputs, size=200).astype(np.float32)
+        _, _, hessians = values_gradients_and_hessian_matrices(with_params, raw, labels)
     assert bool(np.all(np.asarray(hessians) == 0)) is vanishes
 
 
 def test_a_custom_loss_whose_trace_tells_its_refit_compiles_no_count_program(monkeypatch):
     """A piecewise-linear custom loss needs its leaves refit, as its trace tells: ``train_many``
     and a fit of no rounds compile no program to count zero Hessians, while a loss zero in part
-    (Huber's tails) still counts them; a multi-output loss is not told by its trace."""
+    (Huber's tails) still counts them. So do multi-output losses."""
     from jaxboost import training
 
     X, y = _regression_data(seed=3, n=500)
@@ -485,6 +510,10 @@ def test_a_custom_loss_whose_trace_tells_its_refit_compiles_no_count_program(mon
     two_outputs = jb.train(X, y, loss=lambda raw, y: jnp.sum(jnp.abs(raw - jnp.stack([y, -y]))),
                            num_outputs=2, num_rounds=0)
     assert two_outputs.params["leaf_refit"]
+    assert len(counted) == 1
+    huber_twice = jb.train(X, y, loss=lambda raw, y: jnp.sum(_huber(0.01)(raw, jnp.stack([y, -y]))),
+                           num_outputs=2, num_rounds=0)
+    assert huber_twice.params["leaf_refit"]
     assert len(counted) == 2
 
 
@@ -582,8 +611,10 @@ def test_a_new_refit_loss_compiles_its_derivatives_and_refit_but_not_the_trees(m
     # trace leaving the refit unknown: Huber's Hessian is 1 in its middle), then the refit
     # round's, for the rows in its tails at the start.
     (dict(loss=_huber(0.1), eval_metric="mae"), 2),
-    # Once: the trace foretells the refit (the pinball's Hessian is the literal zero).
+    # Once: the trace foretells the refit (the pinball's Hessian is the literal zero), for one
+    # output or several.
     (dict(loss=_pinball, eval_metric="mae"), 1),
+    (dict(loss=_quantiles_at_once, num_outputs=3, eval_metric="loss"), 1),
     (dict(loss="gaussian_nll", hessian="constant", multi_strategy="multi_output_tree", leaf_refit=True,
           eval_metric="loss"), 1),
 ])
