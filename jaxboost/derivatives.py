@@ -68,7 +68,6 @@ def output_gradient(loss: Callable, raw_prediction: jax.Array, y: jax.Array, out
     return g if output is None else g[:, output]
 
 
-
 def hessian_vanishes(loss: Callable, y_example: jax.ShapeDtypeStruct, loss_params: dict | None = None,
                      num_outputs: int | None = None) -> bool:
     """Whether autodiff's Hessian of ``loss`` is zero at every raw prediction, as tracing alone
