@@ -71,12 +71,8 @@ def _compensated_sum(partial: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(added), added + error, added)
 
 
-def _blocked_sum(values: jax.Array) -> jax.Array:
-    return _compensated_sum(_block_partials(values))
-
-
 def _blocked_sums(*arrays: jax.Array) -> tuple:
-    """``_blocked_sum`` of each array (the same rows), their partial sums side by side in one
+    """The blocked sum of each array (the same rows), their partial sums side by side in one
     compensated pass: each pass is a kernel of its own, unrolled over its columns."""
     partials = [_block_partials(values) for values in arrays]
     total = _compensated_sum(jnp.concatenate([partial.reshape(partial.shape[0], -1) for partial in partials], axis=1))
@@ -87,14 +83,12 @@ def _blocked_sums(*arrays: jax.Array) -> tuple:
 def row_sum(values: jax.Array) -> jax.Array:
     """``jnp.sum(values, axis=0)`` for an array of rows ``(n, ...)``; on CPU 32 rows at a time,
     then a compensated sum of those (see the module's docstring)."""
-    if values.shape[0] <= BLOCK_ROWS:
-        return jnp.sum(values, axis=0)
-    return per_platform(values, cpu=_blocked_sum, default=lambda values: jnp.sum(values, axis=0))
+    return row_sums(values)[0]
 
 
 def row_sums(*arrays: jax.Array) -> tuple:
-    """``row_sum`` of each array of rows (all with the same rows and dtype), the same sums; on
-    CPU their compensated passes are one."""
+    """``row_sum`` of each array of rows (all with the same rows and dtype), the same sums as
+    each alone; on CPU their compensated passes are one."""
     if arrays[0].shape[0] <= BLOCK_ROWS:
         return _plain_sums(*arrays)
     return per_platform(*arrays, cpu=_blocked_sums, default=_plain_sums)
