@@ -21,7 +21,6 @@ values and health flags) comes back to the host per round.
 
 from __future__ import annotations
 
-import concurrent.futures
 from functools import lru_cache, partial
 from typing import Callable, NamedTuple
 
@@ -31,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
-from .devices import (MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, float32_jax, mesh_platform, model_split,
+from .devices import (MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, mesh_platform, model_split,
                       row_sharding)
 from .grower import GrowthParams, RowLeaves, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
@@ -1094,17 +1093,19 @@ class SplitRound:
         return (statistics_arguments, trees_arguments, refit_arguments,
                 metrics_arguments + (tuple(eval_set[3] for eval_set in eval_sets),))
 
-    def lower(self, *arguments) -> "_LoweredRound":
-        """The programs lowered for ``arguments`` (``program_arguments``), to be compiled ahead
-        of the first call."""
+    def lower_in_turn(self, *arguments):
+        """The programs lowered for ``arguments`` (``program_arguments``), one at a time, to be
+        compiled ahead of the first call: the trees' first, then the others together (compiled
+        one after the other; ``found_while_compiling`` compiles each group in a thread of its own
+        as soon as it is lowered)."""
         statistics_arguments, trees_arguments, refit_arguments, metrics_arguments = self.program_arguments(arguments)
+        yield self.trees.lower(*trees_arguments)
         others = [self.statistics.lower(*statistics_arguments)]
-        trees = self.trees.lower(*trees_arguments)
         if self.refit:
             others.append(self.refit.lower(*refit_arguments))
         if self.metrics:
             others.append(self.metrics.lower(*metrics_arguments))
-        return _LoweredRound(trees, others)
+        yield _LoweredInSequence(others)
 
     def jitted(self) -> "SplitRound":
         """This round with its stored programs made (``program_store.ready``)."""
@@ -1112,20 +1113,13 @@ class SplitRound:
                           self.refit and ready(self.refit))
 
 
-class _LoweredRound(NamedTuple):
-    trees: object  # jax.stages.Lowered
-    others: list
+class _LoweredInSequence(NamedTuple):
+    """Lowered programs (``jax.stages.Lowered`` or the program store's) compiled one after the other."""
+    programs: list
 
     def compile(self) -> None:
-        """Compiles the trees' program in this thread while a thread of its own compiles the
-        others (XLA compiles without holding the GIL): one after the other, the derivatives'
-        compile had come on top of the trees' (0.3-0.45 s after 1.2-1.6 on 2 cores, 100k rows).
-        In 32-bit mode, as training's thread is: compiled in another mode, a program is not the
-        one its first call looks for, and compiles again."""
-        with concurrent.futures.ThreadPoolExecutor(1, "jaxboost-compile") as thread:
-            pending = thread.submit(float32_jax(lambda: [program.compile() for program in self.others]))
-            self.trees.compile()
-            pending.result()
+        for program in self.programs:
+            program.compile()
 
 
 @lru_cache(maxsize=64)

@@ -651,16 +651,17 @@ def test_a_refit_round_is_compiled_ahead_and_once(settings, trees_programs):
                                                ("train", dict(subsample=0.5, eval_set=True, loss="logistic")),
                                                ("train", dict(loss=lambda raw, y: 0.5 * (raw - y) ** 2)),
                                                ("train_many", dict(eval_set=True, loss="logistic"))])
-def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_starting_value(monkeypatch, trainer,
-                                                                                         settings):
-    """The round is compiled ahead of its first call, for the raw predictions' shapes, while a
-    thread finds the starting value: the call then takes that program (a mismatch, such as
-    another sharding, would lower and compile the round a second time). The memory the compiler
-    freed is handed back before the first round. The starting value's thread starts once the
-    round is lowered (tracing both at once, the threads had taken turns on the GIL); for a
-    custom loss, that thread also starts the raw predictions there, where the round's
-    derivatives tell whether it needs a leaf refit. A second fit of the same shapes finds the
-    round compiled, and finds its starting value in the caller's thread."""
+def test_a_first_fit_compiles_its_round_once_in_other_threads_while_it_finds_the_starting_value(monkeypatch, trainer,
+                                                                                              settings):
+    """The round is compiled ahead of its first call, for the raw predictions' shapes, while the
+    caller's thread finds the starting value: the call then takes those programs (a mismatch,
+    such as another sharding, would lower and compile the round a second time). The caller's
+    thread lowers the round's programs in turn, the trees' first, and each compiles in another
+    thread; the starting value comes once they are all lowered (tracing both at once, the
+    threads had taken turns on the GIL). For a custom loss, that thread also starts the raw
+    predictions there, where the round's derivatives tell whether it needs a leaf refit. The
+    memory the compiler freed is handed back before the first round. A second fit of the same
+    shapes finds the round compiled."""
     import threading
 
     from jaxboost import training, vmapped_training
@@ -670,7 +671,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     if settings.pop("eval_set", False):
         y = (y > np.median(y)).astype(np.float32)
         settings["eval_set"] = [(X[:300], y[:300])]
-    lowered, starting_threads, steps, in_64_bits, order = [], [], [], [], []
+    lowered, compiled_by, starting_threads, steps, in_64_bits, order = [], [], [], [], [], []
 
     def listener(name, duration, **kwargs):
         if "round" not in str(kwargs.get("fun_name")):
@@ -680,6 +681,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
             steps.append("round lowered")
             order.append("round lowered")
         elif name.endswith("backend_compile_duration"):  # also a persistent-cache hit
+            compiled_by.append(threading.get_ident())
             steps.append("round compiled")
 
     def recording_starting_value(*args, **kwargs):
@@ -699,9 +701,11 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         def call(*args):
             steps.append("round called")
             return compiled(*args)
-        call.lower = compiled.lower
-        if hasattr(compiled, "zero_hessian"):  # a custom loss's refit: decided by the round's derivatives
-            call.zero_hessian = compiled.zero_hessian
+        # A first fit compiles the round ahead (a jitted round as one program, a ``SplitRound``
+        # as its programs in turn); a custom loss's refit is decided by the round's derivatives.
+        for method in ("lower", "lower_in_turn", "zero_hessian"):
+            if hasattr(compiled, method):
+                setattr(call, method, getattr(compiled, method))
         return call
 
     def fit(num_rounds=3):
@@ -732,7 +736,7 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
         order.clear()
         first = fit()
         first_fit_order = list(order)
-        first_fit_steps, first_fit_threads = list(steps), list(starting_threads)
+        first_fit_steps = list(steps)
         again = fit()
     finally:
         jax.config.update("jax_enable_x64", False)
@@ -743,14 +747,17 @@ def test_a_first_fit_compiles_its_round_once_while_another_thread_finds_the_star
     assert programs == (1 if trainer == "train_many" else 2), lowered
     assert {thread for thread, _ in lowered} == {threading.get_ident()}, "a program was lowered by another thread"
     assert len({program for _, program in lowered}) == programs, f"a program was lowered twice: {lowered}"
-    assert first_fit_threads and threading.get_ident() not in first_fit_threads
+    assert trainer == "train_many" or "round_trees" in str(lowered[0][1]), f"the trees' program first: {lowered}"
+    assert compiled_by and threading.get_ident() not in compiled_by, "a program was compiled by the caller's thread"
+    assert set(starting_threads) == {threading.get_ident()}, starting_threads
     assert first_fit_order[:programs + 1] == ["round lowered"] * programs + ["starting value"], first_fit_order
     # Compiled before its first call, and once; the free pages the compiler left are handed back
     # before the rounds' buffers come on top of them.
-    assert first_fit_steps[:2 * programs + 2] == (["round lowered"] * programs + ["round compiled"] * programs
-                                                  + ["pages handed back", "round called"]), first_fit_steps
+    compiling = first_fit_steps[:2 * programs]
+    assert compiling[0] == "round lowered" and sorted(compiling) == ["round compiled"] * programs + [
+        "round lowered"] * programs, first_fit_steps
+    assert first_fit_steps[2 * programs:2 * programs + 2] == ["pages handed back", "round called"], first_fit_steps
     assert steps.count("round compiled") == programs and steps.count("pages handed back") == 1, steps
-    assert starting_threads[len(first_fit_threads):] == [threading.get_ident()] * len(first_fit_threads)
     assert not any(in_64_bits), in_64_bits
     assert np.all(np.isfinite(first))
     assert_same_training(again, first)
@@ -894,7 +901,12 @@ def test_rounds_donate_raw_predictions_and_read_row_indices_only_when_sampling(m
                 after = [shard.data.unsafe_buffer_pointer() for shard in result[0].addressable_shards]
                 written_over.append(before == after)
                 return result
-            call.lower = compiled.lower  # a first fit compiles the round ahead of its first call
+            # A first fit compiles the round ahead of its first call: a jitted round as one
+            # program, a ``SplitRound`` as its programs in turn.
+            if donate:
+                call.lower_in_turn = compiled.lower_in_turn
+            else:
+                call.lower = compiled.lower
             return call
 
         monkeypatch.setattr(training, "compiled_round", recording)
@@ -951,7 +963,7 @@ def test_trees_never_read_what_their_histogram_buffer_held(n_rows, settings, mon
             in_place.append(buffer.is_deleted() and before == [
                 shard.data.unsafe_buffer_pointer() for shard in result[-1].addressable_shards])
             return result
-        call.lower = compiled.lower
+        call.lower_in_turn = compiled.lower_in_turn
         return call
 
     monkeypatch.setattr(training, "histogram_buffer", garbage_filled)
