@@ -176,12 +176,14 @@ def found_while_compiling(compiled_round, arguments: tuple, find: Callable):
     In the first fit of ``compiled_round`` for ``arguments``, in which ``jax.ShapeDtypeStruct``s
     stand for the raw predictions that wait for ``find``'s result (their shapes, the row counts,
     tell one fit's program from another's), this thread traces and lowers the round's programs
-    in turn (``SplitRound.lower_in_turn``: the trees' first), each compiling ahead of its first
-    call in a thread of its own as soon as it is lowered (XLA compiles without holding the GIL),
-    and then runs ``find``. The trees' compile, the longest, had waited for the derivatives' tracing
-    and lowering: first fits at 100k rows, 2 cores, 4 alternating runs each, cache off,
-    classification 2.06-2.44 -> 1.77-2.20 s, regression 1.63-2.26 -> 1.72-2.01 (10 classes,
-    CPU-bound throughout, within the noise). Started before the round's tracing, ``find``'s own
+    in turn (``SplitRound.lower_in_turn``: the trees' first, then the others), each compiling
+    ahead of its first call in a thread of its own as soon as it is lowered (XLA compiles without
+    holding the GIL), and then runs ``find``. The trees' compile, the longest, had waited for
+    the derivatives' tracing and lowering: first fits at 100k rows on 2 cores, cache off, medians
+    of 6 alternating pairs, classification 2.16 -> 1.79 s (every pair lower), regression 1.95 ->
+    1.74 (10 classes, vector leaves, a refit: CPU-bound throughout, within the noise). The others
+    compile one after the other: each in a thread of its own moved nothing, and would hold more
+    compilers' memory at once. Started before the round's tracing, ``find``'s own
     tracing had taken turns with it on the GIL: first fits took 10-13% longer (medians of 6-8
     alternating runs on 2 cores, cache off: 100k x 28 rows 3.33 -> 3.10 s, 1M 3.14 -> 2.70,
     15k 2.65 -> 2.34).

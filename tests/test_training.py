@@ -658,8 +658,8 @@ def test_a_first_fit_compiles_its_round_once_in_other_threads_while_it_finds_the
     such as another sharding, would lower and compile the round a second time). The caller's
     thread lowers the round's programs in turn, the trees' first, and each compiles in another
     thread; the starting value comes once they are all lowered (tracing both at once, the
-    threads had taken turns on the GIL). For a custom loss, that thread also starts the raw
-    predictions there, where the round's derivatives tell whether it needs a leaf refit. The
+    threads had taken turns on the GIL). For a custom loss, the raw predictions start there
+    too, where the round's derivatives tell whether it needs a leaf refit. The
     memory the compiler freed is handed back before the first round. A second fit of the same
     shapes finds the round compiled."""
     import threading
@@ -726,7 +726,8 @@ def test_a_first_fit_compiles_its_round_once_in_other_threads_while_it_finds_the
     boosting.clear_compiled_rounds()
     jax.monitoring.register_event_duration_secs_listener(listener)
     # JAX's 64-bit mode on for the process: jaxboost's float32 context is the caller's
-    # thread's, and the starting value's thread must compute in 32 bits too.
+    # thread's, and the compiling threads must compile in 32 bits too (else each program
+    # compiles again at its first call).
     jax.config.update("jax_enable_x64", True)
     try:
         zero_rounds = fit(num_rounds=0)  # no round to run: none compiled, the starting value alone
