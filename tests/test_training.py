@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -645,6 +646,77 @@ def test_a_refit_round_is_compiled_ahead_and_once(settings, trees_programs):
     assert programs == {"jit(round_statistics)": 1, "jit(round_trees)": trees_programs, "jit(round_refit)": 1,
                         "jit(round_metrics)": 1}, compiles
     assert [in_main for name, in_main in compiles if name == "jit(round_refit)"] == [False], compiles
+
+
+class _Lowering(Exception):
+    """Stops a fit before its round is compiled, carrying the round's shape and arguments."""
+
+
+@pytest.mark.parametrize("settings", [
+    dict(loss="logistic", eval_set=True, colsample_bynode=0.5),
+    dict(loss="absolute_error", subsample=0.5),  # a leaf refit: its own program
+    dict(loss="softmax", multi_strategy="multi_output_tree", max_delta_step=0.7),
+    dict(loss=lambda raw, y: jnp.log1p(jnp.exp(-raw * (2 * y - 1))), monotone_constraints=[1, 0, 0, 0, 0]),
+])
+def test_every_program_of_a_round_lowers_for_a_gpu(monkeypatch, settings):
+    """The code a GPU runs lowers for one from this machine: each of a round's programs (the
+    derivatives', the trees', a refit's, the eval metrics') and its starting value's, traced as
+    a GPU's round traces it
+    (``mesh_platform`` "gpu": the accelerators' XLA kernels, no native one), exports for CUDA,
+    where JAX refuses any custom call without a stability guarantee, and calls none of the
+    CPU's native kernels. (The round's shape is this machine's: its devices are CPUs.) Lowered
+    for the CPU, the trees' program does call them."""
+    from jaxboost import native, training
+
+    X, y = _binary_data(seed=3)
+    settings = dict(settings)
+    if settings.get("loss") == "softmax":
+        y = y + (X[:, 1] > 0)
+    if settings.pop("eval_set", False):
+        settings["eval_set"] = [(X[:200], y[:200])]
+
+    def stop_before_compiling(shape, arguments):
+        raise _Lowering(shape, arguments)
+
+    monkeypatch.setattr(training, "stored_round", stop_before_compiling)
+    with pytest.raises(_Lowering) as stopped:
+        jb.train(X, y, num_rounds=1, max_depth=DEPTH, **settings)
+    shape, arguments = stopped.value.args
+    split_round = boosting.compiled_round(shape)  # its programs jitted, not compiled
+    statistics_arguments, trees_arguments, refit_arguments, metrics_arguments = split_round.program_arguments(arguments)
+    programs = {"statistics": (boosting.round_statistics_function, boosting.statistics_shape(shape), statistics_arguments),
+                "trees": (boosting.round_trees_function, boosting.trees_shape(shape), trees_arguments)}
+    if split_round.refit:
+        programs["refit"] = (boosting.round_refit_function, boosting.refit_shape(shape), refit_arguments)
+    if split_round.metrics:
+        programs["metrics"] = (boosting.round_metrics_function, boosting.metrics_shape(shape), metrics_arguments)
+    assert ("refit" in programs) == (settings["loss"] == "absolute_error"), list(programs)
+
+    # The starting value's program too: Newton steps for several outputs, an exact 1-D
+    # minimisation for one (both on one device, its arguments unsharded).
+    objective, K = shape.objective, shape.objective.num_outputs
+    unsharded = functools.partial(jax.tree_util.tree_map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
+    starting_arguments = unsharded((jnp.zeros((arguments[3].shape[0], K)), arguments[3], arguments[4],
+                                    arguments[0].loss_params))
+    programs["starting value"] = ((lambda method: functools.partial(method, objective)),
+                                  boosting.newton_constant if K > 1 else boosting._coordinate_sweeps,
+                                  starting_arguments + (() if K > 1 else (jax.ShapeDtypeStruct((K,), jnp.float32),)))
+
+    def custom_calls(make, part, part_arguments, platform, allowed=()):
+        """The custom calls of the program exported for ``platform`` (JAX refuses any without a
+        stability guarantee but ``allowed``)."""
+        checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in allowed]
+        text = jax.export.export(jax.jit(make(part)), platforms=[platform], disabled_checks=checks)(
+            *part_arguments).mlir_module()
+        return set(re.findall(r"custom_call @([\w.$-]+)", text))
+
+    native_targets = set(native._SYMBOLS)
+    if jax.default_backend() == "cpu" and native.native_target(native.HISTOGRAM_TARGET) is not None:
+        on_cpu = custom_calls(*programs["trees"], "cpu", allowed=native_targets)
+        assert on_cpu & native_targets, f"the CPU's trees call no native kernel: {sorted(on_cpu)}"
+    monkeypatch.setattr(boosting, "mesh_platform", lambda mesh: "gpu")
+    for name, program in programs.items():
+        assert not custom_calls(*program, "cuda") & native_targets, name
 
 
 @pytest.mark.parametrize("trainer, settings", [("train", dict()),
