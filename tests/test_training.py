@@ -652,6 +652,19 @@ class _Lowering(Exception):
     """Stops a fit before its round is compiled, carrying the round's shape and arguments."""
 
 
+def _exported_custom_calls(function, arguments, platform: str, allowed=()) -> set:
+    """The custom calls of ``function`` exported for ``platform`` (JAX's export refuses any
+    without a stability guarantee but ``allowed``)."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in allowed]
+    text = jax.export.export(jax.jit(function), platforms=[platform], disabled_checks=checks)(*arguments).mlir_module()
+    return set(re.findall(r"custom_call @([\w.$-]+)", text))
+
+
+def _unsharded(tree):
+    """``tree``'s arrays as shapes with no placement (one device's program)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, tree)
+
+
 @pytest.mark.parametrize("settings", [
     dict(loss="logistic", eval_set=True, colsample_bynode=0.5),
     dict(loss="absolute_error", subsample=0.5),  # a leaf refit: its own program
@@ -695,28 +708,41 @@ def test_every_program_of_a_round_lowers_for_a_gpu(monkeypatch, settings):
     # The starting value's program too: Newton steps for several outputs, an exact 1-D
     # minimisation for one (both on one device, its arguments unsharded).
     objective, K = shape.objective, shape.objective.num_outputs
-    unsharded = functools.partial(jax.tree_util.tree_map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
-    starting_arguments = unsharded((jnp.zeros((arguments[3].shape[0], K)), arguments[3], arguments[4],
-                                    arguments[0].loss_params))
+    starting_arguments = _unsharded((jnp.zeros((arguments[3].shape[0], K)), arguments[3], arguments[4],
+                                     arguments[0].loss_params))
     programs["starting value"] = ((lambda method: functools.partial(method, objective)),
                                   boosting.newton_constant if K > 1 else boosting._coordinate_sweeps,
                                   starting_arguments + (() if K > 1 else (jax.ShapeDtypeStruct((K,), jnp.float32),)))
 
-    def custom_calls(make, part, part_arguments, platform, allowed=()):
-        """The custom calls of the program exported for ``platform`` (JAX refuses any without a
-        stability guarantee but ``allowed``)."""
-        checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in allowed]
-        text = jax.export.export(jax.jit(make(part)), platforms=[platform], disabled_checks=checks)(
-            *part_arguments).mlir_module()
-        return set(re.findall(r"custom_call @([\w.$-]+)", text))
-
     native_targets = set(native._SYMBOLS)
     if jax.default_backend() == "cpu" and native.native_target(native.HISTOGRAM_TARGET) is not None:
-        on_cpu = custom_calls(*programs["trees"], "cpu", allowed=native_targets)
+        make, part, part_arguments = programs["trees"]
+        on_cpu = _exported_custom_calls(make(part), part_arguments, "cpu", allowed=native_targets)
         assert on_cpu & native_targets, f"the CPU's trees call no native kernel: {sorted(on_cpu)}"
     monkeypatch.setattr(boosting, "mesh_platform", lambda mesh: "gpu")
-    for name, program in programs.items():
-        assert not custom_calls(*program, "cuda") & native_targets, name
+    for name, (make, part, part_arguments) in programs.items():
+        assert not _exported_custom_calls(make(part), part_arguments, "cuda") & native_targets, name
+
+
+def test_train_many_rounds_lower_for_a_gpu(monkeypatch):
+    """``train_many``'s round as a GPU runs it (its models vmapped, not looped over as on a CPU;
+    one device) exports for CUDA and calls none of the CPU's native kernels."""
+    from jaxboost import native, vmapped_training
+
+    X, y = _binary_data(seed=4)
+
+    def stop_before_compiling(shape, params_axes, models_mesh, arguments):
+        raise _Lowering(shape, params_axes, arguments)
+
+    monkeypatch.setattr(vmapped_training, "stored_many_rounds", stop_before_compiling)
+    with pytest.raises(_Lowering) as stopped:
+        jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0, 3.0]}, num_rounds=1, max_depth=DEPTH, loss="logistic",
+                      eval_set=[(X[:200], y[:200])])
+    shape, params_axes, arguments = stopped.value.args
+    monkeypatch.setattr(boosting, "mesh_platform", lambda mesh: "gpu")
+    assert "gpu" not in boosting.MODELS_IN_A_LOOP_PLATFORMS
+    calls = _exported_custom_calls(boosting.many_rounds_function(shape, params_axes), _unsharded(arguments), "cuda")
+    assert not calls & set(native._SYMBOLS), sorted(calls)
 
 
 @pytest.mark.parametrize("trainer, settings", [("train", dict()),
