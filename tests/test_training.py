@@ -675,11 +675,10 @@ def _unsharded(tree):
 def test_every_program_of_a_round_lowers_for_a_gpu(monkeypatch, settings):
     """The code a GPU runs lowers for one from this machine: each of a round's programs (the
     derivatives', the trees', a refit's, the eval metrics') and its starting value's, traced as
-    a GPU's round traces it
-    (``mesh_platform`` "gpu": the accelerators' XLA kernels, no native one), exports for CUDA,
-    where JAX refuses any custom call without a stability guarantee, and calls none of the
-    CPU's native kernels. (The round's shape is this machine's: its devices are CPUs.) Lowered
-    for the CPU, the trees' program does call them."""
+    a GPU's round traces it (``mesh_platform`` "gpu": the accelerators' XLA kernels, no native
+    one), exports for CUDA, where JAX refuses any custom call without a stability guarantee,
+    and calls none of the CPU's native kernels. (The round's shape is this machine's: its
+    devices are CPUs.) Lowered for the CPU, the trees' program does call them."""
     from jaxboost import native, training
 
     X, y = _binary_data(seed=3)
@@ -698,12 +697,16 @@ def test_every_program_of_a_round_lowers_for_a_gpu(monkeypatch, settings):
     shape, arguments = stopped.value.args
     split_round = boosting.compiled_round(shape)  # its programs jitted, not compiled
     statistics_arguments, trees_arguments, refit_arguments, metrics_arguments = split_round.program_arguments(arguments)
-    programs = {"statistics": (boosting.round_statistics_function, boosting.statistics_shape(shape), statistics_arguments),
-                "trees": (boosting.round_trees_function, boosting.trees_shape(shape), trees_arguments)}
+    # Each program as (made when traced, after the platform is set; its arguments).
+    made = functools.partial
+    programs = {"statistics": (made(boosting.round_statistics_function, boosting.statistics_shape(shape)),
+                               statistics_arguments),
+                "trees": (made(boosting.round_trees_function, boosting.trees_shape(shape)), trees_arguments)}
     if split_round.refit:
-        programs["refit"] = (boosting.round_refit_function, boosting.refit_shape(shape), refit_arguments)
+        programs["refit"] = (made(boosting.round_refit_function, boosting.refit_shape(shape)), refit_arguments)
     if split_round.metrics:
-        programs["metrics"] = (boosting.round_metrics_function, boosting.metrics_shape(shape), metrics_arguments)
+        programs["metrics"] = (made(boosting.round_metrics_function, boosting.metrics_shape(shape)),
+                               metrics_arguments)
     assert ("refit" in programs) == (settings["loss"] == "absolute_error"), list(programs)
 
     # The starting value's program too: Newton steps for several outputs, an exact 1-D
@@ -711,18 +714,21 @@ def test_every_program_of_a_round_lowers_for_a_gpu(monkeypatch, settings):
     objective, K = shape.objective, shape.objective.num_outputs
     starting_arguments = _unsharded((jnp.zeros((arguments[3].shape[0], K)), arguments[3], arguments[4],
                                      arguments[0].loss_params))
-    programs["starting value"] = ((lambda method: functools.partial(method, objective)),
-                                  boosting.newton_constant if K > 1 else boosting._coordinate_sweeps,
-                                  starting_arguments + (() if K > 1 else (jax.ShapeDtypeStruct((K,), jnp.float32),)))
+    if K > 1:
+        programs["starting value"] = (lambda: functools.partial(boosting.newton_constant, objective),
+                                      starting_arguments)
+    else:
+        programs["starting value"] = (lambda: functools.partial(boosting._coordinate_sweeps, objective),
+                                      starting_arguments + (jax.ShapeDtypeStruct((K,), jnp.float32),))
 
     native_targets = set(native._SYMBOLS)
     if jax.default_backend() == "cpu" and native.native_target(native.HISTOGRAM_TARGET) is not None:
-        make, part, part_arguments = programs["trees"]
-        on_cpu = _exported_custom_calls(make(part), part_arguments, "cpu", allowed=native_targets)
+        make, part_arguments = programs["trees"]
+        on_cpu = _exported_custom_calls(make(), part_arguments, "cpu", allowed=native_targets)
         assert on_cpu & native_targets, f"the CPU's trees call no native kernel: {sorted(on_cpu)}"
     monkeypatch.setattr(boosting, "mesh_platform", lambda mesh: "gpu")
-    for name, (make, part, part_arguments) in programs.items():
-        assert not _exported_custom_calls(make(part), part_arguments, "cuda") & native_targets, name
+    for name, (make, part_arguments) in programs.items():
+        assert not _exported_custom_calls(make(), part_arguments, "cuda") & native_targets, name
 
 
 def test_train_many_rounds_lower_for_a_gpu(monkeypatch):
