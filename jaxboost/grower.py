@@ -5,9 +5,11 @@ them for each node's best split, route rows to children. Only the smaller child 
 gets a fresh histogram; its sibling's is the parent's minus it. Nodes that cannot split are
 masked, never branched on; the scan and the subtraction run in fixed-size steps over a level's
 slots, and a step whose slots hold no node that may split (most of a deep level's, on small
-data) is left out of the loop rather than computed and masked. Afterwards, splits whose two
-children are leaves and whose ``loss_chg`` is below ``gamma`` are pruned bottom-up (XGBoost's
-``min_split_loss``).
+data) is left out of the loop rather than computed and masked. A node whose Hessian weight
+is under twice ``min_child_weight`` cannot split: it is not scanned, and a split whose children
+are both such builds them no histograms (``split.splittable``, ``split.children_splittable``).
+Afterwards, splits whose two children are leaves and whose ``loss_chg`` is below ``gamma`` are
+pruned bottom-up (XGBoost's ``min_split_loss``).
 
 Constraints travel with the nodes of a level: monotone constraints as value bounds per node
 (children split the parent's range at the midpoint of their values, XGBoost's rule), and
@@ -41,7 +43,8 @@ from .histogram import (StatisticPairs, build_statistics_histogram, route_and_bu
 from .native import lowering_platform
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
 from .sampling import uniform_scores
-from .split import NodeBounds, find_best_splits_over_devices, hessian_mass, scan_chunk_nodes
+from .split import (NodeBounds, children_splittable, find_best_splits_over_devices, hessian_mass, scan_chunk_nodes,
+                    splittable)
 from .sums import row_sum
 from .tree import Tree, num_heap_nodes
 
@@ -494,12 +497,15 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         level_bounds = None if monotone is None else NodeBounds(in_slots(monotone), state.lower, state.upper)
         # A level (traced depth) fills only the first 2^depth of its slots.
         live_nodes = _two_to_the(depth)
+        # Nodes too light to split are not scanned: their choices stay empty, no split.
+        scanned = active & splittable(state.level_hessians, leaves, params.min_child_weight)
         split = find_best_splits_over_devices(state.histograms, in_slots(node_features) & slot_in_sample, slot_reg,
                                               params.min_child_weight, axis_name, level_bounds, leaves, live_nodes,
-                                              missing_values, active)
+                                              missing_values, scanned)
         if slot_feature is not None:
             split = split._replace(feature=slot_feature[split.feature])
-        splits = active & (split.loss_change > MIN_LOSS_CHANGE)
+        # Scanned, not active: an active node too light to split may hold no histogram.
+        splits = scanned & (split.loss_change > MIN_LOSS_CHANGE)
         tree = tree._replace(
             feature=write_level(tree.feature, jnp.where(splits, split.feature, 0), first_slot),
             threshold_bin=write_level(tree.threshold_bin, jnp.where(splits, split.threshold_bin, 0), first_slot),
@@ -519,10 +525,12 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         # Histogram only the child with fewer rows; the sibling's is the parent's minus it.
         # The smaller child by Hessian sum: known on every device without counting rows.
         left_is_smaller = hessian_mass(split.left_hessians, leaves) <= hessian_mass(split.right_hessians, leaves)
-        histogram_splits, summed_nodes = splits, live_nodes
+        # Children both too light to split are never scanned: no histograms for them.
+        histogram_splits = splits & children_splittable(state.level_hessians, leaves, params.min_child_weight)
+        summed_nodes = live_nodes
         if children_are_leaves is not None:
             # Leaves need no histograms: the kernel only routes, and nothing is summed.
-            histogram_splits = splits & ~children_are_leaves
+            histogram_splits = histogram_splits & ~children_are_leaves
             summed_nodes = jnp.where(children_are_leaves, 0, live_nodes)
         # The kernel writes the parents whose smaller children are read, and no more.
         chunk, read_chunks = _parent_chunks(state.histograms.shape, summed_nodes, axis_name)

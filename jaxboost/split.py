@@ -64,6 +64,35 @@ def hessian_mass(sum_hessians: jax.Array, leaves: VectorLeaves | None) -> jax.Ar
     return sum_hessians if leaves is None else jnp.sum(leaves.diagonal(sum_hessians), axis=-1)
 
 
+# A node is left out of the split scan when its Hessian weight falls below twice
+# ``min_child_weight`` by more than this fraction: its rows' Hessians then leave no candidate
+# whose two children both hold ``min_child_weight``. The slack covers the scan's per-feature
+# totals differing from the node's own sum in their last bits (the same rows summed in another
+# order), so a node that some candidate can split is always scanned.
+SPLITTABLE_SLACK = 1e-3
+
+
+def splittable(sum_hessians: jax.Array, leaves: VectorLeaves | None, min_child_weight: jax.Array) -> jax.Array:
+    """Whether a node with Hessian sums ``sum_hessians`` (``(nodes,)``, or ``(nodes, channels)``
+    for vector leaves) may have a valid split: some output's Hessian weight, the one that
+    ``find_best_splits`` holds to ``min_child_weight`` (the smallest diagonal entry for vector
+    leaves), under twice ``min_child_weight``, or none at all, rules every candidate out. On
+    small data most nodes of the deep levels are such (8 rows of a logistic loss at
+    ``min_child_weight`` 1), and their chunks of the scan are skipped."""
+    weight = sum_hessians if leaves is None else jnp.min(leaves.diagonal(sum_hessians), axis=-1)
+    return (weight > 0) & (weight >= 2 * min_child_weight * (1 - SPLITTABLE_SLACK))
+
+
+def children_splittable(sum_hessians: jax.Array, leaves: VectorLeaves | None,
+                        min_child_weight: jax.Array) -> jax.Array:
+    """Whether a child of a node with Hessian sums ``sum_hessians`` may be ``splittable`` once
+    the node splits: not where the node's weight is under three times ``min_child_weight``, as
+    each child's is then under twice it (its sibling holds at least ``min_child_weight``). Such
+    a split builds its children no histograms. (Testing the children's own weights instead made
+    the trees' program 3% larger, for no faster trees on small data.)"""
+    return splittable(sum_hessians, leaves, 1.5 * min_child_weight)
+
+
 def _unravel_valid_index(flat: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
     """``jnp.unravel_index`` of indices known to lie in ``[0, prod(shape))``, as uint32."""
     flat = flat.astype(jnp.uint32)

@@ -648,6 +648,12 @@ def assert_same_models(model, other, X, settings, agreeing_predictions=1.0):
     assert int(np.sum(~model.trees.is_leaf)) > 64 or settings["max_depth"] < 8  # deep levels split
 
 
+def assert_same_trees(trees, other):
+    """The same trees bit for bit, field by field."""
+    for field in trees._fields:
+        np.testing.assert_array_equal(getattr(trees, field), getattr(other, field), err_msg=field)
+
+
 # Fits that two ways of growing trees must grow alike.
 GROWTH_CASES = [
     pytest.param({"loss": "logistic", "num_rounds": 8, "max_depth": 4, "learning_rate": 0.3, "max_bin": 64},
@@ -711,9 +717,7 @@ def test_one_level_loop_grows_the_trees_of_two(monkeypatch, settings, sharded):
     monkeypatch.setattr(grower, "looped_level_nodes", one_loop)
     assert one_loop(settings["max_depth"], "cpu") == 2 ** (settings["max_depth"] - 1)
     assert one_loop(settings["max_depth"], "gpu") == grower.LOOPED_LEVEL_NODES
-    for field in trees["one loop"]._fields:
-        np.testing.assert_array_equal(getattr(trees["one loop"], field), getattr(trees["two loops"], field),
-                                      err_msg=field)
+    assert_same_trees(trees["one loop"], trees["two loops"])
     # The levels past the first loop's 32 slots split.
     from jaxboost.node_list import reached_nodes
     is_leaf = np.asarray(trees["one loop"].is_leaf)
@@ -768,9 +772,7 @@ def test_a_trees_column_sample_grows_the_same_trees_when_only_its_features_are_s
         summed_all = jb.train(X, y, **settings)
     finally:
         boosting.clear_compiled_rounds()
-    for field in summed_sample.trees._fields:
-        np.testing.assert_array_equal(getattr(summed_sample.trees, field), getattr(summed_all.trees, field),
-                                      err_msg=field)
+    assert_same_trees(summed_sample.trees, summed_all.trees)
     # Not every feature was sampled for every tree, and the trees split.
     assert np.sum(~summed_sample.trees.is_leaf) > 4 * settings["num_rounds"]
 
@@ -1385,3 +1387,82 @@ def test_native_kernels_refuse_a_window_outside_the_code_table():
         np.asarray(build(jnp.int32(501)))
     with pytest.raises(ValueError, match="pass row_offset"):
         build_histogram(table, jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians), 2, 16)
+
+
+@pytest.mark.parametrize("settings,sharded,at_once", [
+    ({"loss": "logistic", "num_rounds": 6, "max_depth": 8, "learning_rate": 0.3, "min_child_weight": 1.0},
+     False, False),
+    ({"loss": "squared_error", "num_rounds": 4, "max_depth": 9, "learning_rate": 0.3, "min_child_weight": 6.0,
+      "monotone_constraints": [1, 0, 0, 0, 0, -1]}, True, False),
+    ({"loss": "softmax", "num_rounds": 3, "max_depth": 7, "learning_rate": 0.3, "min_child_weight": 0.5,
+      "multi_strategy": "multi_output_tree"}, False, False),
+    ({"loss": "logistic", "num_rounds": 4, "max_depth": 7, "learning_rate": 0.3, "min_child_weight": 2.0,
+      "deterministic_histogram": True, "colsample_bynode": 0.8}, False, False),
+    ({"loss": "logistic", "num_rounds": 4, "max_depth": 7, "learning_rate": 0.3, "min_child_weight": 1.0},
+     False, True),
+], ids=["logistic-depth8", "squared-monotone-sharded", "softmax-vector", "fixed-point-node-sample",
+        "accelerator-at-once"])
+def test_nodes_too_light_to_split_are_skipped_and_the_trees_stay_the_same(monkeypatch, settings, sharded, at_once):
+    """A node whose Hessian weight is under twice ``min_child_weight`` has no valid split: the
+    grower leaves it out of the split scan, and builds no histograms for the children of a split
+    of a node under three times ``min_child_weight``, which are both such (``split.splittable``,
+    ``split.children_splittable``). The trees are those grown when every active node
+    is scanned and every split's children get histograms, bit for bit: on one device, with rows
+    sharded over two, with vector leaves (the smallest diagonal Hessian is the weight), with
+    fixed-point sums, and with every slot scanned at once as accelerators do. The fits hold such
+    nodes above the last level (else the test would not exercise the skip). The slots of the
+    children that get no histograms hold stale sums that a scan would split on: no node is split
+    on them."""
+    import jaxboost as jb
+    from jaxboost import boosting, grower, split
+
+    if sharded:
+        if len(jax.devices()) < 2:
+            pytest.skip("needs two CPU devices")
+        monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+    if at_once:
+        for module in (split, grower):
+            monkeypatch.setattr(module, "in_steps_on_cpu", lambda in_steps, all_at_once: all_at_once())
+    X, y = kernel_training_data(settings)
+    X, y = X[:600], y[:600]
+    if settings["loss"] == "squared_error":
+        y = (y + np.nan_to_num(X[:, 2])).astype(np.float32)
+    settings = dict(settings)
+    if settings["loss"] == "softmax":
+        settings["num_outputs"] = 3
+    # The children of a parent whose children get no histograms hold whatever their slots held
+    # (unspecified): here a histogram of large, varied sums, which a scan would split on.
+    build_children = grower.children_histograms_over_parents
+
+    def children_with_stale_slots(parent_histograms, local_smaller, left_is_smaller, parent_splits, *args):
+        children = build_children(parent_histograms, local_smaller, left_is_smaller, parent_splits, *args)
+        cells = np.arange(np.prod(children.shape[1:])).reshape(children.shape[1:])
+        stale = np.where(cells % 2 == 0, 40.0 * np.sin(cells), 30.0 + 10.0 * np.cos(cells)).astype(np.float32)
+        unbuilt = jnp.repeat(~parent_splits[:children.shape[0] // 2], 2, total_repeat_length=children.shape[0])
+        return jnp.where(unbuilt.reshape((-1,) + (1,) * (children.ndim - 1)), jnp.asarray(stale), children)
+
+    monkeypatch.setattr(grower, "children_histograms_over_parents", children_with_stale_slots)
+    boosting.clear_compiled_rounds()
+    try:
+        skipping = jb.train(X, y, **settings)
+        # Every active node scanned, every split's children histogrammed.
+        def every_node(sums, leaves, min_child_weight):
+            return jnp.ones(sums.shape[:1], bool)
+
+        monkeypatch.setattr(grower, "splittable", every_node)
+        monkeypatch.setattr(grower, "children_splittable", every_node)
+        boosting.clear_compiled_rounds()
+        scanning_all = jb.train(X, y, **settings)
+    finally:
+        boosting.clear_compiled_rounds()
+    assert_same_trees(skipping.trees, scanning_all.trees)
+    from jaxboost.node_list import reached_nodes
+    trees = skipping.trees
+    is_leaf = np.asarray(trees.is_leaf)
+    reached = reached_nodes(is_leaf)
+    weight = np.asarray(trees.sum_hessians)
+    weight = weight if weight.ndim == is_leaf.ndim else weight.min(axis=-1)
+    above_last_level = np.arange(is_leaf.shape[-1]) < 2 ** settings["max_depth"] - 1
+    light = reached & is_leaf & above_last_level & (weight < 2 * settings["min_child_weight"])
+    assert light.sum() > 10, "no node too light to split above the last level: the skip is not exercised"
+    assert np.sum(reached & ~is_leaf) > 8 * settings["num_rounds"]

@@ -584,3 +584,48 @@ def test_scan_of_live_nodes_scans_the_chunks_holding_active_nodes(monkeypatch, n
     for name, expected, value in zip(whole._fields, whole, got):
         np.testing.assert_array_equal(value[scanned & active], expected[scanned & active], err_msg=name)
         np.testing.assert_array_equal(value[~scanned], 0, err_msg=name)
+
+
+def test_splittable_is_twice_min_child_weight_on_the_weight_the_scan_holds_to_it():
+    """``splittable``: a node may split when its weight (the Hessian sum; for vector leaves the
+    smallest diagonal entry) is positive and at least twice ``min_child_weight``, less a 0.1%
+    slack for the scan's totals summing the same rows in another order; a node's children may
+    when its weight is three times ``min_child_weight``, less the slack."""
+    from jaxboost.regularizer import VectorLeaves
+    from jaxboost.split import SPLITTABLE_SLACK, children_splittable, splittable
+
+    assert SPLITTABLE_SLACK == 1e-3
+    weights = jnp.asarray([0.0, 1.99, 1.999, 2.0, 5.0, -1.0], jnp.float32)
+    np.testing.assert_array_equal(splittable(weights, None, F32(1.0)), [False, False, True, True, True, False])
+    # min_child_weight 0: any node with weight.
+    np.testing.assert_array_equal(splittable(weights, None, F32(0.0)), [False, True, True, True, True, False])
+    # A child holds at most its parent's weight less min_child_weight (its sibling's least).
+    np.testing.assert_array_equal(children_splittable(jnp.asarray([2.9, 2.999, 3.0, 0.0]), None, F32(1.0)),
+                                  [False, True, True, False])
+    # Vector leaves, full Hessians packed: the smallest diagonal entry is the weight, whatever
+    # the off-diagonal ones (the trace of the second node is 4.5).
+    hessians = jnp.asarray([[[3.0, -1.0], [-1.0, 2.5]], [[3.0, 0.5], [0.5, 1.5]], [[0.0, 0.0], [0.0, 4.0]]],
+                           jnp.float32)
+    for full in (True, False):
+        leaves = VectorLeaves(num_outputs=2, full_hessian=full)
+        np.testing.assert_array_equal(splittable(leaves.pack_hessian(hessians), leaves, F32(1.0)),
+                                      [True, False, False])
+
+
+@pytest.mark.parametrize("min_child_weight,root_splits", [(2.0, True), (2.01, False)])
+def test_a_node_of_exactly_twice_min_child_weight_still_splits(min_child_weight, root_splits):
+    """Four rows of squared error (Hessian 1 each) split two and two when ``min_child_weight``
+    is 2 (each child holds exactly 2, as XGBoost allows), and not at all above it: the skip of
+    nodes too light to split keeps the boundary."""
+    import jaxboost as jb
+
+    X = np.asarray([[0.0], [0.0], [1.0], [1.0]], np.float32)
+    y = np.asarray([0.0, 0.0, 10.0, 10.0], np.float32)
+    model = jb.train(X, y, loss="squared_error", num_rounds=1, max_depth=3, learning_rate=1.0, reg_lambda=0.0,
+                     min_child_weight=min_child_weight)
+    assert (not np.asarray(model.trees.is_leaf)[..., 0].item()) == root_splits  # the root
+    predictions = model.predict(X)
+    if root_splits:
+        np.testing.assert_allclose(predictions, y, atol=1e-4)
+    else:
+        np.testing.assert_allclose(predictions, 5.0, atol=1e-4)
