@@ -6,10 +6,11 @@ gets a fresh histogram; its sibling's is the parent's minus it. Nodes that canno
 masked, never branched on; the scan and the subtraction run in fixed-size steps over a level's
 slots, and a step whose slots hold no node that may split (most of a deep level's, on small
 data) is left out of the loop rather than computed and masked. A node whose Hessian weight
-is under twice ``min_child_weight`` cannot split: it is not scanned, and a split whose children
-are both such builds them no histograms (``split.splittable``, ``split.children_splittable``).
-Afterwards, splits whose two children are leaves and whose ``loss_chg`` is below ``gamma`` are
-pruned bottom-up (XGBoost's ``min_split_loss``).
+is under twice ``min_child_weight`` cannot split: it is not scanned, and the split of a node
+under three times it, whose children are then both such, builds them no histograms
+(``split.splittable``, ``split.children_splittable``). Afterwards, splits whose two children
+are leaves and whose ``loss_chg`` is below ``gamma`` are pruned bottom-up (XGBoost's
+``min_split_loss``).
 
 Constraints travel with the nodes of a level: monotone constraints as value bounds per node
 (children split the parent's range at the midpoint of their values, XGBoost's rule), and
@@ -525,7 +526,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         # Histogram only the child with fewer rows; the sibling's is the parent's minus it.
         # The smaller child by Hessian sum: known on every device without counting rows.
         left_is_smaller = hessian_mass(split.left_hessians, leaves) <= hessian_mass(split.right_hessians, leaves)
-        # Children both too light to split are never scanned: no histograms for them.
+        # A node too light for either child to split: its children are never scanned, so they
+        # get no histograms.
         histogram_splits = splits & children_splittable(state.level_hessians, leaves, params.min_child_weight)
         summed_nodes = live_nodes
         if children_are_leaves is not None:
