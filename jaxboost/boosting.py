@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
+from .derivatives import (output_gradient, outputs_first, over_rows_of_outputs, values_gradients_and_hessian_matrices,
+                          values_gradients_and_hessians)
 from .devices import (MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, mesh_platform, model_split,
                       row_sharding)
 from .grower import GrowthParams, RowLeaves, empty_tree, grow_tree, histogram_buffer_shape, sample_features
@@ -280,11 +281,14 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
     def weighted_sum(per_row):
         return row_sum(weighted(per_row))
 
+    # Transposed once, outside the loops (``over_rows``).
+    raw_by_output = outputs_first(raw_prediction)
+
     def row_losses(constant):
-        return jax.vmap(loss)(raw_prediction + constant, y)
+        return over_rows_of_outputs(loss, raw_by_output + constant[:, None], y)
 
     def row_gradients(constant):
-        return output_gradient(loss, raw_prediction + constant, y, None)
+        return over_rows_of_outputs(jax.grad(loss), raw_by_output + constant[:, None], y)
 
     def newton_step(state):
         constant, _, _, steps = state
@@ -304,11 +308,12 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
         # stepped along by its magnitude, so every step goes down.
         curvatures = jnp.abs(curvatures)
         usable = curvatures > MIN_RELATIVE_CURVATURE * jnp.max(curvatures)
-        # Full float32 products: a GPU's default for float32 matrix products is TF32 (10-bit mantissas).
-        along = jnp.matmul(directions.T, total_gradient, precision=jax.lax.Precision.HIGHEST)
-        direction = -jnp.matmul(directions, jnp.where(usable, along / jnp.where(usable, curvatures, 1.0), 0.0),
-                                precision=jax.lax.Precision.HIGHEST)
-        slope = jnp.dot(total_gradient, direction, precision=jax.lax.Precision.HIGHEST)  # <= 0
+        # K x K products as sums of element-wise ones: full float32 (a GPU's matrix products
+        # default to TF32), and no matrix kernel of their own to compile on CPU (as products
+        # they were two more LLVM modules, 35-45 ms each).
+        along = jnp.sum(directions * total_gradient[:, None], axis=0)
+        direction = -jnp.sum(directions * jnp.where(usable, along / jnp.where(usable, curvatures, 1.0), 0.0), axis=1)
+        slope = jnp.sum(total_gradient * direction)  # <= 0
         losses_before = row_losses(constant)
         loss_scale = weighted_sum(jnp.abs(losses_before))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -15,7 +16,8 @@ import scipy.special
 import scipy.stats
 
 import jaxboost as jb
-from jaxboost import losses
+from jaxboost import derivatives, losses
+from jaxboost.devices import compiler_options
 
 
 def _sigmoid(x):
@@ -285,6 +287,57 @@ def test_jit_and_vmap_over_rows(name):
     assert values.shape == (len(closed_form.points),)
     np.testing.assert_allclose(values, expected_values, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gradients, expected_gradients, rtol=1e-5, atol=1e-6)
+
+
+def _quantile_pair(raw_prediction, y):
+    """A custom loss of two outputs whose label has a trailing axis (two quantiles at once)."""
+    residual = y - raw_prediction
+    levels = jnp.array([0.25, 0.75])
+    return jnp.sum(jnp.maximum(levels * residual, (levels - 1) * residual)) + 0.1 * jnp.sum(raw_prediction ** 2)
+
+
+@pytest.mark.parametrize("loss, outputs, labels", [
+    (losses.softmax, 10, lambda rng, n: rng.integers(0, 10, n).astype(np.int32)),
+    (losses.gaussian_nll, 2, lambda rng, n: rng.standard_normal(n).astype(np.float32)),
+    (_quantile_pair, 2, lambda rng, n: rng.standard_normal((n, 2)).astype(np.float32)),
+], ids=["softmax", "gaussian_nll", "custom-trailing-label"])
+def test_vector_losses_mapped_over_rows_as_the_last_axis_give_vmaps_values(loss, outputs, labels):
+    """``derivatives.over_rows`` computes a vector loss with the rows as the last axis: the
+    values, gradients and Hessians (diagonal and full) are plain ``jax.vmap``'s, in the same
+    rows-first shapes, up to the order of a sum over the outputs (softmax's: a few units in the
+    last place)."""
+    rng = np.random.default_rng(outputs)
+    n = 4099
+    raw = jnp.asarray(rng.standard_normal((n, outputs)).astype(np.float32))
+    y = jnp.asarray(labels(rng, n))
+
+    def plain(full):
+        return jax.vmap(lambda f, label: derivatives._example_value_gradient_and_hessian(loss, f, label, full=full))
+
+    for full, mapped in [(False, derivatives.values_gradients_and_hessians),
+                         (True, derivatives.values_gradients_and_hessian_matrices)]:
+        got = jax.jit(functools.partial(mapped, loss))(raw, y)
+        expected = jax.jit(plain(full))(raw, y)
+        for got_part, expected_part in zip(got, expected):
+            assert got_part.shape == expected_part.shape
+            np.testing.assert_allclose(np.asarray(got_part), np.asarray(expected_part), rtol=2e-6, atol=1e-7)
+    gradients = jax.jit(lambda r, label: derivatives.output_gradient(loss, r, label, None))(raw, y)
+    np.testing.assert_allclose(np.asarray(gradients), np.asarray(jax.jit(jax.vmap(jax.grad(loss)))(raw, y)),
+                               rtol=2e-6, atol=1e-7)
+
+
+def test_softmax_derivatives_compile_to_loops_over_rows_innermost():
+    # The reason for the layout: with the rows last, softmax's exponentials are one loop over
+    # (classes, rows); mapped rows-first, XLA's loop ran over each row's 10 classes, which LLVM
+    # unrolled (four times the machine code). Were XLA to move the transpose away again, the
+    # exponentials would be (rows, classes) and this test says so.
+    n = 4099
+    raw = jax.ShapeDtypeStruct((n, 10), jnp.float32)
+    y = jax.ShapeDtypeStruct((n,), jnp.int32)
+    text = jax.jit(functools.partial(derivatives.values_gradients_and_hessians, losses.softmax),
+                   compiler_options=compiler_options("cpu")).lower(raw, y).compile().as_text()
+    exponentials = re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]*\} exponential\(", text)
+    assert exponentials and set(exponentials) == {f"10,{n}"}, exponentials
 
 
 # For each built-in with a label range: labels it accepts, and single labels it rejects.

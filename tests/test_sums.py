@@ -109,3 +109,19 @@ def test_a_custom_loss_fit_compiles_no_reduce_window_kernels_on_cpu(tmp_path):
     assert expected <= set(programs) and "jit_local_count" not in programs, sorted(programs)
     chains = {name: programs[name].count(" reduce-window(") for name in expected}
     assert not any(chains.values()), chains
+
+
+@pytest.mark.parametrize("shape", [(100_000,), (4099, 10)])
+def test_block_partials_are_the_ones_vector_products_bit_for_bit(shape):
+    # The partial sums are a product with two rows of ones (see _block_partials: Eigen's, rather
+    # than code generated for a matrix-vector product): the same sums as the vector's, bit for bit.
+    from jaxboost.sums import _block_partials
+
+    rng = np.random.default_rng(len(shape))
+    values = (rng.standard_normal(shape) * 1e3).astype(np.float32)
+    options = compiler_options("cpu")
+    got = jax.jit(_block_partials, compiler_options=options)(values)
+    padded = np.pad(values, [(0, -len(values) % BLOCK_ROWS)] + [(0, 0)] * (values.ndim - 1))
+    expected = jax.jit(lambda v: jnp.matmul(jnp.ones(BLOCK_ROWS, jnp.float32), v.reshape(BLOCK_ROWS, -1),
+                                            precision=jax.lax.Precision.HIGHEST), compiler_options=options)(padded)
+    np.testing.assert_array_equal(np.asarray(got).reshape(-1), np.asarray(expected))
