@@ -188,12 +188,15 @@ MIN_RELATIVE_CURVATURE = 1e-6
 
 
 def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
-                   loss_params: dict | None = None) -> jax.Array:
+                   loss_params: dict | None = None, hessian_vanishes: bool = False) -> jax.Array:
     """The constant per output minimising the weighted loss; compiled for the default backend.
 
     One output: one exact 1-D minimisation. Several: Newton steps on the whole vector, then,
     unless they end at a stationary point, coordinate sweeps of exact 1-D minimisations (a
-    program of their own, compiled only for a loss that needs them)."""
+    program of their own, compiled only for a loss that needs them). ``hessian_vanishes``: the
+    loss's Hessian is zero at every raw prediction (``derivatives.hessian_vanishes``), so the
+    sweeps go alone: Newton steps without curvature stop where they start, and their program
+    had been the largest compile of such a loss's first fit."""
     platform = jax.default_backend()
     # A host array: jnp.zeros would compile two small programs of its own in a first fit (15-25 ms).
     start = np.zeros(objective.num_outputs, raw_prediction.dtype)
@@ -201,7 +204,7 @@ def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array
     def run(method: str, *arguments):
         return _starting_value_program(platform, method, objective, arguments)(*arguments)
 
-    if objective.num_outputs == 1:
+    if objective.num_outputs == 1 or hessian_vanishes:
         return run("sweeps", raw_prediction, y, weights, loss_params, start)
     constant, converged = run("newton", raw_prediction, y, weights, loss_params)
     if isinstance(converged, jax.core.Tracer):

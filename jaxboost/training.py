@@ -229,7 +229,8 @@ def _starting_value(resolved: ResolvedLoss, rows: _DeviceRows, mesh) -> np.ndarr
     K = resolved.objective.num_outputs
     zeros, y_one, weight_one = jax.device_put([np.zeros((rows.y.shape[0], K), np.float32), rows.y,
                                                rows.sample_weight], mesh.devices.flat[0])
-    return np.asarray(starting_value(resolved.objective, zeros, y_one, weight_one, resolved.loss_params))
+    return np.asarray(starting_value(resolved.objective, zeros, y_one, weight_one, resolved.loss_params,
+                                     _hessian_vanishes(resolved, rows)))
 
 
 def _hessian_vanishes(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:

@@ -318,6 +318,45 @@ def test_starting_value_without_curvature_falls_back_to_exact_sweeps():
     np.testing.assert_allclose(start, [np.average(y64, weights=w), median], rtol=1e-5)
 
 
+def two_pinball_losses(f, y):
+    residual = y - f
+    levels = jnp.array([0.2, 0.7])
+    return jnp.sum(jnp.maximum(levels * residual, (levels - 1) * residual))
+
+
+def test_a_loss_without_any_curvature_starts_with_the_sweeps_alone():
+    """A loss whose Hessian is zero everywhere (two pinball losses): ``jb.train`` traces no
+    Newton steps for its starting value, which are the same, bit for bit, as the sweeps after
+    them (Newton's steps stop where they start), and the weighted quantiles."""
+    import jaxboost as jb
+
+    y = (1.5 + np.random.default_rng(9).standard_t(3, size=N_ROWS)).astype(np.float32)
+    X = np.random.default_rng(10).normal(size=(N_ROWS, 3)).astype(np.float32)
+    weights = _weights(9)
+    traced = []
+
+    def listener(name, duration, **kwargs):
+        if name.endswith("jaxpr_trace_duration"):
+            traced.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        model = jb.train(jb.Dataset(X, y, sample_weight=weights), loss=two_pinball_losses, num_outputs=2,
+                         num_rounds=1, max_depth=2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert "_coordinate_sweeps" in traced and "newton_constant" not in traced, traced
+    objective = _vector_objective(two_pinball_losses, 2)
+    args = (jnp.zeros((N_ROWS, 2)), jnp.asarray(y), jnp.asarray(weights))
+    with_newton = np.asarray(starting_value(objective, *args))
+    np.testing.assert_array_equal(np.asarray(model.base_score), with_newton)
+    np.testing.assert_array_equal(np.asarray(starting_value(objective, *args, hessian_vanishes=True)), with_newton)
+    w, y64 = weights.astype(np.float64), y.astype(np.float64)
+    for output, level in enumerate([0.2, 0.7]):
+        lower, upper = weighted_quantile_interval(y64, w, level)
+        assert lower - 1e-5 * abs(lower) <= with_newton[output] <= upper + 1e-5 * abs(upper)
+
+
 @pytest.mark.parametrize("n_rows,num_segments", [(0, 3), (1, 3), (7, 3), (1003, 127)])
 def test_segment_sums_add_each_segments_rows_and_leave_out_other_ids(n_rows, num_segments):
     """Leaf refits' segment sums (the native kernel on CPU, four partial sums; XLA's scatter
