@@ -4,7 +4,8 @@ The loss is ``loss(raw_prediction, y) -> scalar`` for ONE example, the optax con
 ``raw_prediction`` is a scalar for single-output losses and a length-K vector otherwise. The
 gradient comes from ``jax.grad`` and the Hessian diagonal from forward-over-reverse
 (``jax.jvp`` of the gradient), both in one pass (the whole K x K matrix for vector leaves);
-rows are batched with ``jax.vmap``. Nobody writes a derivative by hand. A loss's trace alone
+rows are batched with ``jax.vmap``, as the last axis of a loss of several outputs
+(``over_rows``). Nobody writes a derivative by hand. A loss's trace alone
 tells whether its Hessian is zero everywhere (``hessian_vanishes``: a piecewise-linear loss,
 whose leaves are refit).
 """
