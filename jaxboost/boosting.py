@@ -312,8 +312,8 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
         curvatures = jnp.abs(curvatures)
         usable = curvatures > MIN_RELATIVE_CURVATURE * jnp.max(curvatures)
         # K x K products as sums of element-wise ones: full float32 (a GPU's matrix products
-        # default to TF32), and no matrix kernel of their own to compile on CPU (as products
-        # they were two more LLVM modules, 35-45 ms each).
+        # default to TF32), and no code of their own to compile on CPU (as products, one was an
+        # LLVM module of 34-44 ms).
         along = jnp.sum(directions * total_gradient[:, None], axis=0)
         direction = -jnp.sum(directions * jnp.where(usable, along / jnp.where(usable, curvatures, 1.0), 0.0), axis=1)
         slope = jnp.sum(total_gradient * direction)  # <= 0

@@ -32,8 +32,8 @@ from .model import Model
 from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .program_store import ready
 from .regularizer import Regularization, check_regularization
-from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, _hessian_vanishes, _leaf_refit_needed,
-                       _raise_if_unhealthy, check_flag, found_while_compiling, interaction_groups, monotone_array,
+from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
+                       _without_curvature, check_flag, found_while_compiling, interaction_groups, monotone_array,
                        positives_weighted, release_memory_now_and_then, vector_leaves)
 
 # Hyperparameters that may differ between the models, with jb.train's defaults.
@@ -151,7 +151,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     zeros, y_one, weights_one = jax.device_put([np.zeros((padded, K), np.float32), rows.y, padded_weights],
                                                mesh.devices.flat[0])
 
-    no_curvature = _hessian_vanishes(resolved, rows)
+    no_curvature = _without_curvature(resolved, rows)
 
     def find_base_scores() -> np.ndarray:  # (M_run, K)
         return np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, y_one, w, params,

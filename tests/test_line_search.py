@@ -324,11 +324,21 @@ def two_pinball_losses(f, y):
     return jnp.sum(jnp.maximum(levels * residual, (levels - 1) * residual))
 
 
-def test_a_loss_without_any_curvature_starts_with_the_sweeps_alone():
+def test_a_loss_without_any_curvature_starts_with_the_sweeps_alone(monkeypatch):
     """A loss whose Hessian is zero everywhere (two pinball losses): ``jb.train`` traces no
     Newton steps for its starting value, which are the same, bit for bit, as the sweeps after
-    them (Newton's steps stop where they start), and the weighted quantiles."""
+    them (Newton's steps stop where they start), and the weighted quantiles. A smooth built-in
+    (softmax) is not traced for it."""
     import jaxboost as jb
+    from jaxboost import training
+
+    asked = []
+    monkeypatch.setattr(training, "_hessian_vanishes",
+                        lambda resolved, rows, ask=training._hessian_vanishes: asked.append(resolved.name)
+                        or ask(resolved, rows))
+    X_small = np.random.default_rng(11).normal(size=(300, 3)).astype(np.float32)
+    jb.train(X_small, (X_small[:, 0] > 0) + (X_small[:, 1] > 0), loss="softmax", num_rounds=1, max_depth=2)
+    assert asked == []
 
     y = (1.5 + np.random.default_rng(9).standard_t(3, size=N_ROWS)).astype(np.float32)
     X = np.random.default_rng(10).normal(size=(N_ROWS, 3)).astype(np.float32)
@@ -346,6 +356,7 @@ def test_a_loss_without_any_curvature_starts_with_the_sweeps_alone():
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert "_coordinate_sweeps" in traced and "newton_constant" not in traced, traced
+    assert asked, "the custom loss's Hessian was not looked at"
     objective = _vector_objective(two_pinball_losses, 2)
     args = (jnp.zeros((N_ROWS, 2)), jnp.asarray(y), jnp.asarray(weights))
     with_newton = np.asarray(starting_value(objective, *args))
