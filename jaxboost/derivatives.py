@@ -20,19 +20,6 @@ import jax.extend
 import jax.numpy as jnp
 
 
-def outputs_first(raw_prediction: jax.Array) -> jax.Array:
-    """Vector raw predictions ``(n, K)`` laid out as ``(K, n)`` for ``over_rows_of_outputs``:
-    a copy that XLA keeps (its simplifier otherwise moves a transpose out of the way again,
-    and the rows' loops with it)."""
-    return jax.lax.optimization_barrier(raw_prediction.T)
-
-
-def over_rows_of_outputs(function: Callable, raw_by_output: jax.Array, y: jax.Array):
-    """``over_rows`` for raw predictions laid out ``(K, n)`` (``outputs_first``)."""
-    results = jax.vmap(function, in_axes=(1, 0), out_axes=-1)(raw_by_output, y)
-    return jax.tree_util.tree_map(lambda result: jnp.moveaxis(result, -1, 0), results)
-
-
 def over_rows(function: Callable, raw_prediction: jax.Array, y: jax.Array):
     """``jax.vmap(function)(raw_prediction, y)``: ``function`` of one example, mapped over rows.
 
@@ -40,10 +27,15 @@ def over_rows(function: Callable, raw_prediction: jax.Array, y: jax.Array):
     every value computed from it: XLA's CPU loops then run over the rows innermost, where LLVM
     vectorises an expression once, rather than over the K outputs of a row, which it unrolls
     (softmax's exponentials at 10 classes: 92-97 KB of LLVM IR a loop, 24 KB this way). The
-    results come back with the rows first."""
+    transposed raw predictions are a copy that XLA keeps: without the optimisation barrier its
+    simplifier moved the transpose out of the way again, and the rows' loops with it. The
+    results come back with the rows first. In this layout XLA stores more ``(K, n)`` values
+    (a softmax's exponentials), so callers map a chunk of rows at a time (``in_row_chunks``)."""
     if raw_prediction.ndim == 1:
         return jax.vmap(function)(raw_prediction, y)
-    return over_rows_of_outputs(function, outputs_first(raw_prediction), y)
+    raw_by_output = jax.lax.optimization_barrier(raw_prediction.T)
+    results = jax.vmap(function, in_axes=(1, 0), out_axes=-1)(raw_by_output, y)
+    return jax.tree_util.tree_map(lambda result: jnp.moveaxis(result, -1, 0), results)
 
 
 def _example_value_gradient_and_hessian(loss: Callable, raw_prediction: jax.Array, y: jax.Array,
@@ -91,7 +83,7 @@ def gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: jax.Arr
 
 def output_gradient(loss: Callable, raw_prediction: jax.Array, y: jax.Array, output: int | None) -> jax.Array:
     """Row-wise ``d loss / d raw_prediction[output]`` (the whole gradient when ``output`` is None)."""
-    g = over_rows(jax.grad(loss), raw_prediction, y)
+    g = jax.vmap(jax.grad(loss))(raw_prediction, y)
     return g if output is None else g[:, output]
 
 
