@@ -292,7 +292,7 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
         return jax.vmap(loss)(raw_prediction + constant, y)
 
     def row_gradients(constant):
-        return jax.vmap(jax.grad(loss))(raw_prediction + constant, y)
+        return output_gradient(loss, raw_prediction + constant, y, None)
 
     def newton_step(state):
         constant, _, _, steps = state
