@@ -32,6 +32,9 @@ class ResolvedLoss(NamedTuple):
     leaf_refit: bool | None  # None: decide from the first round's Hessians (custom losses)
     check_labels: Callable[[np.ndarray], None]
     loss_params: dict  # traced keyword arguments of the loss: one compiled program serves all values
+    # The built-in's closed-form best constant (``losses.BuiltinLoss.optimal_constant``); None:
+    # found numerically (``boosting.starting_value``).
+    optimal_constant: Callable | None = None
 
 
 def _builtin_record(loss) -> losses.BuiltinLoss | None:
@@ -107,7 +110,7 @@ def resolve_loss(loss, labels: np.ndarray, num_outputs: int | None, link, loss_p
         traced = _check_loss_parameters(function, loss_params, vector_output, objective.num_outputs,
                                         labels[0].astype(np.int32 if record.multiclass else np.float32))
         return ResolvedLoss(objective, record.name, np.int32 if record.multiclass else np.float32,
-                            record.leaf_refit, record.check_labels, traced)
+                            record.leaf_refit, record.check_labels, traced, record.optimal_constant)
     link_function = resolve_link("identity" if link is None else link)
     objective = Objective(function, num_outputs is not None, num_outputs or 1, link_function)
     traced = _check_loss_parameters(function, loss_params, objective.vector_output, objective.num_outputs,

@@ -33,8 +33,9 @@ from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .program_store import ready
 from .regularizer import Regularization, check_regularization
 from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
-                       _without_curvature, check_flag, found_while_compiling, interaction_groups, monotone_array,
-                       positives_weighted, release_memory_now_and_then, vector_leaves)
+                       _without_curvature, check_flag, closed_form_starting_value, found_while_compiling,
+                       interaction_groups, monotone_array, positives_weighted, release_memory_now_and_then,
+                       vector_leaves)
 
 # Hyperparameters that may differ between the models, with jb.train's defaults.
 BATCHABLE = dict(learning_rate=0.1, reg_lambda=1.0, reg_alpha=0.0, gamma=0.0, min_child_weight=1.0, subsample=1.0,
@@ -154,6 +155,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     no_curvature = _without_curvature(resolved, rows)
 
     def find_base_scores() -> np.ndarray:  # (M_run, K)
+        if resolved.optimal_constant is not None:
+            return np.stack([closed_form_starting_value(resolved, rows.y, weights) for weights in padded_weights])
         return np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, y_one, w, params,
                                                                    no_curvature))(weights_one, stacked_loss_params))
 

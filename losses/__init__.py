@@ -3,7 +3,7 @@
 Each loss is a pure function of ONE example, ``function(raw_prediction, y, **params)``;
 gradients and Hessians come from autodiff. ``BUILTINS`` maps each name to its
 ``BuiltinLoss`` record (link, label check, whether leaves need refitting, whether it is
-multiclass, how many raw outputs it takes). Bind parameters with ``functools.partial``, e.g.
+multiclass, how many raw outputs it takes, the closed form of its best constant where it has one). Bind parameters with ``functools.partial``, e.g.
 ``functools.partial(quantile, tau=0.9)``.
 
 The distributional losses (``gaussian_nll``, ``student_t_nll``, ``lognormal_nll``) take two
@@ -20,6 +20,7 @@ from typing import Callable
 
 import jax
 
+from . import _optimal_constants as _constant
 from . import _validation
 from ._classification import exponential, hinge, logistic, softmax
 from ._count import gamma, negative_binomial, poisson, tweedie
@@ -72,6 +73,7 @@ def _record(
     multiclass: bool = False,
     num_outputs: int | None = None,
     quantile: Callable | None = None,
+    optimal_constant: Callable | None = None,
 ) -> BuiltinLoss:
     name = function.__name__
     return BuiltinLoss(
@@ -83,30 +85,32 @@ def _record(
         multiclass=multiclass,
         num_outputs=num_outputs,
         quantile=quantile,
+        optimal_constant=optimal_constant,
     )
 
 
 BUILTINS: dict[str, BuiltinLoss] = {
     record.name: record
     for record in (
-        _record(squared_error, "identity", _validation.any_finite),
+        _record(squared_error, "identity", _validation.any_finite, optimal_constant=_constant.mean),
         _record(absolute_error, "identity", _validation.any_finite, leaf_refit=True),
         _record(pseudo_huber, "identity", _validation.any_finite),
         _record(quantile, "identity", _validation.any_finite, leaf_refit=True),
-        _record(logistic, "sigmoid", _validation.unit_interval),
-        _record(softmax, "softmax", _validation.class_indices, multiclass=True),
-        _record(poisson, "exp", _validation.non_negative),
-        _record(gamma, "exp", _validation.positive),
-        _record(tweedie, "exp", _validation.non_negative),
-        _record(negative_binomial, "exp", _validation.non_negative),
-        _record(exponential, "sigmoid_2x", _validation.binary),
+        _record(logistic, "sigmoid", _validation.unit_interval, optimal_constant=_constant.log_odds),
+        _record(softmax, "softmax", _validation.class_indices, multiclass=True,
+                optimal_constant=_constant.log_class_frequencies),
+        _record(poisson, "exp", _validation.non_negative, optimal_constant=_constant.log_mean),
+        _record(gamma, "exp", _validation.positive, optimal_constant=_constant.log_mean),
+        _record(tweedie, "exp", _validation.non_negative, optimal_constant=_constant.log_mean),
+        _record(negative_binomial, "exp", _validation.non_negative, optimal_constant=_constant.log_mean),
+        _record(exponential, "sigmoid_2x", _validation.binary, optimal_constant=_constant.half_log_odds),
         _record(hinge, "step", _validation.binary, leaf_refit=True),
         _record(gaussian_nll, location_scale, _validation.any_finite, num_outputs=2,
-                quantile=gaussian_quantile),
+                quantile=gaussian_quantile, optimal_constant=_constant.gaussian),
         _record(student_t_nll, location_scale, _validation.any_finite, num_outputs=2,
                 quantile=student_t_quantile),
         _record(lognormal_nll, location_scale, _validation.positive, num_outputs=2,
-                quantile=lognormal_quantile),
+                quantile=lognormal_quantile, optimal_constant=_constant.lognormal),
     )
 }
 

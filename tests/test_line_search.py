@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxboost as jb
+from jaxboost import losses, training
 from jaxboost.boosting import Objective, minimise_offsets, newton_constant, starting_value
 from jaxboost.regularizer import Regularization
 
@@ -384,3 +386,99 @@ def test_segment_sums_add_each_segments_rows_and_leave_out_other_ids(n_rows, num
     sums = jax.jit(lambda v, i: segment_sums(v, i, num_segments))(jnp.asarray(values), jnp.asarray(ids))
     assert sums.shape == (num_segments,) and sums.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(sums), expected, rtol=1e-5, atol=1e-5)
+
+
+def _labels(name: str, rng, n: int = N_ROWS) -> np.ndarray:
+    """Labels a built-in takes, with a spread on its own scale."""
+    if name in ("logistic", "exponential"):
+        return (rng.uniform(size=n) < 0.3).astype(np.float32)
+    if name == "softmax":
+        return rng.choice(4, size=n, p=[0.1, 0.2, 0.3, 0.4]).astype(np.int32)
+    if name in ("poisson", "tweedie", "negative_binomial"):
+        return rng.poisson(2.5, size=n).astype(np.float32)
+    if name in ("gamma", "lognormal_nll"):
+        return rng.gamma(2.0, 1.5, size=n).astype(np.float32)
+    return (40.0 + 3.0 * rng.normal(size=n)).astype(np.float32)
+
+
+CLOSED_FORMS = [(name, {}) for name, record in losses.BUILTINS.items() if record.optimal_constant is not None] + [
+    ("tweedie", {"power": 1.2}), ("tweedie", {"power": 1.8}), ("negative_binomial", {"alpha": 0.3}),
+    ("negative_binomial", {"alpha": 3.0})]
+
+
+@pytest.mark.parametrize("name, loss_params", CLOSED_FORMS)
+def test_a_built_ins_closed_form_constant_is_its_numerical_minimiser(name, loss_params):
+    """A built-in's closed-form best constant (``optimal_constant``) against the library's
+    numerical minimisation of the same loss on the same weighted labels (the way of every custom
+    loss), for each parameter: the same constant to float32's resolution, and never a larger
+    weighted loss. Softmax's logs are centred as Newton's steps centre them."""
+    record = losses.BUILTINS[name]
+    rng = np.random.default_rng(len(name) + 10 * len(loss_params))
+    y, weights = _labels(name, rng), _weights(11)
+    K = 4 if record.multiclass else record.num_outputs or 1
+    objective = _vector_objective(record.function, K) if K > 1 or record.num_outputs else Objective(
+        record.function, vector_output=False, num_outputs=1, link=identity)
+    params = {key: jnp.float32(value) for key, value in loss_params.items()}
+    numerical = np.asarray(starting_value(objective, jnp.zeros((N_ROWS, K)), jnp.asarray(y), jnp.asarray(weights),
+                                          params), np.float64)
+    closed = record.optimal_constant(y, weights, K)
+    assert closed.shape == (K,) and closed.dtype == np.float64
+    np.testing.assert_allclose(closed, numerical, rtol=2e-5, atol=2e-5, err_msg=f"{name} {loss_params}")
+
+    def weighted_loss(constant):
+        raw = jnp.broadcast_to(jnp.asarray(constant, jnp.float32), (N_ROWS, K))
+        per_row = jax.vmap(lambda f, label: record.function(f if K > 1 or record.num_outputs else f[0], label,
+                                                            **params))(raw, jnp.asarray(y))
+        return float(np.dot(np.asarray(per_row, np.float64), weights))
+
+    assert weighted_loss(closed) <= weighted_loss(numerical) * (1 + 1e-6) + 1e-6, name
+
+
+@pytest.mark.parametrize("name, label, expected", [
+    ("logistic", 0.0, [np.log(np.finfo(np.float32).tiny)]), ("logistic", 1.0, [-np.log(np.finfo(np.float32).tiny)]),
+    ("poisson", 0.0, [np.log(np.finfo(np.float32).tiny)]), ("tweedie", 0.0, [np.log(np.finfo(np.float32).tiny)]),
+    ("gaussian_nll", 3.0, [3.0, np.log(3.0 * np.finfo(np.float32).eps)]),
+    ("gaussian_nll", 0.0, [0.0, np.log(np.finfo(np.float32).eps)]),
+    ("lognormal_nll", 2.0, [np.log(2.0), np.log(np.finfo(np.float32).eps)])])
+def test_labels_without_a_minimiser_start_where_float32_stops(name, label, expected):
+    """One label for every row: a log-scale mean of 0 or a Gaussian without spread has no
+    minimiser. The constant stops at float32's smallest normal number or resolution (the
+    numerical minimisation had run a Gaussian's mean off to 9e17), and a model trained from it
+    predicts the label."""
+    n = 400
+    X = np.random.default_rng(12).normal(size=(n, 3)).astype(np.float32)
+    y = np.full(n, label, np.float32)
+    model = jb.train(X, y, loss=name, num_rounds=3, max_depth=2)
+    np.testing.assert_allclose(np.asarray(model.base_score, np.float64), expected, rtol=1e-6)
+    prediction = np.asarray(model.predict(X), np.float64)
+    location = prediction[:, 0] if prediction.ndim == 2 else prediction
+    np.testing.assert_allclose(location, expected[0] if name == "lognormal_nll" else label, atol=1e-6)
+    if prediction.ndim == 2:  # (location, scale): the scale at float32's resolution of the location
+        assert np.all(prediction[:, 1] < 1e-6 * max(abs(expected[0]), 1)), prediction[:2]
+
+
+@pytest.mark.parametrize("loss, num_classes", [("softmax", 3), ("gaussian_nll", None), ("logistic", None)])
+def test_a_built_in_with_a_closed_form_finds_its_constant_without_a_program(monkeypatch, loss, num_classes):
+    """``jb.train`` and ``train_many`` take a built-in's closed form: the numerical minimisation,
+    a program of its own to compile, is never called. Each of train_many's models takes the
+    constant of its own weights, the same as ``jb.train`` with those weights."""
+    def numerical(*args, **kwargs):
+        raise AssertionError("the numerical starting value was called")
+
+    monkeypatch.setattr(training, "starting_value", numerical)
+    from jaxboost import vmapped_training
+    monkeypatch.setattr(vmapped_training, "starting_value", numerical)
+    rng = np.random.default_rng(13)
+    n = 300
+    X = rng.normal(size=(n, 3)).astype(np.float32)
+    y = _labels(loss, rng, n)
+    if num_classes:
+        y = np.minimum(y, num_classes - 1)
+    weights = [_weights(14, n), _weights(15, n)]
+    models = jb.train_many(X, y, sample_weights=np.stack(weights), loss=loss, num_rounds=1, max_depth=2)
+    for model, w in zip(models, weights):
+        alone = jb.train(jb.Dataset(X, y, sample_weight=w), loss=loss, num_rounds=1, max_depth=2)
+        K = num_classes or (2 if loss == "gaussian_nll" else 1)
+        expected = losses.BUILTINS[loss].optimal_constant(y, w, K).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(alone.base_score), expected)
+        np.testing.assert_array_equal(np.asarray(model.base_score), expected)

@@ -1,0 +1,96 @@
+"""Closed forms of the best constant raw prediction, for the built-ins that have one.
+
+Boosting starts from the constant that minimises the weighted training loss. For any loss the
+library finds it numerically (exact 1-D minimisation; Newton steps for several outputs), a
+program of its own to trace and compile in every new shape's first fit: 1.3 s of XLA time for
+softmax's 10 classes on 2 cores. Where the minimiser has a closed form, the record's
+``optimal_constant`` gives it from the labels and weights on the host, in float64, with no
+program at all. Each one here is checked against the numerical minimiser on the same data.
+
+Signature: ``optimal_constant(y, sample_weight, num_outputs) -> (num_outputs,) float64``, for
+rows whose weights sum to more than zero. None of these depends on the loss's parameters
+(Tweedie's power, the negative binomial's alpha).
+
+Where no minimiser exists, the constant stops where float32 can follow it:
+
+- a mean of 0 on a log scale (all labels 0 for Poisson, or all of one class for logistic):
+  ``log`` of float32's smallest normal number, -87.3, where the numerical minimisation also
+  stops;
+- labels without spread for the Gaussian likelihoods: a standard deviation of float32's
+  resolution at the mean's scale (``FLOAT32_RESOLUTION * max(|mean|, 1)``), where the
+  numerical minimisation ran off to ``1e19`` (the trees' Hessians would then overflow).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_RESOLUTION = float(np.finfo(np.float32).eps)
+
+
+def _weighted_mean(values: np.ndarray, sample_weight: np.ndarray) -> float:
+    weights = np.asarray(sample_weight, np.float64)
+    return float(np.dot(weights, np.asarray(values, np.float64).ravel()) / weights.sum())
+
+
+def _clamped_log(value):
+    return np.log(np.maximum(value, _FLOAT32_TINY))
+
+
+def _output(value, num_outputs: int) -> np.ndarray:
+    return np.broadcast_to(np.asarray(value, np.float64), (num_outputs,)).copy()
+
+
+def mean(y, sample_weight, num_outputs: int) -> np.ndarray:
+    """Squared error: the weighted mean."""
+    return _output(_weighted_mean(y, sample_weight), num_outputs)
+
+
+def log_mean(y, sample_weight, num_outputs: int) -> np.ndarray:
+    """Log-link count and amount losses (Poisson, gamma, Tweedie, negative binomial): their
+    constant's score equation is ``sum w (y - exp(F)) c(F) = 0`` with ``c`` free of the row, so
+    ``exp(F)`` is the weighted mean."""
+    return _output(_clamped_log(_weighted_mean(y, sample_weight)), num_outputs)
+
+
+def log_odds(y, sample_weight, num_outputs: int) -> np.ndarray:
+    """Logistic: the log-odds of the weighted mean label."""
+    p = _weighted_mean(y, sample_weight)
+    return _output(_clamped_log(p) - _clamped_log(1.0 - p), num_outputs)
+
+
+def half_log_odds(y, sample_weight, num_outputs: int) -> np.ndarray:
+    """Exponential (AdaBoost): half the log-odds of the weighted mean label."""
+    return 0.5 * log_odds(y, sample_weight, num_outputs)
+
+
+def log_class_frequencies(y, sample_weight, num_outputs: int) -> np.ndarray:
+    """Softmax: the logs of the weighted class frequencies, less their mean over the classes
+    present (softmax's value is the same for any shift; this one is the numerical minimiser's
+    when every class is present)."""
+    weights = np.asarray(sample_weight, np.float64)
+    totals = np.bincount(np.asarray(y).astype(np.int64).ravel(), weights=weights, minlength=num_outputs)
+    present = totals > 0
+    logs = _clamped_log(totals / weights.sum())
+    return logs - logs[present].mean()
+
+
+def _location_and_log_scale(values: np.ndarray, sample_weight) -> np.ndarray:
+    location = _weighted_mean(values, sample_weight)
+    variance = _weighted_mean(np.square(np.asarray(values, np.float64) - location), sample_weight)
+    smallest = FLOAT32_RESOLUTION * max(abs(location), 1.0)
+    return np.array([location, 0.5 * np.log(max(variance, smallest * smallest))])
+
+
+def gaussian(y, sample_weight, num_outputs: int) -> np.ndarray:
+    """Gaussian likelihood ``(mu, log sigma)``: the weighted mean and the log of the weighted
+    standard deviation (divided by the weights' sum)."""
+    del num_outputs  # always 2
+    return _location_and_log_scale(y, sample_weight)
+
+
+def lognormal(y, sample_weight, num_outputs: int) -> np.ndarray:
+    """Log-normal likelihood: ``gaussian`` of ``log y``."""
+    del num_outputs
+    return _location_and_log_scale(np.log(np.asarray(y, np.float64)), sample_weight)
