@@ -71,8 +71,8 @@ def _stored_programs(folder) -> list:
 
 def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_store_their_trees_alone(tmp_path,
                                                                                                    monkeypatch):
-    """In one process: the round (its statistics and its trees) and the starting value exported
-    to the store, then loaded from it, predict what the programs traced without the store do,
+    """In one process: the round (its statistics and its trees; a built-in logistic's starting
+    value is a closed form, no program) exported to the store, then loaded from it, predict what the programs traced without the store do,
     bit for bit. Of a custom loss's programs, only the round's trees, which read no loss, are
     stored: on the same shapes the built-in's serve it, on new ones one more is stored."""
     traced = _fit_in_process(tmp_path, monkeypatch, "0")
@@ -80,7 +80,7 @@ def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_store_
     assert not folder.exists()
     exported = _fit_in_process(tmp_path, monkeypatch, "1")
     stored = _stored_programs(folder)
-    assert len(stored) == 3  # the round's statistics and trees, and the starting value
+    assert len(stored) == 2  # the round's statistics and trees
     loaded = _fit_in_process(tmp_path, monkeypatch, "1")
     np.testing.assert_array_equal(exported, traced)
     np.testing.assert_array_equal(loaded, traced)
@@ -98,8 +98,8 @@ def test_a_stored_round_grows_the_trees_of_a_traced_one_and_custom_losses_store_
 
 
 def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
-    """The first process traces the round's two programs, the starting value and the
-    prediction's link as without the store, compiles them and stores their executables; the
+    """The first process traces the round's two programs and the prediction's link as without
+    the store (a built-in logistic's starting value is a closed form, no program), compiles them and stores their executables; the
     next loads them and neither traces nor lowers anything of theirs; all predict what a process
     without the store predicts, bit for bit. A program whose executable is corrupt is deleted,
     traced and loaded from JAX's persistent cache, whose executable does not serialize whole: its
@@ -126,16 +126,15 @@ def test_a_later_process_loads_the_round_instead_of_tracing_it(tmp_path):
         assert scipy_imported == "False", f"a fit with JAXBOOST_PROGRAM_STORE={store} imported SciPy"
         return predictions, done.stderr
 
-    # The round's two programs, the starting value and the prediction's link (in steps).
-    traced = ("Finished tracing round_statistics", "Finished tracing round_trees",
-              "Finished tracing _coordinate_sweeps", "Finished tracing stepped")
+    # The round's two programs and the prediction's link (in steps).
+    traced = ("Finished tracing round_statistics", "Finished tracing round_trees", "Finished tracing stepped")
     folder = tmp_path / "store" / "programs"
     without, log_without = run("0", tmp_path / "without")  # a cache of its own: the store's starts empty
     assert all(name in log_without for name in traced)
     first, log_first = run("1", tmp_path / "store")
     assert all(name in log_first for name in traced) and "Finished tracing flat" not in log_first
     names = _stored_forms(folder, program_store.EXECUTABLE_SUFFIX)
-    assert len(names) == 4 and not _stored_forms(folder, program_store._SUFFIX)
+    assert len(names) == 3 and not _stored_forms(folder, program_store._SUFFIX)
     second, log_second = run("1", tmp_path / "store")
     assert not any(name in log_second for name in traced + ("Finished tracing flat", "Finished tracing call"))
     assert first == without and second == without
@@ -354,15 +353,15 @@ def test_a_stored_executable_is_loaded_donates_as_the_jitted_program_and_takes_o
 
 
 def test_a_later_process_readies_lapack_for_a_loaded_executable_that_calls_it(tmp_path):
-    """Softmax's starting value takes Newton steps along the Hessian's eigenvectors (LAPACK's
-    ``syevd``). jaxlib's LAPACK kernels take their routines from SciPy when a program calling
+    """A vector loss's starting value without a closed form (the Student t likelihood's) takes
+    Newton steps along the Hessian's eigenvectors (LAPACK's ``syevd``). jaxlib's LAPACK kernels take their routines from SciPy when a program calling
     them is lowered; a later process loads that program's executable unlowered, and had crashed
     calling it. It readies them first, and predicts what the first process predicted."""
     code = ("import numpy as np, jaxboost as jb\n"
             "rng = np.random.default_rng(1)\n"
             "X = rng.normal(size=(240, 4)).astype(np.float32)\n"
-            "y = np.digitize(X[:, 0] + 0.3 * rng.normal(size=240), [-0.5, 0.5]).astype(np.float32)\n"
-            "model = jb.train(X, y, loss='softmax', num_rounds=2, max_depth=2)\n"
+            "y = (X[:, 0] + 0.3 * rng.standard_t(3, size=240)).astype(np.float32)\n"
+            "model = jb.train(X, y, loss='student_t_nll', num_rounds=2, max_depth=2)\n"
             "print(model.base_score.tobytes().hex() + model.predict(X[:20]).tobytes().hex())\n")
 
     def run():
