@@ -956,7 +956,8 @@ XLA_FFI_DEFINE_HANDLER(kSegmentSumHandler, SegmentSumImpl,
 constexpr int64_t kSolveLanes = 16;
 
 struct DampedSolveProblem {
-  const float* packed;     // (N, C): each candidate's Hessian, upper triangle row by row
+  const float* packed;     // (N, C): each candidate's Hessian, its diagonal then the rest of
+                           // its upper triangle row by row
   const float* gradients;  // (N, K)
   const float* lambda;     // (N,)
   const float* tolerance;  // (N,)
@@ -1010,9 +1011,12 @@ inline __attribute__((always_inline)) void DampedSolveBody(const DampedSolveProb
                                                            int64_t last) {
   constexpr int64_t L = kSolveLanes;
   const int64_t k = p.k;
+  // The packed layout (regularizer.packed_hessian_entries): the diagonal, then the upper
+  // triangle's other entries row by row.
   std::vector<int64_t> channel(static_cast<size_t>(k * k));
-  for (int64_t i = 0, c = 0; i < k; ++i) {
-    for (int64_t j = i; j < k; ++j, ++c) channel[i * k + j] = channel[j * k + i] = c;
+  for (int64_t i = 0; i < k; ++i) channel[i * k + i] = i;
+  for (int64_t i = 0, c = k; i < k; ++i) {
+    for (int64_t j = i + 1; j < k; ++j, ++c) channel[i * k + j] = channel[j * k + i] = c;
   }
   std::vector<float> matrix(static_cast<size_t>(k * k * L)), factor(matrix.size()), damped(matrix.size());
   std::vector<float> y(static_cast<size_t>(k * L)), x(y.size()), pivots(y.size()), gradient(y.size());

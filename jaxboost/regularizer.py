@@ -287,10 +287,22 @@ PSD_TOLERANCE = 1e-4
 MAX_FULL_TO_DIAGONAL_SCORE = 2
 
 
+def packed_hessian_entries(K: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (row, column) of each channel of a packed full Hessian: the diagonal first, then the
+    upper triangle's other entries row by row. With the diagonal a leading slice, the split
+    scan's and the leaves' reads of it (weights, ``min_child_weight``, the diagonal solution)
+    are offsets rather than gathers: the vector-leaf trees' program 1,177 -> 1,105 KB of
+    optimised LLVM IR at 10 outputs. ``histogram_kernel.cc``'s damped solve reads this layout."""
+    rows, columns = np.triu_indices(K)
+    off_diagonal = rows != columns
+    return (np.concatenate([np.arange(K), rows[off_diagonal]]),
+            np.concatenate([np.arange(K), columns[off_diagonal]]))
+
+
 @dataclass(frozen=True)
 class VectorLeaves:
     """Static layout of vector-leaf statistics: per row (and in every histogram cell) the K
-    gradients come first, then the Hessian: its upper triangle, row by row (``full``), or its
+    gradients come first, then the Hessian: packed (``full``: ``packed_hessian_entries``), or its
     diagonal."""
 
     num_outputs: int
@@ -309,7 +321,7 @@ class VectorLeaves:
         """``(..., K, K)`` -> ``(..., hessian_channels)``."""
         if not self.full_hessian:
             return jnp.diagonal(hessian, axis1=-2, axis2=-1)
-        rows, columns = np.triu_indices(self.num_outputs)
+        rows, columns = packed_hessian_entries(self.num_outputs)
         return hessian[..., rows, columns]
 
     def hessian_entries(self, packed: jax.Array) -> list[list[jax.Array]]:
@@ -318,7 +330,7 @@ class VectorLeaves:
         contiguously, where read from the packed layout (or a gathered ``(..., K, K)`` one) every
         entry's pass over the candidates would use one float of each cache line it loads."""
         K = self.num_outputs
-        rows, columns = np.triu_indices(K)
+        rows, columns = packed_hessian_entries(K)
         channel = np.zeros((K, K), np.int32)
         channel[rows, columns] = channel[columns, rows] = np.arange(rows.size)
         channels_first = jnp.moveaxis(packed, -1, 0)
@@ -326,10 +338,7 @@ class VectorLeaves:
 
     def diagonal(self, packed: jax.Array) -> jax.Array:
         """The Hessian diagonal ``(..., K)`` of packed statistics."""
-        if not self.full_hessian:
-            return packed
-        rows, columns = np.triu_indices(self.num_outputs)
-        return packed[..., np.flatnonzero(rows == columns)]
+        return packed[..., :self.num_outputs]
 
 
 def check_vector_regularization(reg: Regularization, leaves: VectorLeaves) -> None:

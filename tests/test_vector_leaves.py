@@ -36,6 +36,27 @@ PENALTIES = [pytest.param(jb.regularizers.l2(1.0), id="bound-unknown"),
              pytest.param(jb.regularizers.l2(1.0).with_max_delta_step(0.0), id="unbounded")]
 
 
+@pytest.mark.parametrize("K", [2, 5])
+def test_a_packed_hessian_holds_its_diagonal_first_and_every_entry_once(K):
+    """The packed layout: the diagonal as the leading channels (``diagonal`` reads a slice), then
+    the upper triangle's other entries; ``hessian_entries`` gives back every entry of the
+    symmetric matrix, and the diagonal-only layout is the diagonal itself."""
+    A = np.random.default_rng(K).normal(size=(3, K, K)).astype(np.float32)
+    H = A + np.swapaxes(A, 1, 2)
+    leaves = VectorLeaves(K)
+    packed = np.asarray(leaves.pack_hessian(jnp.asarray(H)))
+    assert packed.shape == (3, K * (K + 1) // 2)
+    np.testing.assert_array_equal(packed[:, :K], np.diagonal(H, axis1=1, axis2=2))
+    np.testing.assert_array_equal(np.asarray(leaves.diagonal(jnp.asarray(packed))), np.diagonal(H, axis1=1, axis2=2))
+    rebuilt = np.stack([np.stack([np.asarray(entry) for entry in row], axis=-1)
+                        for row in leaves.hessian_entries(jnp.asarray(packed))], axis=-2)
+    np.testing.assert_array_equal(rebuilt, H)
+    assert sorted(np.abs(packed[0]).tolist()) == sorted(np.abs(H[0][np.triu_indices(K)]).tolist())
+    diagonal_only = VectorLeaves(K, full_hessian=False)
+    np.testing.assert_array_equal(np.asarray(diagonal_only.pack_hessian(jnp.asarray(H))),
+                                  np.diagonal(H, axis1=1, axis2=2))
+
+
 @pytest.mark.skipif(jb.native.native_target(jb.native.DAMPED_SOLVE_TARGET) is None or jax.default_backend() != "cpu",
                     reason="native kernels not built here, or JAX's default backend is not the CPU")
 @pytest.mark.parametrize("reg_lambda", [1.0, 0.0])
