@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import inspect
 import numbers
 import weakref
 from typing import Callable, NamedTuple
@@ -236,13 +237,20 @@ def _starting_value(resolved: ResolvedLoss, rows: _DeviceRows, mesh) -> np.ndarr
                                      _without_curvature(resolved, rows)))
 
 
-def closed_form_starting_value(resolved: ResolvedLoss, y: np.ndarray, sample_weight: np.ndarray) -> np.ndarray:
+def closed_form_starting_value(resolved: ResolvedLoss, y: np.ndarray, sample_weight: np.ndarray,
+                               loss_params: dict | None = None) -> np.ndarray:
     """A built-in's best constant from its closed form, on the host
     (``losses.BuiltinLoss.optimal_constant``): its numerical minimisation was a program of its
     own to trace and compile in every new shape's first fit (softmax's 10 classes: 0.3 s of
     tracing and 1.3 s of compile on 2 cores, a fit's last compile to end), and its passes over
-    the rows ran in every fit. Rows of weight zero (the devices' padding) count for nothing."""
-    return resolved.optimal_constant(y, sample_weight, resolved.objective.num_outputs).astype(np.float32)
+    the rows ran in every fit. Rows of weight zero (the devices' padding) count for nothing.
+    ``loss_params``: one model's (None: ``resolved``'s), over the loss's own defaults."""
+    signature = inspect.signature(resolved.objective.loss)
+    params = {name: parameter.default for name, parameter in signature.parameters.items()
+              if parameter.default is not inspect.Parameter.empty}
+    params.update({name: np.asarray(value) for name, value in
+                   (resolved.loss_params if loss_params is None else loss_params).items()})
+    return resolved.optimal_constant(y, sample_weight, resolved.objective.num_outputs, **params).astype(np.float32)
 
 
 def _without_curvature(resolved: ResolvedLoss, rows: _DeviceRows) -> bool:

@@ -156,7 +156,10 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
 
     def find_base_scores() -> np.ndarray:  # (M_run, K)
         if resolved.optimal_constant is not None:
-            return np.stack([closed_form_starting_value(resolved, rows.y, weights) for weights in padded_weights])
+            return np.stack([closed_form_starting_value(resolved, rows.y, weights,
+                                                        {name: value[model] for name, value in
+                                                         stacked_loss_params.items()})
+                             for model, weights in enumerate(padded_weights)])
         return np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, y_one, w, params,
                                                                    no_curvature))(weights_one, stacked_loss_params))
 

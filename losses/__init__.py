@@ -93,9 +93,11 @@ BUILTINS: dict[str, BuiltinLoss] = {
     record.name: record
     for record in (
         _record(squared_error, "identity", _validation.any_finite, optimal_constant=_constant.mean),
-        _record(absolute_error, "identity", _validation.any_finite, leaf_refit=True),
+        _record(absolute_error, "identity", _validation.any_finite, leaf_refit=True,
+                optimal_constant=_constant.weighted_median),
         _record(pseudo_huber, "identity", _validation.any_finite),
-        _record(quantile, "identity", _validation.any_finite, leaf_refit=True),
+        _record(quantile, "identity", _validation.any_finite, leaf_refit=True,
+                optimal_constant=_constant.weighted_quantile),
         _record(logistic, "sigmoid", _validation.unit_interval, optimal_constant=_constant.log_odds),
         _record(softmax, "softmax", _validation.class_indices, multiclass=True,
                 optimal_constant=_constant.log_class_frequencies),

@@ -31,7 +31,7 @@ class BuiltinLoss(NamedTuple):
     # quantile(params, level, **loss_params) -> quantiles of the predictive distribution,
     # from the parameters predict returns; None for losses that are not a likelihood.
     quantile: Callable | None = None
-    # optimal_constant(y, sample_weight, num_outputs) -> (num_outputs,) float64: the constant
-    # raw prediction minimising the weighted loss, in closed form on the host
+    # optimal_constant(y, sample_weight, num_outputs, **loss_params) -> (num_outputs,) float64:
+    # the constant raw prediction minimising the weighted loss, in closed form on the host
     # (``_optimal_constants``); None: the library finds it numerically.
     optimal_constant: Callable | None = None

@@ -7,6 +7,7 @@ and the closed forms of the penalised squared error.
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import jax
@@ -403,7 +404,15 @@ def _labels(name: str, rng, n: int = N_ROWS) -> np.ndarray:
 
 CLOSED_FORMS = [(name, {}) for name, record in losses.BUILTINS.items() if record.optimal_constant is not None] + [
     ("tweedie", {"power": 1.2}), ("tweedie", {"power": 1.8}), ("negative_binomial", {"alpha": 0.3}),
-    ("negative_binomial", {"alpha": 3.0})]
+    ("negative_binomial", {"alpha": 3.0}), ("quantile", {"tau": 0.1}), ("quantile", {"tau": 0.9})]
+
+
+def _closed_form(record, y, weights, K, loss_params):
+    """``record.optimal_constant`` with the loss's default parameters under ``loss_params``, as
+    the library calls it."""
+    defaults = {name: parameter.default for name, parameter in inspect.signature(record.function).parameters.items()
+                if parameter.default is not inspect.Parameter.empty}
+    return record.optimal_constant(y, weights, K, **{**defaults, **loss_params})
 
 
 @pytest.mark.parametrize("name, loss_params", CLOSED_FORMS)
@@ -421,7 +430,7 @@ def test_a_built_ins_closed_form_constant_is_its_numerical_minimiser(name, loss_
     params = {key: jnp.float32(value) for key, value in loss_params.items()}
     numerical = np.asarray(starting_value(objective, jnp.zeros((N_ROWS, K)), jnp.asarray(y), jnp.asarray(weights),
                                           params), np.float64)
-    closed = record.optimal_constant(y, weights, K)
+    closed = _closed_form(record, y, weights, K, loss_params)
     assert closed.shape == (K,) and closed.dtype == np.float64
     np.testing.assert_allclose(closed, numerical, rtol=2e-5, atol=2e-5, err_msg=f"{name} {loss_params}")
 
@@ -482,3 +491,38 @@ def test_a_built_in_with_a_closed_form_finds_its_constant_without_a_program(monk
         expected = losses.BUILTINS[loss].optimal_constant(y, w, K).astype(np.float32)
         np.testing.assert_array_equal(np.asarray(alone.base_score), expected)
         np.testing.assert_array_equal(np.asarray(model.base_score), expected)
+
+
+@pytest.mark.parametrize("tau, expected", [(0.5, 2.5), (0.25, 1.5), (0.3, 2.0), (0.75, 3.5)])
+def test_a_weighted_quantile_between_two_labels_takes_their_midpoint(tau, expected):
+    """Unit weights on the labels 1..4 (and a row of weight zero, the devices' padding, that
+    counts for nothing): where the rows at or below a label carry exactly ``tau`` of the weight,
+    every point up to the next label minimises the pinball loss, and the midpoint is taken (the
+    usual median of an even count); otherwise the smallest label past ``tau`` of the weight."""
+    y = np.array([4.0, 2.0, 1.0, 3.0, -50.0], np.float32)
+    weights = np.array([1, 1, 1, 1, 0], np.float32)
+    closed = losses.BUILTINS["quantile"].optimal_constant(y, weights, 1, tau=tau)
+    np.testing.assert_array_equal(closed, [expected])
+    if tau == 0.5:
+        np.testing.assert_array_equal(losses.BUILTINS["absolute_error"].optimal_constant(y, weights, 1), [expected])
+
+
+def test_train_many_takes_each_models_quantile_level(monkeypatch):
+    """A batch of quantile levels: each model starts from the weighted quantile at its own
+    ``tau``, from the closed form (the numerical minimisation is never called); ``jb.train``
+    with the same ``tau`` starts from the same value."""
+    def numerical(*args, **kwargs):
+        raise AssertionError("the numerical starting value was called")
+
+    from jaxboost import vmapped_training
+    monkeypatch.setattr(vmapped_training, "starting_value", numerical)
+    rng = np.random.default_rng(16)
+    X = rng.normal(size=(301, 3)).astype(np.float32)
+    y = rng.standard_t(3, size=301).astype(np.float32)
+    models = jb.train_many(X, y, loss="quantile", batch={"tau": [0.2, 0.5, 0.9]}, num_rounds=1, max_depth=2)
+    starts = [float(np.asarray(model.base_score)[0]) for model in models]
+    np.testing.assert_allclose(starts, np.quantile(y.astype(np.float64), [0.2, 0.5, 0.9], method="inverted_cdf"),
+                               rtol=1e-6)
+    monkeypatch.setattr(training, "starting_value", numerical)
+    alone = jb.train(X, y, loss="quantile", loss_params={"tau": 0.9}, num_rounds=1, max_depth=2)
+    np.testing.assert_array_equal(np.asarray(alone.base_score), np.float32(starts[2]))
