@@ -105,7 +105,8 @@ def worker(config: str, rows: int) -> dict:
     jb.train(dataset, num_rounds=1, **settings)
     second_s = time.perf_counter() - started
     return dict(compile_s=first_s - second_s, first_fit_s=first_s, first_fit_cpu_s=cpu,
-                jaxboost=os.path.dirname(os.path.dirname(os.path.abspath(jb.__file__))))
+                jaxboost=os.path.dirname(os.path.dirname(os.path.abspath(jb.__file__))),
+                losses=os.path.dirname(os.path.dirname(os.path.abspath(jb.losses.__file__))))
 
 
 def run_once(checkout: str, config: str, rows: int) -> dict | None:
@@ -116,8 +117,9 @@ def run_once(checkout: str, config: str, rows: int) -> dict | None:
     for line in completed.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             result = json.loads(line[len(RESULT_PREFIX):])
-            if os.path.realpath(result.pop("jaxboost")) != os.path.realpath(checkout):
-                raise RuntimeError(f"the run for {checkout} imported another jaxboost")
+            # Both the package and its losses (an editable install elsewhere maps jaxboost.losses).
+            if {os.path.realpath(result.pop(name)) for name in ("jaxboost", "losses")} != {os.path.realpath(checkout)}:
+                raise RuntimeError(f"the run for {checkout} imported another jaxboost or its losses")
             return result
     print(f"  {config} in {checkout}: failed\n{completed.stderr[-2000:]}", file=sys.stderr)
     return None

@@ -21,18 +21,24 @@ def _load_losses_folder():
     """Make the repository's top-level ``losses/`` folder importable as ``jaxboost.losses``.
 
     An installed package (``pip install .`` or ``-e .``) already maps it there; running from a
-    source checkout without installing does not, so load it from beside this package.
+    source checkout without installing does not, so load it from beside this package. A source
+    checkout (its ``pyproject.toml`` beside the package) always takes its own folder: with
+    another checkout installed in editable mode, the installed mapping had given this package
+    that checkout's losses.
     """
     import importlib.util
     import pathlib
     import sys
 
-    try:
-        from . import losses  # noqa: F401  (installed mapping)
-        return
-    except ImportError:
-        pass
-    folder = pathlib.Path(__file__).resolve().parent.parent / "losses"
+    checkout = pathlib.Path(__file__).resolve().parent.parent
+    in_checkout = (checkout / "pyproject.toml").is_file() and (checkout / "losses" / "__init__.py").is_file()
+    if not in_checkout:
+        try:
+            from . import losses  # noqa: F401  (installed mapping)
+            return
+        except ImportError:
+            pass
+    folder = checkout / "losses"
     spec = importlib.util.spec_from_file_location(__name__ + ".losses", folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     if spec is None:

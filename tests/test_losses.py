@@ -680,3 +680,28 @@ def test_negative_binomial_trains_on_overdispersed_counts():
         if alpha == 0.5:
             assert np.median(np.abs(model.predict(X[test]) / mu[test] - 1)) < 0.15
     assert nll[0.5] < nll[0.05]
+
+
+def test_a_source_checkout_takes_its_own_losses_folder(tmp_path):
+    """A source checkout on ``PYTHONPATH`` takes the ``losses/`` folder beside its package, even
+    with another checkout installed in editable mode (whose mapping of ``jaxboost.losses`` had
+    given it that checkout's losses, so a comparison of two versions ran one version's losses)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(jb.__file__).resolve().parent.parent
+    checkout = tmp_path / "checkout"
+    shutil.copytree(root / "jaxboost", checkout / "jaxboost", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(root / "losses", checkout / "losses", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "pyproject.toml", checkout / "pyproject.toml")
+    with open(checkout / "losses" / "__init__.py", "a") as file:
+        file.write("\nTHIS_CHECKOUT = True\n")
+    code = "import jaxboost; print(jaxboost.losses.__file__); print(getattr(jaxboost.losses, 'THIS_CHECKOUT', False))"
+    env = dict(os.environ, PYTHONPATH=str(checkout), JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path, marked = done.stdout.strip().splitlines()[-2:]
+    assert Path(path).resolve().parent == (checkout / "losses").resolve() and marked == "True", done.stdout
