@@ -106,7 +106,7 @@ BUILTINS: dict[str, BuiltinLoss] = {
         _record(tweedie, "exp", _validation.non_negative, optimal_constant=_constant.log_mean),
         _record(negative_binomial, "exp", _validation.non_negative, optimal_constant=_constant.log_mean),
         _record(exponential, "sigmoid_2x", _validation.binary, optimal_constant=_constant.half_log_odds),
-        _record(hinge, "step", _validation.binary, leaf_refit=True),
+        _record(hinge, "step", _validation.binary, leaf_refit=True, optimal_constant=_constant.hinge_side),
         _record(gaussian_nll, location_scale, _validation.any_finite, num_outputs=2,
                 quantile=gaussian_quantile, optimal_constant=_constant.gaussian),
         _record(student_t_nll, location_scale, _validation.any_finite, num_outputs=2,

@@ -89,6 +89,15 @@ def half_log_odds(y, sample_weight, num_outputs: int, **_) -> np.ndarray:
     return 0.5 * log_odds(y, sample_weight, num_outputs)
 
 
+def hinge_side(y, sample_weight, num_outputs: int, **_) -> np.ndarray:
+    """Hinge: the margin 1 towards the heavier class (the loss falls with slope equal to its
+    weight until the margin reaches 1), 0 where both weigh the same (every point of [-1, 1]
+    minimises)."""
+    weights = np.asarray(sample_weight, np.float64)
+    positive = float(np.dot(weights, np.asarray(y, np.float64).ravel() > 0.5))
+    return _output(np.sign(positive - (weights.sum() - positive)), num_outputs)
+
+
 def log_class_frequencies(y, sample_weight, num_outputs: int, **_) -> np.ndarray:
     """Softmax: the logs of the weighted class frequencies, less their mean over the classes
     present (softmax's value is the same for any shift; this one is the numerical minimiser's

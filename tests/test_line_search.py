@@ -391,7 +391,7 @@ def test_segment_sums_add_each_segments_rows_and_leave_out_other_ids(n_rows, num
 
 def _labels(name: str, rng, n: int = N_ROWS) -> np.ndarray:
     """Labels a built-in takes, with a spread on its own scale."""
-    if name in ("logistic", "exponential"):
+    if name in ("logistic", "exponential", "hinge"):
         return (rng.uniform(size=n) < 0.3).astype(np.float32)
     if name == "softmax":
         return rng.choice(4, size=n, p=[0.1, 0.2, 0.3, 0.4]).astype(np.int32)
@@ -491,6 +491,15 @@ def test_a_built_in_with_a_closed_form_finds_its_constant_without_a_program(monk
         expected = losses.BUILTINS[loss].optimal_constant(y, w, K).astype(np.float32)
         np.testing.assert_array_equal(np.asarray(alone.base_score), expected)
         np.testing.assert_array_equal(np.asarray(model.base_score), expected)
+
+
+@pytest.mark.parametrize("positive_weight, expected", [(3.0, 1.0), (1.0, -1.0), (2.0, 0.0)])
+def test_hinges_constant_is_the_margin_towards_the_heavier_class(positive_weight, expected):
+    """Two rows of weight 1 labelled 0 against one labelled 1: a margin of 1 towards the heavier
+    class, and 0 (the middle of the flat [-1, 1]) when the classes weigh the same."""
+    y = np.array([0.0, 1.0, 0.0], np.float32)
+    weights = np.array([1.0, positive_weight, 1.0], np.float32)
+    np.testing.assert_array_equal(losses.BUILTINS["hinge"].optimal_constant(y, weights, 1), [expected])
 
 
 @pytest.mark.parametrize("tau, expected", [(0.5, 2.5), (0.25, 1.5), (0.3, 2.0), (0.75, 3.5)])
