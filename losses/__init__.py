@@ -3,8 +3,8 @@
 Each loss is a pure function of ONE example, ``function(raw_prediction, y, **params)``;
 gradients and Hessians come from autodiff. ``BUILTINS`` maps each name to its
 ``BuiltinLoss`` record (link, label check, whether leaves need refitting, whether it is
-multiclass, how many raw outputs it takes, the closed form of its best constant where it has one). Bind parameters with ``functools.partial``, e.g.
-``functools.partial(quantile, tau=0.9)``.
+multiclass, how many raw outputs it takes, the closed form of its best constant where it has
+one). Bind parameters with ``functools.partial``, e.g. ``functools.partial(quantile, tau=0.9)``.
 
 The distributional losses (``gaussian_nll``, ``student_t_nll``, ``lognormal_nll``) take two
 raw outputs, ``(mu, log_sigma)``; their models predict ``(mu, sigma)`` per row, and

@@ -3,9 +3,10 @@
 Boosting starts from the constant that minimises the weighted training loss. For any loss the
 library finds it numerically (exact 1-D minimisation; Newton steps for several outputs), a
 program of its own to trace and compile in every new shape's first fit: 1.3 s of XLA time for
-softmax's 10 classes on 2 cores, 0.4 s for a quantile's bisection. Where the minimiser has a closed form, the record's
-``optimal_constant`` gives it from the labels and weights on the host, in float64, with no
-program at all. Each one here is checked against the numerical minimiser on the same data.
+softmax's 10 classes on 2 cores, 0.4 s for a quantile's bisection. Where the minimiser has a
+closed form, the record's ``optimal_constant`` gives it from the labels and weights on the host,
+in float64, with no program at all. Each one here is checked against the numerical minimiser
+on the same data (``tests/test_line_search.py``).
 
 Signature: ``optimal_constant(y, sample_weight, num_outputs, **loss_params) -> (num_outputs,)
 float64``, for rows whose weights sum to more than zero; ``loss_params`` are the loss's keyword
@@ -18,7 +19,7 @@ Where no minimiser exists, the constant stops where float32 can follow it:
   ``log`` of float32's smallest normal number, -87.3, where the numerical minimisation also
   stops;
 - labels without spread for the Gaussian likelihoods: a standard deviation of float32's
-  resolution at the mean's scale (``FLOAT32_RESOLUTION * max(|mean|, 1)``), where the
+  resolution at the mean's scale (``eps * max(|mean|, 1)``), where the
   numerical minimisation ran off to ``1e19`` (the trees' Hessians would then overflow).
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-FLOAT32_RESOLUTION = float(np.finfo(np.float32).eps)
+_FLOAT32_RESOLUTION = float(np.finfo(np.float32).eps)
 
 
 def _weighted_mean(values: np.ndarray, sample_weight: np.ndarray) -> float:
@@ -112,7 +113,7 @@ def log_class_frequencies(y, sample_weight, num_outputs: int, **_) -> np.ndarray
 def _location_and_log_scale(values: np.ndarray, sample_weight) -> np.ndarray:
     location = _weighted_mean(values, sample_weight)
     variance = _weighted_mean(np.square(np.asarray(values, np.float64) - location), sample_weight)
-    smallest = FLOAT32_RESOLUTION * max(abs(location), 1.0)
+    smallest = _FLOAT32_RESOLUTION * max(abs(location), 1.0)
     return np.array([location, 0.5 * np.log(max(variance, smallest * smallest))])
 
 
