@@ -535,3 +535,23 @@ def test_train_many_takes_each_models_quantile_level(monkeypatch):
     monkeypatch.setattr(training, "starting_value", numerical)
     alone = jb.train(X, y, loss="quantile", loss_params={"tau": 0.9}, num_rounds=1, max_depth=2)
     np.testing.assert_array_equal(np.asarray(alone.base_score), np.float32(starts[2]))
+
+
+def test_a_class_without_rows_starts_where_float32_stops_and_is_never_predicted():
+    """Softmax over 4 classes whose labels hold 3: the absent class has no minimiser (its
+    constant falls without end); it starts at the log of float32's smallest normal number below
+    the present classes' mean, they at their centred log frequencies, and the model predicts
+    the absent class with probability under 1e-30, the others near their frequencies."""
+    rng = np.random.default_rng(17)
+    n = 300
+    X = rng.normal(size=(n, 3)).astype(np.float32)
+    y = rng.choice(3, size=n, p=[0.2, 0.3, 0.5]).astype(np.float32)
+    model = jb.train(X, y, loss="softmax", num_outputs=4, num_rounds=2, max_depth=2)
+    start = np.asarray(model.base_score, np.float64)
+    logs = np.log(np.bincount(y.astype(int), minlength=3) / n)
+    np.testing.assert_allclose(start[:3], logs - logs.mean(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(start[3], np.log(np.finfo(np.float32).tiny) - logs.mean(), rtol=1e-6)
+    probabilities = np.asarray(model.predict(X))  # softmax's link: class probabilities
+    assert probabilities.shape == (n, 4) and np.all(np.isfinite(probabilities))
+    assert probabilities[:, 3].max() < 1e-30
+    np.testing.assert_allclose(probabilities[:, :3].mean(axis=0), np.bincount(y.astype(int)) / n, atol=0.05)
