@@ -22,6 +22,7 @@ Public constructors (``jb.regularizers.l2(1.0)``, ``l1``, ``elastic_net``, ``cus
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -446,6 +447,16 @@ def damped_solve(sum_gradients: jax.Array, packed_hessians: jax.Array, reg_lambd
     return per_platform(*args, cpu=native, default=xla)
 
 
+# Up to this many candidates (a level's leaf values; not the split scan's), the diagonal
+# solution's element-wise steps run over the outputs flattened into one axis: over (..., K)
+# arrays XLA's CPU loops run the K outputs innermost, a short loop that LLVM unrolls in every
+# fusion. At 10 outputs the trees' program fell from 1,105 to 1,009 KB of optimised IR, its 20
+# rounds on 160k rows as fast (CPU 21.5-21.9 s against 21.1-21.8). Flattened in the split scan
+# too, it fell to 1,005 KB (982 with the leaves' choice flattened as well), but those rounds
+# took 1-10% longer in each of 8 alternating pairs.
+FLAT_CANDIDATES = 4096
+
+
 def vector_value_and_score(sum_gradients: jax.Array, packed_hessians: jax.Array, reg: Regularization,
                            leaves: VectorLeaves, active: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The vector leaf value ``(..., K)`` and ``-2 x`` the objective there ``(...)``; where
@@ -457,8 +468,12 @@ def vector_value_and_score(sum_gradients: jax.Array, packed_hessians: jax.Array,
     ``max_delta_step``; the score is evaluated at the clipped value, so a split's gain is always
     the drop of the objective its leaves reach.
     """
-    diagonal_w, diagonal_score = value_and_score(sum_gradients, leaves.diagonal(packed_hessians), reg)
-    diagonal_score = jnp.sum(diagonal_score, axis=-1)
+    shape = sum_gradients.shape
+    flat = (-1,) if math.prod(shape[:-1]) <= FLAT_CANDIDATES else shape
+    diagonal_w, diagonal_score = value_and_score(sum_gradients.reshape(flat),
+                                                 leaves.diagonal(packed_hessians).reshape(flat), reg)
+    diagonal_w = diagonal_w.reshape(shape)
+    diagonal_score = jnp.sum(diagonal_score.reshape(shape), axis=-1)
     if not leaves.full_hessian:
         return diagonal_w, diagonal_score
     K = leaves.num_outputs

@@ -3,6 +3,8 @@ NumPy solve, multi-channel histograms against NumPy, a grown tree's leaves again
 solves, whole models against XGBoost's ``multi_output_tree``, and the model machinery (save,
 SHAP, importance) on a vector-leaf softmax model."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -34,6 +36,28 @@ def _random_psd(rng, batch, K):
 # objective at the value) and as training passes it (known unbounded: the score read off the solve).
 PENALTIES = [pytest.param(jb.regularizers.l2(1.0), id="bound-unknown"),
              pytest.param(jb.regularizers.l2(1.0).with_max_delta_step(0.0), id="unbounded")]
+
+
+def test_a_levels_diagonal_solution_compiles_to_loops_over_the_flattened_outputs():
+    """A level's leaf values (few candidates): the diagonal solution's division runs over the
+    candidates' outputs flattened into one axis, not over (candidates, K) arrays, whose short
+    innermost loop LLVM unrolled in every fusion; the split scan's many candidates keep their
+    shape (flattened, its rounds ran slower)."""
+    from jaxboost.devices import compiler_options
+    from jaxboost.regularizer import FLAT_CANDIDATES
+
+    def divisions(candidates: int) -> set:
+        K = 10
+        leaves = VectorLeaves(K, solve_threads=1)
+        G = jax.ShapeDtypeStruct((candidates, K), F32)
+        packed = jax.ShapeDtypeStruct((candidates, leaves.hessian_channels), F32)
+        text = jax.jit(lambda g, h: vector_value_and_score(g, h, jb.regularizers.l2(1.0), leaves),
+                       compiler_options=compiler_options("cpu")).lower(G, packed).compile().as_text()
+        return set(re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]*\} divide\(", text))
+
+    assert divisions(96) == {"960"}, divisions(96)
+    many = FLAT_CANDIDATES + 4
+    assert f"{many},10" in divisions(many), divisions(many)
 
 
 @pytest.mark.parametrize("K", [2, 5])
