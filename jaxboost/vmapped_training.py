@@ -148,18 +148,16 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     padded = rows.y.shape[0]
     padded_weights = np.ascontiguousarray(rows.pad(model_weights.T.astype(np.float32), 0.0).T)
     weights_device = jax.device_put(padded_weights, model_sharding(2))
-    # On one device, as jb.train finds it: each model's starting value is train's bit for bit.
-    zeros, y_one, weights_one = jax.device_put([np.zeros((padded, K), np.float32), rows.y, padded_weights],
-                                               mesh.devices.flat[0])
-
-    no_curvature = _without_curvature(resolved, rows)
-
     def find_base_scores() -> np.ndarray:  # (M_run, K)
         if resolved.optimal_constant is not None:
             return np.stack([closed_form_starting_value(resolved, rows.y, weights,
                                                         {name: value[model] for name, value in
                                                          stacked_loss_params.items()})
                              for model, weights in enumerate(padded_weights)])
+        # On one device, as jb.train finds it: each model's starting value is train's bit for bit.
+        zeros, y_one, weights_one = jax.device_put([np.zeros((padded, K), np.float32), rows.y, padded_weights],
+                                                   mesh.devices.flat[0])
+        no_curvature = _without_curvature(resolved, rows)
         return np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, y_one, w, params,
                                                                    no_curvature))(weights_one, stacked_loss_params))
 
