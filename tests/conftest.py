@@ -74,6 +74,12 @@ def repeatable_sums() -> bool:
             or "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", ""))
 
 
+def cpu_argument(shape, dtype) -> jax.ShapeDtypeStruct:
+    """An abstract argument placed on the CPU: a program lowered from it is the CPU's, also where
+    JAX's default backend is a GPU (for tests that read the CPU compiler's output)."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]))
+
+
 # For tests of two trainings that must grow the same trees: near ties in a GPU's sums may not.
 needs_repeatable_sums = pytest.mark.skipif(
     not repeatable_sums(), reason="a GPU's float atomic adds sum the rows in a varying order, so near ties may "

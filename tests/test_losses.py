@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import scipy.special
 import scipy.stats
+from conftest import cpu_argument
 
 import jaxboost as jb
 from jaxboost import derivatives, losses
@@ -329,8 +330,8 @@ def test_softmax_derivatives_compile_to_loops_over_rows_innermost():
     # unrolled (four times the machine code). Were XLA to move the transpose away again, the
     # exponentials would be (rows, classes) and this test says so.
     n = 4099
-    raw = jax.ShapeDtypeStruct((n, 10), jnp.float32)
-    y = jax.ShapeDtypeStruct((n,), jnp.int32)
+    raw = cpu_argument((n, 10), jnp.float32)
+    y = cpu_argument((n,), jnp.int32)
     text = jax.jit(functools.partial(derivatives.values_gradients_and_hessians, losses.softmax),
                    compiler_options=compiler_options("cpu")).lower(raw, y).compile().as_text()
     exponentials = re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]*\} exponential\(", text)

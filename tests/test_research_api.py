@@ -354,6 +354,7 @@ def test_train_many_equals_models_trained_alone_in_one_trace(regression_data):
                                    alone.evals_result["validation_0"]["loss"], rtol=1e-5)
 
 
+@needs_repeatable_sums  # on an H100 one split of the batched fit chose another feature
 def test_train_many_deep_trees_equal_models_trained_alone(regression_data):
     """Depth 8: each model grows its deep levels in its own part of the batched histogram buffer."""
     X, y = regression_data

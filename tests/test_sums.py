@@ -120,8 +120,10 @@ def test_block_partials_are_the_ones_vector_products_bit_for_bit(shape):
     rng = np.random.default_rng(len(shape))
     values = (rng.standard_normal(shape) * 1e3).astype(np.float32)
     options = compiler_options("cpu")
-    got = jax.jit(_block_partials, compiler_options=options)(values)
+    cpu = jax.devices("cpu")[0]  # the CPU's products (only the CPU takes row_sum's blocks)
+    got = jax.jit(_block_partials, compiler_options=options)(jax.device_put(values, cpu))
     padded = np.pad(values, [(0, -len(values) % BLOCK_ROWS)] + [(0, 0)] * (values.ndim - 1))
     expected = jax.jit(lambda v: jnp.matmul(jnp.ones(BLOCK_ROWS, jnp.float32), v.reshape(BLOCK_ROWS, -1),
-                                            precision=jax.lax.Precision.HIGHEST), compiler_options=options)(padded)
+                                            precision=jax.lax.Precision.HIGHEST),
+                       compiler_options=options)(jax.device_put(padded, cpu))
     np.testing.assert_array_equal(np.asarray(got).reshape(-1), np.asarray(expected))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import xgboost as xgb
 
-from conftest import assert_same_training
+from conftest import assert_same_training, cpu_argument
 
 import jaxboost as jb
 from jaxboost.grower import GrowthParams, grow_tree
@@ -49,8 +49,8 @@ def test_a_levels_diagonal_solution_compiles_to_loops_over_the_flattened_outputs
     def divisions(candidates: int) -> set:
         K = 10
         leaves = VectorLeaves(K, solve_threads=1)
-        G = jax.ShapeDtypeStruct((candidates, K), F32)
-        packed = jax.ShapeDtypeStruct((candidates, leaves.hessian_channels), F32)
+        G = cpu_argument((candidates, K), F32)
+        packed = cpu_argument((candidates, leaves.hessian_channels), F32)
         text = jax.jit(lambda g, h: vector_value_and_score(g, h, jb.regularizers.l2(1.0), leaves),
                        compiler_options=compiler_options("cpu")).lower(G, packed).compile().as_text()
         return set(re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]*\} divide\(", text))
