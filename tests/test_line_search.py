@@ -18,6 +18,7 @@ import pytest
 import jaxboost as jb
 from jaxboost import losses, training
 from jaxboost.boosting import Objective, minimise_offsets, newton_constant, starting_value
+from jaxboost.native import lowering_for
 from jaxboost.regularizer import Regularization
 
 F32 = jnp.float32
@@ -65,15 +66,25 @@ LOGISTIC = Objective(logistic, vector_output=False, num_outputs=1, link=identity
 SOFTMAX = Objective(softmax_loss, vector_output=True, num_outputs=3, link=jax.nn.softmax)
 
 
-@partial(jax.jit, static_argnames=("objective", "num_segments"))
-def _jit_offsets(objective, raw_prediction, y, weights, segment_ids, num_segments, reg):
-    return minimise_offsets(objective, raw_prediction, y, weights, segment_ids, num_segments, 0, reg)
+# The line search as lowered for each platform: on CPU it bisects (one probe a step, the native
+# segment sum), on the CPU's device; lowered for an accelerator it takes ACCELERATOR_PROBES
+# probes a step with XLA's segment sums, on the default device (which runs them on a CPU too).
+PLATFORMS = ["cpu", "accelerator"]
 
 
-def offsets(objective, F, y, weights, reg_lambda=0.0, reg_alpha=0.0):
+@partial(jax.jit, static_argnames=("objective", "num_segments", "platform"))
+def _jit_offsets(objective, raw_prediction, y, weights, segment_ids, num_segments, reg, platform):
+    accelerator = jax.default_backend() if jax.default_backend() != "cpu" else "gpu"
+    with lowering_for("cpu" if platform == "cpu" else accelerator):
+        return minimise_offsets(objective, raw_prediction, y, weights, segment_ids, num_segments, 0, reg)
+
+
+def offsets(objective, F, y, weights, reg_lambda=0.0, reg_alpha=0.0, platform="cpu"):
     reg = Regularization(F32(reg_lambda), F32(reg_alpha), F32(0.0))
-    result = _jit_offsets(objective, jnp.asarray(F, jnp.float32)[:, None], jnp.asarray(y, jnp.float32),
-                          jnp.asarray(weights, jnp.float32), jnp.asarray(SEGMENT_IDS), NUM_SEGMENTS, reg)
+    device = jax.devices("cpu")[0] if platform == "cpu" else jax.devices()[0]
+    arguments = jax.device_put((np.asarray(F, np.float32)[:, None], np.asarray(y, np.float32),
+                                np.asarray(weights, np.float32), SEGMENT_IDS), device)
+    result = _jit_offsets(objective, *arguments, NUM_SEGMENTS, reg, platform)
     assert result.shape == (NUM_SEGMENTS,) and result.dtype == jnp.float32
     return np.asarray(result, np.float64)
 
@@ -128,51 +139,58 @@ def check_quantile_offsets(result, residuals, weights, tau, context):
 
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_absolute_error_offset_is_the_weighted_median(scale, seed):
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_absolute_error_offset_is_the_weighted_median(scale, seed, platform):
     F, y, weights, residuals = make_rows(seed, scale)
-    result = offsets(ABSOLUTE, F, y, weights)
-    check_quantile_offsets(result, residuals, weights, 0.5, f"(scale={scale}, seed={seed})")
+    result = offsets(ABSOLUTE, F, y, weights, platform=platform)
+    check_quantile_offsets(result, residuals, weights, 0.5, f"(scale={scale}, seed={seed}, {platform})")
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
-def test_absolute_error_offset_with_an_interval_of_medians(scale):
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_absolute_error_offset_with_an_interval_of_medians(scale, platform):
     # Unit weights: segments of even size (60, 72) have a whole interval of medians.
     F, y, weights, residuals = make_rows(5, scale, integer_weights=True)
     for segment in (1, 3):
         rows = SEGMENT_IDS == segment
         lower, upper = weighted_quantile_interval(residuals[rows], weights[rows], 0.5)
         assert upper > lower, "the test needs a segment whose median is an interval"
-    result = offsets(ABSOLUTE, F, y, weights)
-    check_quantile_offsets(result, residuals, weights, 0.5, f"(unit weights, scale={scale})")
+    result = offsets(ABSOLUTE, F, y, weights, platform=platform)
+    check_quantile_offsets(result, residuals, weights, 0.5, f"(unit weights, scale={scale}, {platform})")
 
 
 @pytest.mark.parametrize("tau", [0.1, 0.5, 0.9])
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
 @pytest.mark.parametrize("integer_weights", [False, True])
-def test_pinball_offset_is_the_weighted_quantile(tau, scale, integer_weights):
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_pinball_offset_is_the_weighted_quantile(tau, scale, integer_weights, platform):
     F, y, weights, residuals = make_rows(2, scale, integer_weights=integer_weights)
-    result = offsets(PINBALL[tau], F, y, weights)
-    check_quantile_offsets(result, residuals, weights, tau, f"(tau={tau}, scale={scale}, unit={integer_weights})")
+    result = offsets(PINBALL[tau], F, y, weights, platform=platform)
+    check_quantile_offsets(result, residuals, weights, tau,
+                           f"(tau={tau}, scale={scale}, unit={integer_weights}, {platform})")
 
 
-def test_absolute_error_offsets_with_mixed_scales_in_one_call():
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_absolute_error_offsets_with_mixed_scales_in_one_call(platform):
     rng = np.random.default_rng(3)
     segment_scale = np.array([1e-3, 1e4, 1.0, 30.0])[SEGMENT_IDS]
     F = (segment_scale * rng.normal(size=N_ROWS)).astype(np.float32)
     y = (F + segment_scale * (1.0 + rng.normal(size=N_ROWS))).astype(np.float32)
     weights = rng.uniform(0.1, 3.0, size=N_ROWS).astype(np.float32)
     residuals = y.astype(np.float64) - F.astype(np.float64)
-    check_quantile_offsets(offsets(ABSOLUTE, F, y, weights), residuals, weights, 0.5, "(mixed scales)")
+    check_quantile_offsets(offsets(ABSOLUTE, F, y, weights, platform=platform), residuals, weights, 0.5,
+                           f"(mixed scales, {platform})")
 
 
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("reg_lambda", [0.0, 1.0, 10.0])
 @pytest.mark.parametrize("alpha_factor", [0.0, 20.0])
-def test_squared_error_offset_is_the_penalised_closed_form(scale, reg_lambda, alpha_factor):
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_squared_error_offset_is_the_penalised_closed_form(scale, reg_lambda, alpha_factor, platform):
     F, y, weights, residuals = make_rows(4, scale)
     reg_alpha = alpha_factor * scale
-    result = offsets(SQUARED, F, y, weights, reg_lambda, reg_alpha)
-    context = f"(scale={scale}, lambda={reg_lambda}, alpha={reg_alpha})"
+    result = offsets(SQUARED, F, y, weights, reg_lambda, reg_alpha, platform=platform)
+    context = f"(scale={scale}, lambda={reg_lambda}, alpha={reg_alpha}, {platform})"
     thresholded = 0
     for segment in range(len(SEGMENT_SIZES)):
         rows = SEGMENT_IDS == segment
