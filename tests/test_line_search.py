@@ -594,3 +594,35 @@ def test_a_weighted_quantile_is_the_quantile_of_repeated_rows(n, tau):
     if target != np.floor(target):
         np.testing.assert_array_equal(selected, [np.quantile(repeated.astype(np.float64), float(np.float32(tau)),
                                                              method="inverted_cdf")])
+
+
+@pytest.mark.parametrize("loss", ["absolute_error", "quantile"])
+def test_a_fit_refit_with_an_accelerators_probes_is_the_cpus_fit(monkeypatch, loss):
+    """A whole fit whose leaf refits take ``ACCELERATOR_PROBES`` probes a step (as lowered for a
+    GPU), here on CPU, against the CPU's bisection: both stop at float32 resolution, so with
+    weighted rows (each leaf's quantile a single residual) the leaves and the predictions agree."""
+    from jaxboost import boosting, line_search
+
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=(2000, 5)).astype(np.float32)
+    y = (3.0 * X[:, 0] + np.sin(2.0 * X[:, 1]) + rng.standard_t(3, size=2000)).astype(np.float32)
+    weights = rng.uniform(0.5, 2.0, size=2000).astype(np.float32)
+    settings = dict(loss=loss, num_rounds=6, max_depth=3, learning_rate=0.5, reg_lambda=0.0)
+    calls = []
+
+    def fit():
+        boosting.clear_compiled_rounds()
+        try:
+            return jb.train(jb.Dataset(X, y, sample_weight=weights), **settings)
+        finally:
+            boosting.clear_compiled_rounds()
+
+    bisected = fit()
+    monkeypatch.setattr(line_search, "probes_per_step", lambda: calls.append(1) or line_search.ACCELERATOR_PROBES)
+    probed = fit()
+    assert calls, "the refit did not ask for the accelerators' probes"
+    np.testing.assert_array_equal(probed.trees.feature, bisected.trees.feature)
+    is_leaf = np.asarray(bisected.trees.is_leaf)
+    np.testing.assert_allclose(np.asarray(probed.trees.value)[is_leaf], np.asarray(bisected.trees.value)[is_leaf],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(probed.predict(X), bisected.predict(X), rtol=1e-5, atol=1e-5)
