@@ -626,3 +626,25 @@ def test_a_fit_refit_with_an_accelerators_probes_is_the_cpus_fit(monkeypatch, lo
     np.testing.assert_allclose(np.asarray(probed.trees.value)[is_leaf], np.asarray(bisected.trees.value)[is_leaf],
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(probed.predict(X), bisected.predict(X), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("tau", [0.1, 0.5, 0.9])
+def test_one_segment_of_every_row_is_the_weighted_quantile(platform, tau):
+    """One segment holding every row (a starting value's search, summed over rows rather than
+    scattered), bisected on CPU or probed as on an accelerator: the weighted tau-quantile."""
+    F, y, weights, residuals = make_rows(6, 10.0)
+
+    @jax.jit
+    def one_segment(raw_prediction, labels, row_weights):
+        accelerator = jax.default_backend() if jax.default_backend() != "cpu" else "gpu"
+        with lowering_for("cpu" if platform == "cpu" else accelerator):
+            return minimise_offsets(PINBALL[tau], raw_prediction, labels, row_weights,
+                                    jnp.zeros(N_ROWS, jnp.int32), 1, 0, Regularization(F32(0), F32(0), F32(0)))
+
+    device = jax.devices("cpu")[0] if platform == "cpu" else jax.devices()[0]
+    result = np.asarray(one_segment(*jax.device_put((F[:, None], y, weights), device)), np.float64)
+    assert result.shape == (1,)
+    lower, upper = weighted_quantile_interval(residuals, weights.astype(np.float64), tau)
+    tolerance = 1e-5 * np.max(np.abs(residuals))
+    assert lower - tolerance <= result[0] <= upper + tolerance, (result[0], lower, upper)
