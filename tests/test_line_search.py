@@ -648,3 +648,30 @@ def test_one_segment_of_every_row_is_the_weighted_quantile(platform, tau):
     lower, upper = weighted_quantile_interval(residuals, weights.astype(np.float64), tau)
     tolerance = 1e-5 * np.max(np.abs(residuals))
     assert lower - tolerance <= result[0] <= upper + tolerance, (result[0], lower, upper)
+
+
+@pytest.mark.parametrize("loss", ["absolute", "squared"])
+def test_order_independent_sums_of_an_accelerators_probes_find_the_minimisers(loss):
+    """``deterministic`` (fixed-point segment sums, one scale for all the probes' values) with
+    the accelerators' probes: the weighted medians, and squared error's penalised means."""
+    F, y, weights, residuals = make_rows(8, 100.0)
+    accelerator = jax.default_backend() if jax.default_backend() != "cpu" else "gpu"
+    objective, reg_lambda = (ABSOLUTE, 0.0) if loss == "absolute" else (SQUARED, 3.0)
+
+    @jax.jit
+    def fixed_point_offsets(raw_prediction, labels, row_weights, segment_ids):
+        with lowering_for(accelerator):
+            return minimise_offsets(objective, raw_prediction, labels, row_weights, segment_ids, NUM_SEGMENTS, 0,
+                                    Regularization(F32(reg_lambda), F32(0), F32(0)), deterministic=True)
+
+    result = np.asarray(fixed_point_offsets(F[:, None], y, weights, SEGMENT_IDS), np.float64)
+    if loss == "absolute":
+        check_quantile_offsets(result, residuals, weights, 0.5, "(fixed-point sums, accelerator probes)")
+        return
+    for segment in range(len(SEGMENT_SIZES)):
+        rows = SEGMENT_IDS == segment
+        w = weights[rows].astype(np.float64)
+        expected = np.sum(w * residuals[rows]) / (np.sum(w) + reg_lambda)
+        np.testing.assert_allclose(result[segment], expected, rtol=1e-5, atol=1e-5 * 100.0,
+                                   err_msg=f"segment {segment}: not sum w r / (sum w + lambda)")
+    assert result[EMPTY_SEGMENT] == 0.0
