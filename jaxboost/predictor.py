@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from .native import ADD_POSITION_VALUES_TARGET, as_varying_as, native_target, per_platform
+from .native import ADD_POSITION_VALUES_TARGET, as_varying_as, lowering_platform, native_target, per_platform
 from .tree import Tree, depth_of_heap
 
 
@@ -33,14 +33,19 @@ def leaf_index(tree: Tree, X_binned: jax.Array, missing_bin: int) -> jax.Array:
     row_ids = jnp.arange(n_rows)
     # One gather per level reads everything a row needs about its node.
     packed = packed_nodes(tree)
-    node = jnp.zeros(n_rows, jnp.int32)
-    for _ in range(max_depth):
+
+    def descend(_, node):
         info = packed[node]
         code = X_binned[row_ids, info >> 10].astype(jnp.int32)
         default_right = (info & 2) == 0
         goes_right = jnp.where(code == missing_bin, default_right, code > ((info >> 2) & 255))
-        node = jnp.where((info & 1) == 1, node, 2 * node + 1 + goes_right.astype(jnp.int32))
-    return node
+        return jnp.where((info & 1) == 1, node, 2 * node + 1 + goes_right.astype(jnp.int32))
+
+    # On CPU the levels are a loop: unrolled, each level's gathers were a kernel of their own
+    # (an eval set's walk was 118 of the trees' program's 760 KB of IR as emitted). Elsewhere a
+    # loop's every step would wait on the host's test of its count.
+    unroll = lowering_platform() != "cpu"
+    return lax.fori_loop(0, max_depth, descend, jnp.zeros(n_rows, jnp.int32), unroll=unroll)
 
 
 def predict_round(trees: Tree, X_binned: jax.Array, missing_bin: int) -> jax.Array:
