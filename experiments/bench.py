@@ -86,8 +86,8 @@ import os
 import platform
 import resource
 import shlex
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
