@@ -731,25 +731,37 @@ def test_every_program_of_a_round_lowers_for_a_gpu(monkeypatch, settings):
         assert not _exported_custom_calls(make(), part_arguments, "cuda") & native_targets, name
 
 
-def test_train_many_rounds_lower_for_a_gpu(monkeypatch):
+@pytest.mark.parametrize("loss", ["logistic", "absolute_error"])
+def test_train_many_rounds_lower_for_a_gpu(monkeypatch, loss):
     """``train_many``'s round as a GPU runs it (its models vmapped, not looped over as on a CPU;
-    one device) exports for CUDA and calls none of the CPU's native kernels."""
-    from jaxboost import native, vmapped_training
+    one device; with absolute error, the models' leaf refits, several probes a step) exports for
+    CUDA and calls none of the CPU's native kernels."""
+    from jaxboost import line_search, native, vmapped_training
 
     X, y = _binary_data(seed=4)
+    probes = []
+    probes_per_step = line_search.probes_per_step
+
+    def recorded_probes():
+        probes.append(probes_per_step())
+        return probes[-1]
+
+    monkeypatch.setattr(line_search, "probes_per_step", recorded_probes)
 
     def stop_before_compiling(shape, params_axes, models_mesh, arguments):
         raise _Lowering(shape, params_axes, arguments)
 
     monkeypatch.setattr(vmapped_training, "stored_many_rounds", stop_before_compiling)
     with pytest.raises(_Lowering) as stopped:
-        jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0, 3.0]}, num_rounds=1, max_depth=DEPTH, loss="logistic",
+        jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0, 3.0]}, num_rounds=1, max_depth=DEPTH, loss=loss,
                       eval_set=[(X[:200], y[:200])])
     shape, params_axes, arguments = stopped.value.args
     monkeypatch.setattr(boosting, "mesh_platform", lambda mesh: "gpu")
     assert "gpu" not in boosting.MODELS_IN_A_LOOP_PLATFORMS
     calls = _exported_custom_calls(boosting.many_rounds_function(shape, params_axes), _unsharded(arguments), "cuda")
     assert not calls & set(native._SYMBOLS), sorted(calls)
+    # The refits' searches, traced for the GPU, take its probes.
+    assert probes == ([line_search.ACCELERATOR_PROBES] if loss == "absolute_error" else []), probes
 
 
 @pytest.mark.parametrize("trainer, settings", [("train", dict()),
