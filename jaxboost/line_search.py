@@ -73,8 +73,7 @@ def probes_per_step() -> int:
 
 def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Array], segment_ids: jax.Array,
                              num_segments: int, segment_weights: jax.Array, reg: Regularization,
-                             axis_name: str | None = None, deterministic: bool = False,
-                             probes: int | None = None) -> jax.Array:
+                             axis_name: str | None = None, deterministic: bool = False) -> jax.Array:
     """The minimising offset of every segment.
 
     Args:
@@ -85,15 +84,11 @@ def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Arra
       axis_name: the mapped axis the rows are sharded over, if any.
       deterministic: sums that do not depend on the order of a GPU's atomic adds
         (``segment_sums``).
-      probes: derivatives taken per segment and step (default ``probes_per_step()``): a bracket
-        is searched ``probes`` doublings a step and cut into ``probes + 1`` parts a step.
 
     Returns:
       float32 ``(num_segments,)``.
     """
-    probes = probes_per_step() if probes is None else probes
-    if probes < 1:
-        raise ValueError(f"probes must be at least 1; got {probes}")
+    probes = probes_per_step()  # a bracket searched that many doublings a step, cut in that many + 1 parts
 
     def loss_derivative(offsets):
         """``offsets`` ``(num_segments, probes)`` -> each probe's summed derivative, same shape."""

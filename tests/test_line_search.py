@@ -72,18 +72,28 @@ SOFTMAX = Objective(softmax_loss, vector_output=True, num_outputs=3, link=jax.nn
 PLATFORMS = ["cpu", "accelerator"]
 
 
+def lowered_as(platform: str):
+    """``lowering_for`` one of ``PLATFORMS``: the CPU, or an accelerator (the default backend's
+    where it is one, else a GPU's code run here)."""
+    accelerator = jax.default_backend() if jax.default_backend() != "cpu" else "gpu"
+    return lowering_for("cpu" if platform == "cpu" else accelerator)
+
+
+def placed_as(platform: str, arrays):
+    """``arrays`` on the CPU's device, or on the default device for an accelerator."""
+    return jax.device_put(arrays, jax.devices("cpu")[0] if platform == "cpu" else jax.devices()[0])
+
+
 @partial(jax.jit, static_argnames=("objective", "num_segments", "platform"))
 def _jit_offsets(objective, raw_prediction, y, weights, segment_ids, num_segments, reg, platform):
-    accelerator = jax.default_backend() if jax.default_backend() != "cpu" else "gpu"
-    with lowering_for("cpu" if platform == "cpu" else accelerator):
+    with lowered_as(platform):
         return minimise_offsets(objective, raw_prediction, y, weights, segment_ids, num_segments, 0, reg)
 
 
 def offsets(objective, F, y, weights, reg_lambda=0.0, reg_alpha=0.0, platform="cpu"):
     reg = Regularization(F32(reg_lambda), F32(reg_alpha), F32(0.0))
-    device = jax.devices("cpu")[0] if platform == "cpu" else jax.devices()[0]
-    arguments = jax.device_put((np.asarray(F, np.float32)[:, None], np.asarray(y, np.float32),
-                                np.asarray(weights, np.float32), SEGMENT_IDS), device)
+    arguments = placed_as(platform, (np.asarray(F, np.float32)[:, None], np.asarray(y, np.float32),
+                                     np.asarray(weights, np.float32), SEGMENT_IDS))
     result = _jit_offsets(objective, *arguments, NUM_SEGMENTS, reg, platform)
     assert result.shape == (NUM_SEGMENTS,) and result.dtype == jnp.float32
     return np.asarray(result, np.float64)
@@ -637,13 +647,11 @@ def test_one_segment_of_every_row_is_the_weighted_quantile(platform, tau):
 
     @jax.jit
     def one_segment(raw_prediction, labels, row_weights):
-        accelerator = jax.default_backend() if jax.default_backend() != "cpu" else "gpu"
-        with lowering_for("cpu" if platform == "cpu" else accelerator):
+        with lowered_as(platform):
             return minimise_offsets(PINBALL[tau], raw_prediction, labels, row_weights,
                                     jnp.zeros(N_ROWS, jnp.int32), 1, 0, Regularization(F32(0), F32(0), F32(0)))
 
-    device = jax.devices("cpu")[0] if platform == "cpu" else jax.devices()[0]
-    result = np.asarray(one_segment(*jax.device_put((F[:, None], y, weights), device)), np.float64)
+    result = np.asarray(one_segment(*placed_as(platform, (F[:, None], y, weights))), np.float64)
     assert result.shape == (1,)
     lower, upper = weighted_quantile_interval(residuals, weights.astype(np.float64), tau)
     tolerance = 1e-5 * np.max(np.abs(residuals))
@@ -655,12 +663,11 @@ def test_order_independent_sums_of_an_accelerators_probes_find_the_minimisers(lo
     """``deterministic`` (fixed-point segment sums, one scale for all the probes' values) with
     the accelerators' probes: the weighted medians, and squared error's penalised means."""
     F, y, weights, residuals = make_rows(8, 100.0)
-    accelerator = jax.default_backend() if jax.default_backend() != "cpu" else "gpu"
     objective, reg_lambda = (ABSOLUTE, 0.0) if loss == "absolute" else (SQUARED, 3.0)
 
     @jax.jit
     def fixed_point_offsets(raw_prediction, labels, row_weights, segment_ids):
-        with lowering_for(accelerator):
+        with lowered_as("accelerator"):
             return minimise_offsets(objective, raw_prediction, labels, row_weights, segment_ids, NUM_SEGMENTS, 0,
                                     Regularization(F32(reg_lambda), F32(0), F32(0)), deterministic=True)
 
