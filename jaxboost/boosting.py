@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .derivatives import output_gradient, values_gradients_and_hessian_matrices, values_gradients_and_hessians
-from .devices import (MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, mesh_platform, model_split,
+from .devices import (MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, mesh_platform, model_split, replicated,
                       row_sharding)
 from .grower import GrowthParams, RowLeaves, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
@@ -41,7 +41,7 @@ from .program_store import ready, serializable_record, store_folder, stored_prog
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
 from .sampling import derived_keys, uniform_of_counters
 from .sums import row_sum, row_sums
-from .tree import Tree, num_heap_nodes, pack_fields
+from .tree import Tree, num_heap_nodes, pack_fields, unpack_fields
 
 # Hessians below this are reported as negative rather than taken as rounding noise.
 NEGATIVE_HESSIAN_TOLERANCE = 1e-6
@@ -1062,6 +1062,36 @@ class SplitRound:
         _, health = self.statistics(*statistics_arguments)
         return bool(RoundHealth(*np.asarray(health).T).zero_hessian)
 
+    def constant_offsets(self, arguments: tuple, raw_prediction: jax.Array) -> np.ndarray:
+        """Each output's offset ``(K,)`` from ``raw_prediction`` (donated) minimising the weighted
+        loss of all the rows, unpenalised, the other outputs held where they are: the refit's
+        program, called with every row in one leaf, no learning rate, no penalty and no row
+        sample. ``arguments``: the round's (``jax.ShapeDtypeStruct``s may stand for the raw
+        predictions). With one output, or outputs that do not interact, it is the loss's best
+        constant: a custom loss with a leaf refit finds its starting value with it, rather than
+        with a program of its own."""
+        shape = self.shape
+        eval_sets = arguments[EVAL_SETS_ARGUMENT]
+        grown, eval_leaves = self.grown_specs(raw_prediction, eval_sets)
+
+        def filled(spec, value):
+            return jax.device_put(np.full(spec.shape, value, spec.dtype), spec.sharding)
+
+        one_leaf = GrownTrees(
+            Tree(*(filled(spec, name == "is_leaf") for name, spec in zip(Tree._fields, grown.trees))),
+            RowLeaves(*(filled(spec, 0) for spec in grown.row_leaves)),
+            (filled(grown.bounds[0], -np.inf), filled(grown.bounds[1], np.inf)))
+        params, y, sample_weight, row_index = arguments[0], *arguments[3:6]
+        zero = np.float32(0)
+        growth = params.growth._replace(
+            learning_rate=np.float32(1),
+            reg=params.growth.reg.replace(reg_lambda=zero, reg_alpha=zero, max_delta_step=zero))
+        unpenalised = jax.device_put(params._replace(growth=growth, subsample=np.float32(1)), replicated(shape.mesh))
+        _, packed, _ = self.refit(unpenalised, y, sample_weight, row_index, raw_prediction, *arguments[7:9], one_leaf,
+                                  tuple(filled(eval_set[3], 0) for eval_set in eval_sets),
+                                  tuple(filled(spec, 0) for spec in eval_leaves))
+        return unpack_fields(np.asarray(packed), round_tree_template(shape)).value[:, 0]
+
     def statistics_specs(self, raw_prediction) -> tuple:
         """``(gradients, hessians)``' shapes for raw predictions like ``raw_prediction``."""
         leaves = self.shape.vector_leaves
@@ -1104,17 +1134,18 @@ class SplitRound:
 
     def lower_in_turn(self, *arguments):
         """The programs lowered for ``arguments`` (``program_arguments``), one at a time, to be
-        compiled ahead of the first call: the trees' first, then the others together (compiled
-        one after the other; ``found_while_compiling`` compiles each group in a thread of its own
-        as soon as it is lowered)."""
+        compiled ahead of the first call: the trees' first, then the derivatives' and the
+        metrics' together (compiled one after the other), then the refit's
+        (``found_while_compiling`` compiles each group in a thread of its own as soon as it is
+        lowered)."""
         statistics_arguments, trees_arguments, refit_arguments, metrics_arguments = self.program_arguments(arguments)
         yield self.trees.lower(*trees_arguments)
         others = [self.statistics.lower(*statistics_arguments)]
-        if self.refit:
-            others.append(self.refit.lower(*refit_arguments))
         if self.metrics:
             others.append(self.metrics.lower(*metrics_arguments))
         yield _LoweredInSequence(others)
+        if self.refit:
+            yield self.refit.lower(*refit_arguments)
 
     def jitted(self) -> "SplitRound":
         """This round with its stored programs made (``program_store.ready``)."""

@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .boosting import (HESSIAN_MODES, RoundHealth, RoundParams, RoundShape, compiled_round, compiled_zero_hessian_count,
-                       histogram_buffer, round_tree_template, seed_key_data, starting_value, stored_round)
+from .boosting import (HESSIAN_MODES, SWEEP_TOLERANCE, RoundHealth, RoundParams, RoundShape, compiled_round,
+                       compiled_zero_hessian_count, histogram_buffer, round_tree_template, seed_key_data,
+                       starting_value, stored_round)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .derivatives import hessian_vanishes
@@ -182,12 +183,14 @@ def found_while_compiling(compiled_round, arguments: tuple, find: Callable):
     holding the GIL), and then runs ``find``. The trees' compile, the longest, had waited for
     the derivatives' tracing and lowering: first fits at 100k rows on 2 cores, cache off, medians
     of 6 alternating pairs, classification 2.16 -> 1.79 s (every pair lower), regression 1.95 ->
-    1.74 (10 classes, vector leaves, a refit: CPU-bound throughout, within the noise). The others
-    compile one after the other: each in a thread of its own moved nothing, and would hold more
-    compilers' memory at once. Started before the round's tracing, ``find``'s own
-    tracing had taken turns with it on the GIL: first fits took 10-13% longer (medians of 6-8
-    alternating runs on 2 cores, cache off: 100k x 28 rows 3.33 -> 3.10 s, 1M 3.14 -> 2.70,
-    15k 2.65 -> 2.34).
+    1.74 (10 classes, vector leaves, a refit: CPU-bound throughout, within the noise). The
+    derivatives' and the metrics' compile one after the other: each in a thread of its own moved
+    nothing, and would hold more compilers' memory at once. A refit's compiles in a third: a
+    custom loss with a refit finds its starting value with it (``_starting_value_by_refit``),
+    after the compiles, and it had been the last to start and end. Started before the round's
+    tracing, ``find``'s own tracing had taken turns with it on the GIL: first fits took 10-13%
+    longer (medians of 6-8 alternating runs on 2 cores, cache off: 100k x 28 rows 3.33 -> 3.10
+    s, 1M 3.14 -> 2.70, 15k 2.65 -> 2.34).
     Later fits just call ``find``: asking for the compiled round again costs a cached compile's
     lookup (0.3 ms of a 2.4 ms fit on small data). ``compiled_round`` None (no rounds asked
     for): ``find`` alone.
@@ -210,7 +213,7 @@ def found_while_compiling(compiled_round, arguments: tuple, find: Callable):
                            else iter([compiled_round.lower(*arguments)]))
         # A pool of the fit's own: a process forked after a fit would inherit a pool's
         # bookkeeping without its threads.
-        with concurrent.futures.ThreadPoolExecutor(2, "jaxboost-compile") as threads:
+        with concurrent.futures.ThreadPoolExecutor(3, "jaxboost-compile") as threads:
             # In 32-bit mode, as training's thread is: compiled in another mode, a program is
             # not the one its first call looks for, and compiles again.
             compiling = [threads.submit(float32_jax(lowered.compile)) for lowered in lowered_in_turn]
@@ -222,19 +225,53 @@ def found_while_compiling(compiled_round, arguments: tuple, find: Callable):
     return found
 
 
-def _starting_value(resolved: ResolvedLoss, rows: _DeviceRows, mesh) -> np.ndarray:
+def _starting_value(resolved: ResolvedLoss, rows: _DeviceRows, mesh, start: np.ndarray | None = None) -> np.ndarray:
     """The constant raw prediction minimising the weighted loss of ``rows``: a built-in's closed
     form where it has one (``closed_form_starting_value``), else found numerically on the mesh's
-    first device: each of the minimisation's 25-odd passes over the rows had ended in a sum over
-    the devices, most of a small fit's starting value (40k rows on two CPU devices: 3.7 -> 2.0 ms
-    a fit; 800k: 32.1 -> 30.5)."""
+    first device, from 0 or from ``start``: each of the minimisation's 25-odd passes over the
+    rows had ended in a sum over the devices, most of a small fit's starting value (40k rows on
+    two CPU devices: 3.7 -> 2.0 ms a fit; 800k: 32.1 -> 30.5)."""
     if resolved.optimal_constant is not None:
         return closed_form_starting_value(resolved, rows.y, rows.sample_weight)
     K = resolved.objective.num_outputs
-    zeros, y_one, weight_one = jax.device_put([np.zeros((rows.y.shape[0], K), np.float32), rows.y,
-                                               rows.sample_weight], mesh.devices.flat[0])
-    return np.asarray(starting_value(resolved.objective, zeros, y_one, weight_one, resolved.loss_params,
-                                     _without_curvature(resolved, rows)))
+    started = np.zeros(K, np.float32) if start is None else start
+    raw_prediction, y_one, weight_one = jax.device_put(
+        [np.broadcast_to(started, (rows.y.shape[0], K)).astype(np.float32), rows.y, rows.sample_weight],
+        mesh.devices.flat[0])
+    offsets = np.asarray(starting_value(resolved.objective, raw_prediction, y_one, weight_one, resolved.loss_params,
+                                        _without_curvature(resolved, rows)))
+    return offsets if start is None else start + offsets
+
+
+def _starts_by_refit(resolved: ResolvedLoss, shape: RoundShape, regularizer: Regularization,
+                     rows: _DeviceRows) -> bool:
+    """Whether a fit finds its starting value with its round's refit program
+    (``_starting_value_by_refit``): a custom loss whose leaves are refit, scalar leaves and no
+    custom leaf penalty (the refit's minimisation, unpenalised, then is the starting value's), and
+    one output or a Hessian zero everywhere (else Newton steps come first)."""
+    return (resolved.optimal_constant is None and shape.leaf_refit and shape.vector_leaves is None
+            and regularizer.penalty is None
+            and (shape.objective.num_outputs == 1 or _hessian_vanishes(resolved, rows)))
+
+
+def _starting_value_by_refit(boosting_round, arguments: tuple, resolved: ResolvedLoss,
+                             rows: _DeviceRows) -> np.ndarray:
+    """The starting value found by the round's refit program (``SplitRound.constant_offsets``),
+    already compiled, instead of a program of its own: the coordinate sweeps' had been about
+    0.5 s of CPU to compile, beside the round's, in a first fit. One output: its exact
+    minimisation. Several (a Hessian zero everywhere: pinball losses, say): each is minimised
+    with the others held at 0, then again from there; where that second pass moves some output
+    (outputs that interact), the coordinate sweeps go on from it."""
+    K = resolved.objective.num_outputs
+    constant = np.zeros(K, np.float32)
+    for _ in range(1 if K == 1 else 2):
+        rows.initial_raw_prediction(constant)
+        offsets = boosting_round.constant_offsets(arguments, rows.raw_prediction)
+        constant = (constant + offsets).astype(np.float32)
+    rows.raw_prediction = None
+    if K == 1 or np.all(np.abs(offsets) <= SWEEP_TOLERANCE * np.maximum(1.0, np.abs(constant))):
+        return constant
+    return _starting_value(resolved, rows, rows.mesh, start=constant)
 
 
 def closed_form_starting_value(resolved: ResolvedLoss, y: np.ndarray, sample_weight: np.ndarray,
@@ -587,14 +624,18 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     elif margin is not None:
         base_score = np.zeros(K, np.float32)
     # A custom loss: whether its leaves are refit depends on its Hessians at the start (some
-    # row's exactly zero: absolute error, hinge). The round the loss's trace foretells compiles
-    # while the start is found: with the refit where its Hessian is zero everywhere, else
-    # without, which most losses take. Its derivatives' program then tells (it counts zero
-    # Hessians for such a loss); where it tells otherwise, the other round's programs compile
-    # (its derivatives' are the same).
+    # row's exactly zero: absolute error, hinge). A Hessian zero everywhere, as the loss's trace
+    # shows, refits them (some row has a positive weight: ``check_sample_weight``). Otherwise
+    # the round without the refit, which most losses take, compiles while the start is found,
+    # and its derivatives' program then tells (it counts zero Hessians for such a loss); where it
+    # tells otherwise, the refit round's programs compile (its derivatives' are the same).
     refit_unknown = leaf_refit is None and resolved.leaf_refit is None
-    leaf_refit = (_hessian_vanishes(resolved, train_rows) if refit_unknown
-                  else bool(resolved.leaf_refit if leaf_refit is None else leaf_refit))
+    if refit_unknown and _hessian_vanishes(resolved, train_rows):
+        leaf_refit, refit_unknown = True, False
+    elif refit_unknown:
+        leaf_refit = False
+    else:
+        leaf_refit = bool(resolved.leaf_refit if leaf_refit is None else leaf_refit)
 
     shape = RoundShape(objective=objective, max_depth=int(max_depth), max_bin=dataset.max_bin,
                        leaf_refit=leaf_refit,
@@ -641,7 +682,10 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         return found
 
     raw_predictions_started = refit_unknown
-    if base_score is None or refit_unknown:
+    if base_score is None and num_rounds and _starts_by_refit(resolved, shape, regularizer, train_rows):
+        found_while_compiling(boosting_round, arguments, lambda: None)
+        base_score = _starting_value_by_refit(ready(boosting_round), arguments, resolved, train_rows)
+    elif base_score is None or refit_unknown:
         base_score = found_while_compiling(boosting_round if num_rounds else None, arguments, start)
     if refit_unknown:
         # The derivatives' program of the round just compiled, rather than a program of its own

@@ -355,11 +355,28 @@ def two_pinball_losses(f, y):
     return jnp.sum(jnp.maximum(levels * residual, (levels - 1) * residual))
 
 
-def test_a_loss_without_any_curvature_starts_with_the_sweeps_alone(monkeypatch):
-    """A loss whose Hessian is zero everywhere (two pinball losses): ``jb.train`` traces no
-    Newton steps for its starting value, which are the same, bit for bit, as the sweeps after
-    them (Newton's steps stop where they start), and the weighted quantiles. A smooth built-in
-    (softmax) is not traced for it."""
+def _trained_and_traced(dataset, **settings):
+    """``jb.train``'s model, and the names of the functions it traced."""
+    traced = []
+
+    def listener(name, duration, **kwargs):
+        if name.endswith("jaxpr_trace_duration"):
+            traced.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        model = jb.train(dataset, **settings)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return model, traced
+
+
+def test_a_loss_without_any_curvature_starts_from_its_refit_program(monkeypatch):
+    """A loss whose Hessian is zero everywhere (two pinball losses): ``jb.train`` finds its
+    starting value with the round's refit program (``SplitRound.constant_offsets``), tracing
+    neither Newton steps nor sweeps of their own. It is the same, bit for bit, as the sweeps
+    alone and as Newton's steps followed by them (which stop where they start), and the
+    weighted quantiles. A smooth built-in (softmax) is not traced for it."""
     import jaxboost as jb
     from jaxboost import training
 
@@ -374,19 +391,10 @@ def test_a_loss_without_any_curvature_starts_with_the_sweeps_alone(monkeypatch):
     y = (1.5 + np.random.default_rng(9).standard_t(3, size=N_ROWS)).astype(np.float32)
     X = np.random.default_rng(10).normal(size=(N_ROWS, 3)).astype(np.float32)
     weights = _weights(9)
-    traced = []
-
-    def listener(name, duration, **kwargs):
-        if name.endswith("jaxpr_trace_duration"):
-            traced.append(str(kwargs.get("fun_name")))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        model = jb.train(jb.Dataset(X, y, sample_weight=weights), loss=two_pinball_losses, num_outputs=2,
-                         num_rounds=1, max_depth=2)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert "_coordinate_sweeps" in traced and "newton_constant" not in traced, traced
+    model, traced = _trained_and_traced(jb.Dataset(X, y, sample_weight=weights), loss=two_pinball_losses,
+                                        num_outputs=2, num_rounds=1, max_depth=2)
+    assert "round_refit" in traced, traced
+    assert "_coordinate_sweeps" not in traced and "newton_constant" not in traced, traced
     assert asked, "the custom loss's Hessian was not looked at"
     objective = _vector_objective(two_pinball_losses, 2)
     args = (jnp.zeros((N_ROWS, 2)), jnp.asarray(y), jnp.asarray(weights))
@@ -397,6 +405,91 @@ def test_a_loss_without_any_curvature_starts_with_the_sweeps_alone(monkeypatch):
     for output, level in enumerate([0.2, 0.7]):
         lower, upper = weighted_quantile_interval(y64, w, level)
         assert lower - 1e-5 * abs(lower) <= with_newton[output] <= upper + 1e-5 * abs(upper)
+
+
+@pytest.mark.parametrize("loss_name, settings", [
+    ("pinball", dict()),  # its zero Hessians call for the refit
+    ("pinball", dict(reg_lambda=5.0, reg_alpha=2.0, max_delta_step=0.3, learning_rate=0.3, subsample=0.5)),
+    ("squared", dict(leaf_refit=True)),  # a smooth loss refit on request
+])
+def test_a_refit_start_is_the_unpenalised_minimiser_over_every_row(loss_name, settings):
+    """A one-output custom loss with a leaf refit starts from the refit program's minimisation
+    over every row in one leaf (``SplitRound.constant_offsets``), with no program of its own:
+    a pinball loss's is the sweeps' value bit for bit, whatever the round's penalty, learning rate, leaf bound and
+    row sample (none of which a starting value takes), and the weighted quantile; a smooth
+    loss's to float32 rounding, and the weighted mean."""
+    def pinball(f, y):
+        residual = y - f
+        return jnp.maximum(0.9 * residual, -0.1 * residual)
+
+    def squared(f, y):
+        return 0.5 * jnp.square(y - f)
+
+    loss = {"pinball": pinball, "squared": squared}[loss_name]
+    y = (1.5 + 40.0 * np.random.default_rng(12).standard_t(3, size=N_ROWS)).astype(np.float32)
+    X = np.random.default_rng(13).normal(size=(N_ROWS, 3)).astype(np.float32)
+    weights = _weights(12)
+    model, traced = _trained_and_traced(jb.Dataset(X, y, sample_weight=weights), loss=loss, num_rounds=1,
+                                        max_depth=2, **settings)
+    assert model.params["leaf_refit"]
+    assert "round_refit" in traced and "_coordinate_sweeps" not in traced, traced
+    objective = Objective(loss, vector_output=False, num_outputs=1, link=identity)
+    sweeps = np.asarray(starting_value(objective, jnp.zeros((N_ROWS, 1)), jnp.asarray(y), jnp.asarray(weights)))
+    if loss_name == "pinball":  # its minimiser is a label
+        np.testing.assert_array_equal(np.asarray(model.base_score), sweeps)
+    else:  # the derivatives' sums, in another order, round otherwise
+        np.testing.assert_allclose(np.asarray(model.base_score), sweeps, rtol=2e-6)
+    w, y64 = weights.astype(np.float64), y.astype(np.float64)
+    if loss_name == "squared":
+        np.testing.assert_allclose(model.base_score, [np.average(y64, weights=w)], rtol=1e-5)
+    else:
+        lower, upper = weighted_quantile_interval(y64, w, 0.9)
+        assert lower - 1e-5 * abs(lower) <= model.base_score[0] <= upper + 1e-5 * abs(upper)
+
+
+def test_outputs_that_interact_go_on_to_the_sweeps_after_the_refit_start():
+    """Two outputs that one absolute error couples (a Hessian zero everywhere): the refit
+    program's second pass over them still moves them, so the coordinate sweeps go on from
+    there, to a point that no output alone can improve."""
+    def coupled(f, y):
+        return jnp.abs(f[0] + f[1] - y) + 0.5 * jnp.abs(f[0] - 0.3 * y)
+
+    y = (1.5 + 40.0 * np.random.default_rng(14).standard_t(3, size=N_ROWS)).astype(np.float32)
+    X = np.random.default_rng(15).normal(size=(N_ROWS, 3)).astype(np.float32)
+    weights = _weights(14)
+    model, traced = _trained_and_traced(jb.Dataset(X, y, sample_weight=weights), loss=coupled, num_outputs=2,
+                                        num_rounds=1, max_depth=2)
+    assert "round_refit" in traced and "_coordinate_sweeps" in traced, traced
+    w, y64 = weights.astype(np.float64), y.astype(np.float64)
+
+    def total(c):
+        return np.sum(w * (np.abs(c[0] + c[1] - y64) + 0.5 * np.abs(c[0] - 0.3 * y64)))
+
+    start = np.asarray(model.base_score, np.float64)
+    for output in range(2):
+        for step in (-1e-2, 1e-2):
+            moved = start.copy()
+            moved[output] += step * max(1.0, abs(start[output]))
+            assert total(moved) >= total(start) * (1 - 1e-7), (output, step)
+
+
+def test_a_custom_leaf_penalty_leaves_the_start_to_the_sweeps():
+    """With a custom leaf penalty, which the refit program's minimisation adds, a refit loss's
+    starting value comes from the sweeps' program, unpenalised as ever."""
+    def pinball(f, y):
+        residual = y - f
+        return jnp.maximum(0.3 * residual, -0.7 * residual)
+
+    y = (1.5 + 40.0 * np.random.default_rng(16).standard_t(3, size=N_ROWS)).astype(np.float32)
+    X = np.random.default_rng(17).normal(size=(N_ROWS, 3)).astype(np.float32)
+    weights = _weights(16)
+    penalty = jb.regularizers.custom(lambda w, params: 50.0 * jnp.square(w))
+    model, traced = _trained_and_traced(jb.Dataset(X, y, sample_weight=weights), loss=pinball, num_rounds=1,
+                                        max_depth=2, regularizer=penalty)
+    assert "_coordinate_sweeps" in traced, traced
+    objective = Objective(pinball, vector_output=False, num_outputs=1, link=identity)
+    sweeps = np.asarray(starting_value(objective, jnp.zeros((N_ROWS, 1)), jnp.asarray(y), jnp.asarray(weights)))
+    np.testing.assert_array_equal(np.asarray(model.base_score), sweeps)
 
 
 @pytest.mark.parametrize("n_rows,num_segments", [(0, 3), (1, 3), (7, 3), (1003, 127)])

@@ -346,6 +346,9 @@ def _split_round_grows_the_model_of_one(X, y, settings: dict, monkeypatch) -> li
         def zero_hessian(self, *arguments):
             return boosting.compiled_round(self.shape).zero_hessian(*arguments)
 
+        def constant_offsets(self, *arguments):
+            return boosting.compiled_round(self.shape).constant_offsets(*arguments)
+
     with monkeypatch.context() as patched:
         patched.setattr(training, "compiled_round", OneProgram)
         whole = jb.train(X, y, **settings)
