@@ -1081,16 +1081,33 @@ class SplitRound:
             Tree(*(filled(spec, name == "is_leaf") for name, spec in zip(Tree._fields, grown.trees))),
             RowLeaves(*(filled(spec, 0) for spec in grown.row_leaves)),
             (filled(grown.bounds[0], -np.inf), filled(grown.bounds[1], np.inf)))
-        params, y, sample_weight, row_index = arguments[0], *arguments[3:6]
+        y, sample_weight, row_index = arguments[3:6]
+        _, packed, _ = self.refit(self._for_a_constant(arguments[0]), y, sample_weight, row_index, raw_prediction,
+                                  *arguments[7:9], one_leaf, tuple(filled(eval_set[3], 0) for eval_set in eval_sets),
+                                  tuple(filled(spec, 0) for spec in eval_leaves))
+        return unpack_fields(np.asarray(packed), round_tree_template(shape)).value[:, 0]
+
+    def derivative_sums(self, arguments: tuple, raw_prediction: jax.Array) -> tuple[np.ndarray, ...]:
+        """The weighted sums over all the rows of the loss's gradients ``(K,)``, of their
+        magnitudes, and of the Hessians as the splits take them (zeros replaced by the rows'
+        weights, the Hessian mode applied), at ``raw_prediction``, with no row sample: the
+        derivatives' program, called with the round's other ``arguments``. Summed on the host
+        in float64; NaN where some counted row's value or derivatives are not finite."""
+        y, sample_weight, row_index = arguments[3:6]
+        (gradients, hessians), _ = self.statistics(self._for_a_constant(arguments[0]), y, sample_weight, row_index,
+                                                   raw_prediction, *arguments[7:9])
+        gradients = np.asarray(gradients)
+        return tuple(np.sum(per_row, axis=0, dtype=np.float64)
+                     for per_row in (gradients, np.abs(gradients), np.asarray(hessians)))
+
+    def _for_a_constant(self, params: RoundParams) -> RoundParams:
+        """``params`` for a constant's search (``constant_offsets``, ``derivative_sums``): no
+        learning rate, no leaf penalty, no row sample; placed as the round's are."""
         zero = np.float32(0)
         growth = params.growth._replace(
             learning_rate=np.float32(1),
             reg=params.growth.reg.replace(reg_lambda=zero, reg_alpha=zero, max_delta_step=zero))
-        unpenalised = jax.device_put(params._replace(growth=growth, subsample=np.float32(1)), replicated(shape.mesh))
-        _, packed, _ = self.refit(unpenalised, y, sample_weight, row_index, raw_prediction, *arguments[7:9], one_leaf,
-                                  tuple(filled(eval_set[3], 0) for eval_set in eval_sets),
-                                  tuple(filled(spec, 0) for spec in eval_leaves))
-        return unpack_fields(np.asarray(packed), round_tree_template(shape)).value[:, 0]
+        return jax.device_put(params._replace(growth=growth, subsample=np.float32(1)), replicated(self.shape.mesh))
 
     def statistics_specs(self, raw_prediction) -> tuple:
         """``(gradients, hessians)``' shapes for raw predictions like ``raw_prediction``."""

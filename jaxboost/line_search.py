@@ -11,10 +11,13 @@ several probes a step: doublings, then a bracket cut into many parts). It needs 
 so it is exact where Newton steps fail: absolute error, quantile and hinge losses, whose
 Hessian is zero, get the exact weighted median / quantile of their residuals. Used for the
 starting value (one segment holding every row, no penalty) and for leaf refits (THEORY.md, GBDT).
+``newton_minimiser`` is its host-side counterpart for one variable, driven by a compiled round's
+derivatives (a custom loss's starting value).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -171,3 +174,69 @@ def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Arra
     start = jnp.stack([zero, zero, zero, jnp.ones(num_segments, jnp.float32), zero])
     (lower, upper, _, _, solved_at_zero), _ = lax.while_loop(unresolved, step, (start, -1))
     return jnp.where(solved_at_zero > 0, 0.0, 0.5 * (lower + upper))
+
+
+# ``newton_minimiser`` ends when a step, or the bracket, is this small relative to the point
+# (float32 resolution, as the bisection's bracket above).
+HOST_RESOLUTION = 2e-7
+
+
+def newton_minimiser(derivative_sums: Callable[[float], tuple[float, float, float]]) -> float:
+    """The minimiser of a convex function of one variable ``c``, from ``derivative_sums(c) ->
+    (slope, curvature, slope_noise)``: ``curvature`` a positive scale of the slope's rate of
+    change (exact for a smooth loss; any positive stand-in where it is zero), ``slope_noise``
+    the size below which a slope is rounding (a float32 loss's: its per-row gradients' rounding;
+    0 for exact slopes), where the search ends. Newton steps from 0, safeguarded by
+    the slope's sign: until the slope turns, a step that does not halve the slope doubles the
+    last one (at least ``MIN_FIRST_STEP``: a zero Newton step still moves); once the minimiser
+    is bracketed, a Newton step that leaves the bracket or is not half the last step gives way
+    to bisection, and after a Newton step that does not halve the slope only bisection is left.
+    It ends when the bracket, or a Newton step that halved the slope, falls to
+    ``HOST_RESOLUTION`` of the point, or at a slope within its noise. A slope that is not
+    finite counts as past the minimiser, so the search stays where the loss is defined; one at
+    0 sends the search upwards, as the search in a program goes."""
+    point = 0.0
+    slope, curvature, noise = derivative_sums(point)
+    if abs(slope) <= noise:
+        return point
+    if not math.isfinite(slope):  # upwards, as the search in a program goes
+        slope, curvature = -math.inf, math.nan
+    lower, upper = (-math.inf, point) if slope > 0 else (point, math.inf)  # slope < 0 at lower, > 0 at upper
+    last_step, longest_step, trusted = 0.0, 0.0, True
+    for _ in range(MAX_EXPANSIONS + MAX_BISECTIONS):
+        newton = point - slope / curvature if curvature > 0 and math.isfinite(curvature) else math.nan
+        newton_length = abs(newton - point) if math.isfinite(newton) else 0.0
+        towards = 1.0 if slope < 0 else -1.0
+        stepped_newton = False
+        if math.isinf(lower) or math.isinf(upper):
+            stepped_newton = trusted and newton_length > 0.0
+            length = newton_length if stepped_newton else max(newton_length, 2.0 * longest_step, MIN_FIRST_STEP)
+            longest_step = max(longest_step, length)
+            candidate = point + towards * length
+        elif trusted and lower < newton < upper and newton_length <= 0.5 * abs(last_step):
+            candidate, stepped_newton = newton, True
+        else:
+            candidate = 0.5 * (lower + upper)
+        candidate_slope, candidate_curvature, noise = derivative_sums(candidate)
+        if abs(candidate_slope) <= noise:
+            return candidate
+        defined = math.isfinite(candidate_slope)
+        # Not finite: past the minimiser, seen from the last point.
+        if candidate_slope < 0 if defined else candidate < point:
+            lower = candidate
+        else:
+            upper = candidate
+        # A Newton step that does not halve the slope: the curvature misleads; bisect from here.
+        if stepped_newton and not abs(candidate_slope) <= 0.5 * abs(slope):
+            trusted = False
+        last_step = candidate - point
+        if defined:
+            point, slope, curvature = candidate, candidate_slope, candidate_curvature
+        if math.isfinite(lower) and math.isfinite(upper) and (
+                upper - lower <= HOST_RESOLUTION * max(abs(lower), abs(upper)) + 1e-30):
+            return 0.5 * (lower + upper)
+        # A Newton step this small that still halved the slope lands at the minimiser (an
+        # overstated curvature's small steps do not halve it, and lose the Newton steps).
+        if trusted and stepped_newton and defined and abs(last_step) <= HOST_RESOLUTION * abs(point) + 1e-30:
+            return point
+    return point

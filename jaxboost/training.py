@@ -37,6 +37,7 @@ from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_r
 from .grower import GrowthParams, prunes_splits, tree_feature_slots
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import collection_paused, release_free_memory, release_free_memory_after
+from .line_search import newton_minimiser
 from .model import Model
 from .native import native_target
 from .objective import ResolvedLoss, higher_is_better, resolve_loss, resolve_metrics
@@ -186,7 +187,7 @@ def found_while_compiling(compiled_round, arguments: tuple, find: Callable):
     1.74 (10 classes, vector leaves, a refit: CPU-bound throughout, within the noise). The
     derivatives' and the metrics' compile one after the other: each in a thread of its own moved
     nothing, and would hold more compilers' memory at once. A refit's compiles in a third: a
-    custom loss with a refit finds its starting value with it (``_starting_value_by_refit``),
+    custom loss with a refit finds its starting value with it (``_starting_value_by_round``),
     after the compiles, and it had been the last to start and end. Started before the round's
     tracing, ``find``'s own tracing had taken turns with it on the GIL: first fits took 10-13%
     longer (medians of 6-8 alternating runs on 2 cores, cache off: 100k x 28 rows 3.33 -> 3.10
@@ -243,26 +244,47 @@ def _starting_value(resolved: ResolvedLoss, rows: _DeviceRows, mesh, start: np.n
     return offsets if start is None else start + offsets
 
 
-def _starts_by_refit(resolved: ResolvedLoss, shape: RoundShape, regularizer: Regularization,
-                     rows: _DeviceRows) -> bool:
-    """Whether a fit finds its starting value with its round's refit program
-    (``_starting_value_by_refit``): a custom loss whose leaves are refit, scalar leaves and no
-    custom leaf penalty (the refit's minimisation, unpenalised, then is the starting value's), and
-    one output or a Hessian zero everywhere (else Newton steps come first)."""
-    return (resolved.optimal_constant is None and shape.leaf_refit and shape.vector_leaves is None
-            and regularizer.penalty is None
-            and (shape.objective.num_outputs == 1 or _hessian_vanishes(resolved, rows)))
+# A slope summed from float32 gradients is rounding below this fraction of their magnitudes' sum
+# (2 float32 epsilons): the Newton steps of a custom loss's starting value end there.
+SLOPE_ROUNDING = 2 * float(np.finfo(np.float32).eps)
 
 
-def _starting_value_by_refit(boosting_round, arguments: tuple, resolved: ResolvedLoss,
-                             rows: _DeviceRows) -> np.ndarray:
-    """The starting value found by the round's refit program (``SplitRound.constant_offsets``),
-    already compiled, instead of a program of its own: the coordinate sweeps' had been about
-    0.5 s of CPU to compile, beside the round's, in a first fit. One output: its exact
-    minimisation. Several (a Hessian zero everywhere: pinball losses, say): each is minimised
-    with the others held at 0, then again from there; where that second pass moves some output
-    (outputs that interact), the coordinate sweeps go on from it."""
+def _round_finds_start(resolved: ResolvedLoss, shape: RoundShape, regularizer: Regularization,
+                       rows: _DeviceRows) -> str | None:
+    """How a fit's compiled round finds a custom loss's starting value, instead of a program of
+    its own (``_starting_value_by_round``): "refit" (its leaves refit, scalar leaves, no custom
+    leaf penalty, which the refit's minimisation would add, and one output or a Hessian zero
+    everywhere), "derivatives" (one output otherwise), or None (a built-in's closed form, or
+    several outputs: Newton steps on the whole vector in a program)."""
+    if resolved.optimal_constant is not None or shape.vector_leaves is not None:
+        return None
+    single = shape.objective.num_outputs == 1
+    if shape.leaf_refit and regularizer.penalty is None and (single or _hessian_vanishes(resolved, rows)):
+        return "refit"
+    return "derivatives" if single else None
+
+
+def _starting_value_by_round(boosting_round, arguments: tuple, resolved: ResolvedLoss, rows: _DeviceRows,
+                             way: str) -> np.ndarray:
+    """The starting value found by the round's programs, already compiled, instead of a program
+    of its own (the coordinate sweeps' had been about 0.5 s of CPU to compile, beside the
+    round's, in a custom loss's first fit). ``way`` "refit": the refit's program
+    (``SplitRound.constant_offsets``), its exact minimisation; several outputs (a Hessian zero
+    everywhere: pinball losses, say) are each minimised with the others held at 0, then again
+    from there, and where that second pass moves some output (outputs that interact), the
+    coordinate sweeps go on from it. "derivatives": Newton steps on the host
+    (``line_search.newton_minimiser``), each slope and curvature summed from the derivatives'
+    program (``SplitRound.derivative_sums``)."""
     K = resolved.objective.num_outputs
+    if way == "derivatives":
+        def slope_and_curvature(constant: float) -> tuple[float, float, float]:
+            rows.initial_raw_prediction(np.full(1, constant, np.float32))
+            slope, gross, curvature = boosting_round.derivative_sums(arguments, rows.raw_prediction)
+            return float(slope[0]), float(curvature[0]), SLOPE_ROUNDING * float(gross[0])
+
+        found = np.full(1, newton_minimiser(slope_and_curvature), np.float32)
+        rows.raw_prediction = None
+        return found
     constant = np.zeros(K, np.float32)
     for _ in range(1 if K == 1 else 2):
         rows.initial_raw_prediction(constant)
@@ -682,9 +704,14 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
         return found
 
     raw_predictions_started = refit_unknown
-    if base_score is None and num_rounds and _starts_by_refit(resolved, shape, regularizer, train_rows):
+    # A custom loss's starting value: where the round's programs can find it, they do once
+    # compiled, rather than a program of its own compiled beside them.
+    way = _round_finds_start(resolved, shape, regularizer, train_rows) if base_score is None and num_rounds else None
+    if way is not None:
         found_while_compiling(boosting_round, arguments, lambda: None)
-        base_score = _starting_value_by_refit(ready(boosting_round), arguments, resolved, train_rows)
+        base_score = _starting_value_by_round(ready(boosting_round), arguments, resolved, train_rows, way)
+        if refit_unknown:
+            start_raw_predictions(base_score)
     elif base_score is None or refit_unknown:
         base_score = found_while_compiling(boosting_round if num_rounds else None, arguments, start)
     if refit_unknown:

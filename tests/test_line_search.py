@@ -18,6 +18,7 @@ import pytest
 import jaxboost as jb
 from jaxboost import losses, training
 from jaxboost.boosting import Objective, minimise_offsets, newton_constant, starting_value
+from jaxboost.line_search import newton_minimiser
 from jaxboost.native import lowering_for
 from jaxboost.regularizer import Regularization
 
@@ -473,9 +474,10 @@ def test_outputs_that_interact_go_on_to_the_sweeps_after_the_refit_start():
             assert total(moved) >= total(start) * (1 - 1e-7), (output, step)
 
 
-def test_a_custom_leaf_penalty_leaves_the_start_to_the_sweeps():
+def test_a_custom_leaf_penalty_leaves_the_start_unpenalised():
     """With a custom leaf penalty, which the refit program's minimisation adds, a refit loss's
-    starting value comes from the sweeps' program, unpenalised as ever."""
+    starting value comes from Newton steps on the round's derivatives, which take no penalty:
+    the weighted quantile."""
     def pinball(f, y):
         residual = y - f
         return jnp.maximum(0.3 * residual, -0.7 * residual)
@@ -486,10 +488,124 @@ def test_a_custom_leaf_penalty_leaves_the_start_to_the_sweeps():
     penalty = jb.regularizers.custom(lambda w, params: 50.0 * jnp.square(w))
     model, traced = _trained_and_traced(jb.Dataset(X, y, sample_weight=weights), loss=pinball, num_rounds=1,
                                         max_depth=2, regularizer=penalty)
-    assert "_coordinate_sweeps" in traced, traced
-    objective = Objective(pinball, vector_output=False, num_outputs=1, link=identity)
+    assert model.params["leaf_refit"]
+    assert "_coordinate_sweeps" not in traced, traced
+    w, y64 = weights.astype(np.float64), y.astype(np.float64)
+    lower, upper = weighted_quantile_interval(y64, w, 0.3)
+    assert lower - 1e-5 * abs(lower) <= model.base_score[0] <= upper + 1e-5 * abs(upper)
+
+
+def _counted(derivatives):
+    """``derivatives`` (c -> (slope, curvature)) as ``newton_minimiser`` takes it (float64
+    slopes: rounding below 1e-9), and the list of points it was asked at."""
+    asked = []
+
+    def counted(c):
+        asked.append(c)
+        return (*derivatives(c), 1e-9)
+    return counted, asked
+
+
+_LABELS = 7.0 + 40.0 * np.random.default_rng(20).standard_t(3, size=1000)
+_LABEL_WEIGHTS = np.random.default_rng(21).uniform(0.1, 3.0, size=1000)
+
+
+def _weighted_sigmoid_slope(c):
+    positive = (_LABELS > 30.0).astype(np.float64)
+    p = 1.0 / (1.0 + np.exp(-c))
+    return np.sum(_LABEL_WEIGHTS * (p - positive)), np.sum(_LABEL_WEIGHTS * p * (1 - p))
+
+
+@pytest.mark.parametrize("case", ["squared", "logistic", "poisson", "overstated curvature", "understated curvature",
+                                  "defined above 0 only", "defined below 5 only", "far from 0",
+                                  "overstated near the minimum"])
+def test_newton_minimiser_finds_a_smooth_minimum(case):
+    """The host's safeguarded Newton steps (a custom loss's starting value, from a compiled
+    round's derivatives) against the minimisers' closed forms or a float64 bisection: Newton's
+    few steps where the curvature is exact, bracketing and bisection where it misleads by 10^4
+    either way or only near the minimum, a loss undefined at and below 0 or above 5, a minimiser far from 0."""
+    w, y = _LABEL_WEIGHTS, _LABELS
+    mean = np.sum(w * y) / np.sum(w)
+    derivatives, expected, most_calls = {
+        "squared": (lambda c: (np.sum(w * (c - y)), np.sum(w)), mean, 3),
+        "logistic": (_weighted_sigmoid_slope, None, 8),
+        "poisson": (lambda c: (np.sum(w * (np.exp(c) - np.abs(y))), np.sum(w * np.exp(c))),
+                    np.log(np.sum(w * np.abs(y)) / np.sum(w)), 40),
+        "overstated curvature": (lambda c: (np.sum(w * (c - y)), 1e4 * np.sum(w)), mean, 64),
+        "understated curvature": (lambda c: (np.sum(w * (c - y)), 1e-4 * np.sum(w)), mean, 64),
+        "defined above 0 only": (lambda c: (1.0 - 3e-3 / c, 3e-3 / c ** 2) if c > 0 else (np.nan, np.nan), 3e-3, 16),
+        # Newton's first step (7.5) lands where the loss is not defined.
+        "defined below 5 only": (lambda c: (1.0 / (5.0 - c) - 0.5, 1.0 / (5.0 - c) ** 2) if c < 5 else (np.nan, np.nan),
+                                 3.0, 40),
+        "far from 0": (lambda c: (c - 1e4, 1.0), 1e4, 3),
+        # Newton's steps halve the slope on the way in, then one step of 1e-11 does not.
+        "overstated near the minimum": (lambda c: ((c - 10) ** 3 + (c - 10),
+                                                   (3 * (c - 10) ** 2 + 1) * (1e9 if abs(c - 10) < 0.1 else 1.0)),
+                                        10.0, 64),
+    }[case]
+    if expected is None:  # the slope's root by bisection in float64
+        lower, upper = -50.0, 50.0
+        for _ in range(200):
+            middle = 0.5 * (lower + upper)
+            lower, upper = (middle, upper) if derivatives(middle)[0] < 0 else (lower, middle)
+        expected = 0.5 * (lower + upper)
+    counted, asked = _counted(derivatives)
+    found = newton_minimiser(counted)
+    np.testing.assert_allclose(found, expected, rtol=4e-7, atol=1e-12)
+    assert len(asked) <= most_calls, (len(asked), asked)
+
+
+def test_newton_minimiser_stops_at_an_exact_or_unresolved_slope():
+    """A zero slope at 0 ends the search there at once; a slope within its stated noise (a
+    float32 loss's rounding) ends it where Newton's first step lands; a piecewise-linear loss
+    (curvature stood in by the weights) gets its weighted median by bisection."""
+    counted, asked = _counted(lambda c: (c, 1.0))
+    assert newton_minimiser(counted) == 0.0 and asked == [0.0]
+    w, y = _LABEL_WEIGHTS, _LABELS
+    mean = np.sum(w * y) / np.sum(w)
+    asked = []
+
+    def noisy(c):
+        asked.append(c)
+        return np.sum(w * (c - y)) + 1e-3, np.sum(w), 1e-2  # off by rounding below the noise
+    assert newton_minimiser(noisy) == pytest.approx(mean - 1e-3 / np.sum(w), rel=1e-9) and len(asked) == 2
+    counted, asked = _counted(lambda c: (np.sum(w * np.sign(c - y)), np.sum(w)))
+    median = newton_minimiser(counted)
+    lower, upper = weighted_quantile_interval(y, w, 0.5)
+    assert lower - 1e-6 * abs(lower) <= median <= upper + 1e-6 * abs(upper)
+    assert len(asked) <= 64
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(subsample=0.5, hessian="constant")])
+def test_a_smooth_custom_loss_starts_from_its_rounds_derivatives(settings, monkeypatch):
+    """A one-output smooth custom loss (written as the logistic loss) finds its starting value
+    by Newton steps on its compiled round's derivatives (``SplitRound.derivative_sums``), with
+    no program of its own: the sweeps' value to float32 rounding, whatever the row sample and
+    the Hessian's mode (neither of which a starting value takes), in a few calls (Newton's
+    steps end where the slope is float32 rounding: else they gave way to bisection there)."""
+    from jaxboost import boosting
+
+    def logistic_by_hand(f, y):
+        return jax.nn.softplus(f) - y * f
+
+    calls = []
+    monkeypatch.setattr(boosting.SplitRound, "derivative_sums",
+                        lambda self, *arguments, sums=boosting.SplitRound.derivative_sums:
+                        calls.append(arguments) or sums(self, *arguments))
+
+    rng = np.random.default_rng(22)
+    X = rng.normal(size=(N_ROWS, 3)).astype(np.float32)
+    y = (rng.uniform(size=N_ROWS) < 0.2).astype(np.float32)
+    weights = _weights(22)
+    model, traced = _trained_and_traced(jb.Dataset(X, y, sample_weight=weights), loss=logistic_by_hand,
+                                        num_rounds=1, max_depth=2, **settings)
+    assert "round_statistics" in traced and "_coordinate_sweeps" not in traced, traced
+    assert 2 <= len(calls) <= (8 if settings.get("hessian") is None else 40), len(calls)
+    objective = Objective(logistic_by_hand, vector_output=False, num_outputs=1, link=identity)
     sweeps = np.asarray(starting_value(objective, jnp.zeros((N_ROWS, 1)), jnp.asarray(y), jnp.asarray(weights)))
-    np.testing.assert_array_equal(np.asarray(model.base_score), sweeps)
+    np.testing.assert_allclose(np.asarray(model.base_score), sweeps, rtol=1e-5)
+    share = np.sum(weights * y) / np.sum(weights)
+    np.testing.assert_allclose(model.base_score, [np.log(share / (1 - share))], rtol=1e-5)
 
 
 @pytest.mark.parametrize("n_rows,num_segments", [(0, 3), (1, 3), (7, 3), (1003, 127)])

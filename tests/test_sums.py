@@ -76,10 +76,11 @@ def test_row_sum_compiles_without_reduce_window_chains_on_cpu():
 
 def test_a_custom_loss_fit_compiles_no_reduce_window_kernels_on_cpu(tmp_path):
     """The programs a new loss compiles (its derivatives, which also count its zero Hessians,
-    and its starting value), the trees' program and the metrics' (an eval set scored by the loss
-    and by AUC): none holds the reduce-window chains that were most of their machine code, and
-    no count of zero Hessians is compiled as a program of its own. XLA reads its dump flags when
-    it starts, hence a process of its own."""
+    and, in a fit of no rounds with its refit decided, its starting value's: with rounds, the
+    round's derivatives find it), the trees' program and the metrics' (an eval set scored by
+    the loss and by AUC): none holds the reduce-window chains that were most of their machine
+    code, and no count of zero Hessians is compiled as a program of its own. XLA reads its dump
+    flags when it starts, hence a process of its own."""
     import os
     import subprocess
     import sys
@@ -95,7 +96,8 @@ def test_a_custom_loss_fit_compiles_no_reduce_window_kernels_on_cpu(tmp_path):
             "def softplus(raw_prediction, y):\n"
             "    return jax.nn.softplus(raw_prediction) - y * raw_prediction\n"
             "jb.train(X[:2000], y[:2000], loss=softplus, link='sigmoid', num_rounds=2, max_depth=3,\n"
-            "         eval_set=[(X[2000:], y[2000:])], eval_metric=['loss', 'auc'])\n")
+            "         eval_set=[(X[2000:], y[2000:])], eval_metric=['loss', 'auc'])\n"
+            "jb.train(X[:2000], y[:2000], loss=softplus, link='sigmoid', num_rounds=0, leaf_refit=False)\n")
     dump = tmp_path / "dump"
     env = dict(os.environ, JAXBOOST_CACHE_DIR="", JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text")

@@ -805,8 +805,8 @@ def test_a_first_fit_compiles_its_round_once_in_other_threads_while_it_finds_the
             steps.append("round compiled")
 
     def recording(finding_starting_value):
-        """A way of finding the starting value (numerically, or a built-in's closed form: one call
-        for each of train_many's models), recorded."""
+        """A way of finding the starting value (numerically, by the compiled round's programs, or
+        a built-in's closed form: one call for each of train_many's models), recorded."""
         def recorded(*args, **kwargs):
             starting_threads.append(threading.get_ident())
             order.append("starting value")
@@ -827,7 +827,7 @@ def test_a_first_fit_compiles_its_round_once_in_other_threads_while_it_finds_the
             return compiled(*args)
         # A first fit compiles the round ahead (a jitted round as one program, a ``SplitRound``
         # as its programs in turn); a custom loss's refit is decided by the round's derivatives.
-        for method in ("lower", "lower_in_turn", "zero_hessian"):
+        for method in ("lower", "lower_in_turn", "zero_hessian", "derivative_sums", "constant_offsets"):
             if hasattr(compiled, method):
                 setattr(call, method, getattr(compiled, method))
         return call
@@ -846,6 +846,8 @@ def test_a_first_fit_compiles_its_round_once_in_other_threads_while_it_finds_the
     release_free_memory = training.release_free_memory
     monkeypatch.setattr(module, "starting_value", recording(boosting.starting_value))
     monkeypatch.setattr(module, "closed_form_starting_value", recording(training.closed_form_starting_value))
+    # A custom loss's: found by the compiled round's derivatives.
+    monkeypatch.setattr(training, "_starting_value_by_round", recording(training._starting_value_by_round))
     monkeypatch.setattr(module, factory_name, recording_factory)
     monkeypatch.setattr(training, "release_free_memory", recording_release)
     boosting.clear_compiled_rounds()
