@@ -32,6 +32,10 @@ sklearn, which samples by split only, is left out). ``--subsample F`` makes ever
 of the rows (LightGBM: bagging_fraction with bagging_freq=1; sklearn, which has no row sample, is
 left out). ``--deterministic-histogram`` trains jaxboost with ``deterministic_histogram=True``
 (repeatable GPU fits, as XGBoost's GPU histograms are by default; on CPU it changes nothing).
+``--vector-leaves full|diagonal`` (multiclass only) grows one tree of vector leaves a round for
+jaxboost (its leaves from the full Hessian or its diagonal) and XGBoost
+(``multi_strategy="multi_output_tree"``, whose leaves take the diagonal); LightGBM and sklearn,
+which have none, are left out.
 
 How it is measured (``bench_worker.py`` does one run):
 
@@ -224,10 +228,10 @@ class Runner:
 
     def __init__(self, repeats: int, rounds: int, device: str = "cpu", eval_set: bool = False,
                  colsample_bytree: float = 1.0, subsample: float = 1.0, deterministic_histogram: bool = False,
-                 warm_store: bool = False):
+                 warm_store: bool = False, vector_leaves: str | None = None):
         self.repeats, self.rounds, self.device, self.eval_set = repeats, rounds, device, eval_set
         self.colsample_bytree, self.subsample = colsample_bytree, subsample
-        self.deterministic_histogram = deterministic_histogram
+        self.deterministic_histogram, self.vector_leaves = deterministic_histogram, vector_leaves
         # jaxboost's cache folder, filled by an untimed run of each configuration first.
         self.store = tempfile.mkdtemp(prefix="jaxboost-bench-store-") if warm_store else ""
         self.meter = OtherCpuMeter()
@@ -252,6 +256,7 @@ class Runner:
             if self.subsample != 1.0:
                 worker_args += ["--subsample", str(self.subsample)]
             worker_args += ["--deterministic-histogram"] if self.deterministic_histogram else []
+            worker_args += ["--vector-leaves", self.vector_leaves] if self.vector_leaves else []
             cache_folder = self.store if library == "jaxboost" else ""
             if cache_folder and not runs:
                 # Untimed: compiles the configuration's programs into the store, as a user's
@@ -399,7 +404,9 @@ def run_tasks(args, runner: Runner) -> list[str]:
         n_samples = task_samples(task, args.rows)
         title = (f"## {task}: {n_samples:,} samples ({int(n_samples * 0.8):,} train) x {TASK_FEATURES[task]} features, "
                  f"{args.rounds} rounds, depth {args.depth}, {args.max_bin} bins")
-        if task in MULTICLASS_TASKS:
+        if task in MULTICLASS_TASKS and args.vector_leaves:
+            title += f", {NUM_CLASSES} classes"
+        elif task in MULTICLASS_TASKS:
             title += f", {NUM_CLASSES} classes (a round grows {NUM_CLASSES} trees: ms/tree is ms a round)"
         if args.eval_set:
             title += ", the test split as an eval set scored every round"
@@ -409,6 +416,8 @@ def run_tasks(args, runner: Runner) -> list[str]:
             title += f", {args.subsample:g} of the rows sampled for each round"
         if args.deterministic_histogram:
             title += ", jaxboost with deterministic_histogram=True"
+        if args.vector_leaves:
+            title += f", one tree of vector leaves a round (jaxboost's from the {args.vector_leaves} Hessian)"
         config = (task, args.rows, args.depth, args.max_bin)
         ratios = {library: turn_ratios(runner, library, config) for library in args.libraries}
         section = (f"{title}\n\n{task_table(task, summaries, args.device, ratios)}\n\nMemory (MB, medians):\n\n"
@@ -550,6 +559,10 @@ def method_notes(args) -> str:
         *([f"- Repeatable sums (--deterministic-histogram): jaxboost trains with deterministic_histogram=True "
             f"(on a GPU its histograms add whole-number pieces, exact in any order; XGBoost's GPU histograms are "
             f"repeatable by default; on CPU every library's are)."] if args.deterministic_histogram else []),
+        *([f"- Vector leaves (--vector-leaves {args.vector_leaves}): jaxboost and XGBoost grow one tree a round "
+            f"whose leaves hold all {NUM_CLASSES} classes' values (multi_strategy='multi_output_tree'; jaxboost's "
+            f"leaves and gains from the {args.vector_leaves} Hessian, XGBoost's from its diagonal); LightGBM and "
+            f"scikit-learn have none and are left out."] if args.vector_leaves else []),
         f"- Settings: learning rate 0.1, lambda 1 (0 for absolute_error: jaxboost's exact leaf refit "
         f"includes the penalty, the others' weighted medians do not), depth {args.depth} (LightGBM/sklearn: "
         f"at most "
@@ -605,6 +618,9 @@ def parse_args(argv=None):
                              "left out by default)")
     parser.add_argument("--deterministic-histogram", action="store_true",
                         help="jaxboost with deterministic_histogram=True (repeatable GPU fits)")
+    parser.add_argument("--vector-leaves", choices=["full", "diagonal"], default=None,
+                        help="multiclass: one tree of vector leaves a round, jaxboost's from the full Hessian or its "
+                             "diagonal (jaxboost and XGBoost only)")
     parser.add_argument("--warm-store", action="store_true",
                         help="jaxboost's timed runs load their programs from a cache folder that an untimed run "
                              "filled first (a later process's fit: its compile column is the programs' loading)")
@@ -616,6 +632,10 @@ def parse_args(argv=None):
         args.libraries = GPU_LIBRARIES if args.device == "gpu" else LIBRARIES
         if args.eval_set or args.colsample_bytree != 1.0 or args.subsample != 1.0:
             args.libraries = [library for library in args.libraries if library != "sklearn"]
+        if args.vector_leaves:
+            args.libraries = [library for library in args.libraries if library in ("jaxboost", "xgboost")]
+    if args.vector_leaves and set(args.tasks) - set(MULTICLASS_TASKS):
+        parser.error("--vector-leaves applies to --tasks multiclass only")
     for name, chosen, allowed in [("--tasks", args.tasks, TASKS + OPTIONAL_TASKS),
                                   ("--libraries", args.libraries, LIBRARIES + OPTIONAL_LIBRARIES)]:
         unknown = sorted(set(chosen) - set(allowed))
@@ -638,7 +658,7 @@ def main(argv=None):
         print(warning.replace("**", ""), file=sys.stderr)
 
     runner = Runner(args.repeats, args.rounds, args.device, args.eval_set, args.colsample_bytree, args.subsample,
-                    args.deterministic_histogram, args.warm_store)
+                    args.deterministic_histogram, args.warm_store, args.vector_leaves)
     try:
         sections = run_tasks(args, runner)
         if args.scaling:

@@ -247,6 +247,9 @@ class JaxboostRunner:
     def sum_repeatably(self):
         self.params.update(deterministic_histogram=True)
 
+    def grow_vector_leaves(self, hessian: str):
+        self.params.update(multi_strategy="multi_output_tree", multi_output_hessian=hessian)
+
     def train(self, dataset, rounds, eval_set=None):
         if eval_set is None:
             return self.jb.train(dataset, num_rounds=rounds, **self.params)
@@ -308,6 +311,10 @@ class XGBoostRunner:
 
     def sample_rows(self, fraction):
         self.params.update(subsample=fraction)
+
+    def grow_vector_leaves(self, hessian: str):
+        # XGBoost's multi-output trees take each output's own Hessian (the diagonal) whatever is asked.
+        self.params.update(multi_strategy="multi_output_tree")
 
     def train(self, dataset, rounds, eval_set=None):
         if eval_set is None:
@@ -472,6 +479,10 @@ def measure(args) -> dict:
         runner.sample_rows(args.subsample)
     if args.deterministic_histogram and hasattr(runner, "sum_repeatably"):
         runner.sum_repeatably()  # the other libraries' histograms are repeatable as they are
+    if args.vector_leaves:
+        if not hasattr(runner, "grow_vector_leaves"):
+            return {"status": "no vector leaves", "detail": f"the {args.library} runner grows no vector leaves"}
+        runner.grow_vector_leaves(args.vector_leaves)
     since_reset = reset_peak_rss()
     rss_start_mb = current_rss_mb()
     anonymous_memory = anonymous_memory_sampler()
@@ -562,6 +573,9 @@ def parse_args(argv=None):
                         help="train with the test split as an eval set, its loss computed every round")
     parser.add_argument("--deterministic-histogram", action="store_true",
                         help="jaxboost: deterministic_histogram=True (repeatable GPU fits)")
+    parser.add_argument("--vector-leaves", choices=["full", "diagonal"], default=None,
+                        help="multiclass: one tree of vector leaves a round (multi_strategy='multi_output_tree'), "
+                             "jaxboost's from the full Hessian or its diagonal")
     args = parser.parse_args(argv)
     if not args.info and (args.library is None or args.task is None):
         parser.error("--library and --task are required")
