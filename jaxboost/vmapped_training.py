@@ -154,7 +154,10 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                                                         {name: value[model] for name, value in
                                                          stacked_loss_params.items()})
                              for model, weights in enumerate(padded_weights)])
-        # On one device, as jb.train finds it: each model's starting value is train's bit for bit.
+        # On one device, by the sweeps' program (jb.train's custom losses find theirs with their
+        # compiled round instead, train_many's round being one program): train's up to the float32
+        # rounding of the sums over the rows (a mean of labels near 0: 1e-8 apart on labels of
+        # scale 1), bit for bit where the minimiser is a label (a pinball loss's).
         zeros, y_one, weights_one = jax.device_put([np.zeros((padded, K), np.float32), rows.y, padded_weights],
                                                    mesh.devices.flat[0])
         no_curvature = _without_curvature(resolved, rows)
