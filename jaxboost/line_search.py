@@ -190,20 +190,23 @@ def newton_minimiser(derivative_sums: Callable[[float], tuple[float, float, floa
     the slope's sign: until the slope turns, a step that does not halve the slope doubles the
     last one (at least ``MIN_FIRST_STEP``: a zero Newton step still moves); once the minimiser
     is bracketed, a Newton step that leaves the bracket or is not half the last step gives way
-    to bisection, and after a Newton step that does not halve the slope only bisection is left.
-    It ends when the bracket, or a Newton step that halved the slope, falls to
-    ``HOST_RESOLUTION`` of the point, or at a slope within its noise. A slope that is not
-    finite counts as past the minimiser, so the search stays where the loss is defined; one at
-    0 sends the search upwards, as the search in a program goes."""
+    to the secant of the bracket's slopes (``_illinois_secant``), and after a Newton step that
+    does not halve the slope only the secant is left. It ends when the bracket, or a Newton step
+    that halved the slope, falls to ``HOST_RESOLUTION`` of the point, or at a slope within its
+    noise. A slope that is not finite counts as past the minimiser, so the search stays where
+    the loss is defined (the bracket is then halved); one at 0 sends the search upwards, as the
+    search in a program goes."""
     point = 0.0
     slope, curvature, noise = derivative_sums(point)
     if abs(slope) <= noise:
         return point
     if not math.isfinite(slope):  # upwards, as the search in a program goes
         slope, curvature = -math.inf, math.nan
-    lower, upper = (-math.inf, point) if slope > 0 else (point, math.inf)  # slope < 0 at lower, > 0 at upper
-    last_step, longest_step, trusted = 0.0, 0.0, True
+    # The bracket's ends, slope < 0 at lower and > 0 at upper, and their slopes (NaN: unknown).
+    bracket = [-math.inf, point, math.nan, slope] if slope > 0 else [point, math.inf, slope, math.nan]
+    last_step, longest_step, trusted, last_moved, widths = 0.0, 0.0, True, None, []
     for _ in range(MAX_EXPANSIONS + MAX_BISECTIONS):
+        lower, upper = bracket[:2]
         newton = point - slope / curvature if curvature > 0 and math.isfinite(curvature) else math.nan
         newton_length = abs(newton - point) if math.isfinite(newton) else 0.0
         towards = 1.0 if slope < 0 else -1.0
@@ -215,23 +218,32 @@ def newton_minimiser(derivative_sums: Callable[[float], tuple[float, float, floa
             candidate = point + towards * length
         elif trusted and lower < newton < upper and newton_length <= 0.5 * abs(last_step):
             candidate, stepped_newton = newton, True
-        else:
+        elif len(widths) > 2 and upper - lower > 0.5 * widths[-3]:
+            # The secants gain little where the slope is far from linear across the bracket
+            # (Poisson's exponential: one end stayed put for 60 halvings of its slope).
             candidate = 0.5 * (lower + upper)
+        else:
+            candidate = _illinois_secant(*bracket)
         candidate_slope, candidate_curvature, noise = derivative_sums(candidate)
         if abs(candidate_slope) <= noise:
             return candidate
         defined = math.isfinite(candidate_slope)
         # Not finite: past the minimiser, seen from the last point.
-        if candidate_slope < 0 if defined else candidate < point:
-            lower = candidate
-        else:
-            upper = candidate
-        # A Newton step that does not halve the slope: the curvature misleads; bisect from here.
+        moved = 0 if (candidate_slope < 0 if defined else candidate < point) else 1
+        bracket[moved], bracket[2 + moved] = candidate, candidate_slope if defined else math.nan
+        # The same end moved twice running: the other end's slope is halved, so that the next
+        # secant moves it (the Illinois rule; a plain secant can keep one end for ever).
+        if moved == last_moved and not stepped_newton:
+            bracket[3 - moved] *= 0.5
+        last_moved = moved
+        # A Newton step that does not halve the slope: the curvature misleads; secants from here.
         if stepped_newton and not abs(candidate_slope) <= 0.5 * abs(slope):
             trusted = False
         last_step = candidate - point
         if defined:
             point, slope, curvature = candidate, candidate_slope, candidate_curvature
+        lower, upper = bracket[:2]
+        widths.append(upper - lower)
         if math.isfinite(lower) and math.isfinite(upper) and (
                 upper - lower <= HOST_RESOLUTION * max(abs(lower), abs(upper)) + 1e-30):
             return 0.5 * (lower + upper)
@@ -240,3 +252,16 @@ def newton_minimiser(derivative_sums: Callable[[float], tuple[float, float, floa
         if trusted and stepped_newton and defined and abs(last_step) <= HOST_RESOLUTION * abs(point) + 1e-30:
             return point
     return point
+
+
+def _illinois_secant(lower: float, upper: float, lower_slope: float, upper_slope: float) -> float:
+    """Where the line through the bracket's end slopes crosses 0 (regula falsi, superlinear
+    with the Illinois rule, where bisection gains a bit a call); the middle where a slope is
+    unknown (not finite). Against bisection, the calls of ``newton_minimiser``'s test cases:
+    curvature overstated 10^4 times 35 -> 14, understated 38 -> 3, a loss undefined above 5
+    26 -> 12, Poisson 28 -> 21; a weighted median's steps of slope 30 -> 34."""
+    middle = 0.5 * (lower + upper)
+    if not (math.isfinite(lower_slope) and math.isfinite(upper_slope)):
+        return middle
+    crossing = lower - lower_slope * (upper - lower) / (upper_slope - lower_slope)
+    return crossing if lower < crossing < upper else middle
