@@ -34,7 +34,7 @@ from .devices import (MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, mesh_plat
                       row_sharding)
 from .grower import GrowthParams, RowLeaves, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
-from .line_search import minimise_segment_offsets, segment_sums
+from .line_search import SLOPE_ROUNDING, minimise_segment_offsets, segment_sums
 from .native import lowering_for
 from .predictor import add_position_values, leaf_index, predict_round
 from .program_store import ready, serializable_record, store_folder, stored_program
@@ -186,6 +186,15 @@ STATIONARY_TOLERANCE = 1e-4
 MIN_RELATIVE_CURVATURE = 1e-6
 
 
+def resolved_gradient(point: jax.Array, gross_gradient: jax.Array, hessian: jax.Array) -> jax.Array:
+    """Per output, the size below which a weighted gradient sum at the float32 raw prediction
+    ``point (K,)`` is not resolved: its terms' rounding (``SLOPE_ROUNDING`` of ``gross_gradient``,
+    the sum of their magnitudes) and the change that moving the point by a float32 step (at
+    most ``eps |point|``) makes through ``hessian (K, K)``."""
+    step = float(np.finfo(np.float32).eps) * jnp.abs(point)
+    return SLOPE_ROUNDING * gross_gradient + jnp.sum(jnp.abs(hessian) * step[None, :], axis=1)
+
+
 def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array, weights: jax.Array,
                    loss_params: dict | None = None, hessian_vanishes: bool = False) -> jax.Array:
     """The constant per output minimising the weighted loss; compiled for the default backend.
@@ -307,6 +316,12 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
             derivatives_along, jnp.eye(objective.num_outputs, dtype=constant.dtype))
         total_gradient, gross_gradient = total_gradients[0], gross_gradients[0]
         stationary = jnp.all(jnp.abs(total_gradient) <= STATIONARY_TOLERANCE * gross_gradient)
+        # Gradients within what float32 resolves (``resolved_gradient``) end the steps, their
+        # last taken as it is: a Gaussian's mean, whose gradient's rounding was a Newton step of
+        # 5e-5 where its scale was 260, never took one below ``STEP_TOLERANCE``, and the sweeps'
+        # program was compiled and run after the steps had found the minimiser.
+        point = raw_prediction[0] + constant
+        resolved = jnp.all(jnp.abs(total_gradient) <= resolved_gradient(point, gross_gradient, hessian))
         curvatures, directions = jnp.linalg.eigh(0.5 * (hessian + hessian.T))
         # Negative curvature (a Gaussian's mean far from the labels, from a unit scale) is
         # stepped along by its magnitude, so every step goes down.
@@ -344,10 +359,10 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
             return ~accepted & (tries <= MAX_STEP_HALVINGS)
 
         # A full step this small is taken as it is: the loss cannot resolve its decrease.
-        small = jnp.all(jnp.abs(direction) <= STEP_TOLERANCE * jnp.maximum(1.0, jnp.abs(constant)))
+        small = jnp.all(jnp.abs(direction) <= STEP_TOLERANCE * jnp.maximum(1.0, jnp.abs(constant))) | resolved
         length, accepted, _ = jax.lax.while_loop(too_long, try_shorter,
                                                  (jnp.where(small, jnp.float32(1), jnp.float32(2)), small, 0))
-        converged = small & stationary
+        converged = small & (stationary | resolved)
         # A small step at a point that is not stationary: no curvature to go on.
         stalled = ~accepted | (small & ~stationary)
         return jnp.where(accepted, constant + length * direction, constant), converged, stalled, steps + 1

@@ -22,6 +22,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .devices import all_sum
@@ -179,6 +180,10 @@ def minimise_segment_offsets(weighted_derivative: Callable[[jax.Array], jax.Arra
 # ``newton_minimiser`` ends when a step, or the bracket, is this small relative to the point
 # (float32 resolution, as the bisection's bracket above).
 HOST_RESOLUTION = 2e-7
+# A slope summed from float32 gradients is rounding below this fraction of their magnitudes' sum
+# (2 float32 epsilons): Newton steps end there (a custom loss's starting value: on the host, and
+# in the program of several outputs', ``boosting.newton_constant``).
+SLOPE_ROUNDING = 2 * float(np.finfo(np.float32).eps)
 
 
 def newton_minimiser(derivative_sums: Callable[[float], tuple[float, float, float]]) -> float:

@@ -37,7 +37,7 @@ from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_r
 from .grower import GrowthParams, prunes_splits, tree_feature_slots
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import collection_paused, release_free_memory, release_free_memory_after
-from .line_search import newton_minimiser
+from .line_search import SLOPE_ROUNDING, newton_minimiser
 from .model import Model
 from .native import native_target
 from .objective import ResolvedLoss, higher_is_better, resolve_loss, resolve_metrics
@@ -242,11 +242,6 @@ def _starting_value(resolved: ResolvedLoss, rows: _DeviceRows, mesh, start: np.n
     offsets = np.asarray(starting_value(resolved.objective, raw_prediction, y_one, weight_one, resolved.loss_params,
                                         _without_curvature(resolved, rows)))
     return offsets if start is None else start + offsets
-
-
-# A slope summed from float32 gradients is rounding below this fraction of their magnitudes' sum
-# (2 float32 epsilons): the Newton steps of a custom loss's starting value end there.
-SLOPE_ROUNDING = 2 * float(np.finfo(np.float32).eps)
 
 
 def _round_finds_start(resolved: ResolvedLoss, shape: RoundShape, regularizer: Regularization,

@@ -330,6 +330,24 @@ def test_gaussian_starting_value_is_the_weighted_mean_and_log_deviation():
     np.testing.assert_allclose(start, [mean, 0.5 * np.log(np.average((y64 - mean) ** 2, weights=w))], rtol=1e-5)
 
 
+def test_a_gaussians_newton_steps_end_where_float32_resolves_its_gradients():
+    """Labels on a scale of 260 (a regression's): the mean's gradient sum is float32 rounding
+    worth Newton steps of 5e-5 about the minimiser, above the steps' tolerance. The steps end
+    there, converged to the weighted mean and log deviation (they had gone on to the coordinate
+    sweeps, a program of their own)."""
+    n = 20_000
+    rng = np.random.default_rng(18)
+    y = (-0.6 + 260.0 * rng.normal(size=n)).astype(np.float32)
+    weights = rng.uniform(0.1, 3.0, size=n).astype(np.float32)
+    args = (jnp.zeros((n, 2)), jnp.asarray(y), jnp.asarray(weights))
+    constant, converged = jax.jit(partial(newton_constant, _vector_objective(gaussian_loss, 2)))(*args)
+    assert bool(converged)
+    w, y64 = weights.astype(np.float64), y.astype(np.float64)
+    mean = np.average(y64, weights=w)
+    expected = [mean, 0.5 * np.log(np.average((y64 - mean) ** 2, weights=w))]
+    np.testing.assert_allclose(np.asarray(constant), expected, rtol=1e-5, atol=1e-4)
+
+
 def squared_and_absolute_error(f, y):
     return 0.5 * jnp.square(y - f[0]) + jnp.abs(y - f[1])
 
