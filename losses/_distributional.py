@@ -81,7 +81,7 @@ def _with_curvature(negative_log_likelihood, raw_prediction, curvature):
     ``curvature`` at the evaluation point. The added term is zero with zero gradient there, so
     the value and every first derivative (in the raw prediction, the label and the loss's
     parameters) stay exact, and line searches and leaf refits see the true loss."""
-    exact_curvature = jnp.diagonal(jax.hessian(negative_log_likelihood)(raw_prediction))
+    exact_curvature = jnp.diagonal(jax.hessian(negative_log_likelihood)(lax.stop_gradient(raw_prediction)))
     step = raw_prediction - lax.stop_gradient(raw_prediction)
     correction = lax.stop_gradient(curvature - exact_curvature)
     # Where the exact curvature overflows, keep the value finite: the reported curvature is then
