@@ -110,7 +110,7 @@ BUILTINS: dict[str, BuiltinLoss] = {
         _record(gaussian_nll, location_scale, _validation.any_finite, num_outputs=2,
                 quantile=gaussian_quantile, optimal_constant=_constant.gaussian),
         _record(student_t_nll, location_scale, _validation.any_finite, num_outputs=2,
-                quantile=student_t_quantile),
+                quantile=student_t_quantile, optimal_constant=_constant.student_t),
         _record(lognormal_nll, location_scale, _validation.positive, num_outputs=2,
                 quantile=lognormal_quantile, optimal_constant=_constant.lognormal),
     )

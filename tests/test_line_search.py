@@ -656,12 +656,15 @@ def _labels(name: str, rng, n: int = N_ROWS) -> np.ndarray:
         return rng.poisson(2.5, size=n).astype(np.float32)
     if name in ("gamma", "lognormal_nll"):
         return rng.gamma(2.0, 1.5, size=n).astype(np.float32)
+    if name == "student_t_nll":  # heavy tails, and a mean away from the minimising location
+        return (40.0 + 3.0 * rng.standard_t(2.0, size=n) + 20.0 * (rng.uniform(size=n) < 0.05)).astype(np.float32)
     return (40.0 + 3.0 * rng.normal(size=n)).astype(np.float32)
 
 
 CLOSED_FORMS = [(name, {}) for name, record in losses.BUILTINS.items() if record.optimal_constant is not None] + [
     ("tweedie", {"power": 1.2}), ("tweedie", {"power": 1.8}), ("negative_binomial", {"alpha": 0.3}),
-    ("negative_binomial", {"alpha": 3.0}), ("quantile", {"tau": 0.1}), ("quantile", {"tau": 0.9})]
+    ("negative_binomial", {"alpha": 3.0}), ("quantile", {"tau": 0.1}), ("quantile", {"tau": 0.9}),
+    ("student_t_nll", {"df": 1.5}), ("student_t_nll", {"df": 40.0})]
 
 
 def _closed_form(record, y, weights, K, loss_params):
@@ -705,7 +708,8 @@ def test_a_built_ins_closed_form_constant_is_its_numerical_minimiser(name, loss_
     ("poisson", 0.0, [np.log(np.finfo(np.float32).tiny)]), ("tweedie", 0.0, [np.log(np.finfo(np.float32).tiny)]),
     ("gaussian_nll", 3.0, [3.0, np.log(3.0 * np.finfo(np.float32).eps)]),
     ("gaussian_nll", 0.0, [0.0, np.log(np.finfo(np.float32).eps)]),
-    ("lognormal_nll", 2.0, [np.log(2.0), np.log(np.finfo(np.float32).eps)])])
+    ("lognormal_nll", 2.0, [np.log(2.0), np.log(np.finfo(np.float32).eps)]),
+    ("student_t_nll", -5.0, [-5.0, np.log(5.0 * np.finfo(np.float32).eps)])])
 def test_labels_without_a_minimiser_start_where_float32_stops(name, label, expected):
     """One label for every row: a log-scale mean of 0 or a Gaussian without spread has no
     minimiser. The constant stops at float32's smallest normal number or resolution (the
@@ -723,7 +727,8 @@ def test_labels_without_a_minimiser_start_where_float32_stops(name, label, expec
         assert np.all(prediction[:, 1] < 1e-6 * max(abs(expected[0]), 1)), prediction[:2]
 
 
-@pytest.mark.parametrize("loss, num_classes", [("softmax", 3), ("gaussian_nll", None), ("logistic", None)])
+@pytest.mark.parametrize("loss, num_classes", [("softmax", 3), ("gaussian_nll", None), ("logistic", None),
+                                               ("student_t_nll", None)])
 def test_a_built_in_with_a_closed_form_finds_its_constant_without_a_program(monkeypatch, loss, num_classes):
     """``jb.train`` and ``train_many`` take a built-in's closed form: the numerical minimisation,
     a program of its own to compile, is never called. Each of train_many's models takes the
@@ -744,8 +749,8 @@ def test_a_built_in_with_a_closed_form_finds_its_constant_without_a_program(monk
     models = jb.train_many(X, y, sample_weights=np.stack(weights), loss=loss, num_rounds=1, max_depth=2)
     for model, w in zip(models, weights):
         alone = jb.train(jb.Dataset(X, y, sample_weight=w), loss=loss, num_rounds=1, max_depth=2)
-        K = num_classes or (2 if loss == "gaussian_nll" else 1)
-        expected = losses.BUILTINS[loss].optimal_constant(y, w, K).astype(np.float32)
+        K = num_classes or losses.BUILTINS[loss].num_outputs or 1
+        expected = _closed_form(losses.BUILTINS[loss], y, w, K, {}).astype(np.float32)
         np.testing.assert_array_equal(np.asarray(alone.base_score), expected)
         np.testing.assert_array_equal(np.asarray(model.base_score), expected)
 
