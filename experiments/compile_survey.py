@@ -49,6 +49,10 @@ CONFIGS = {
     "custom-focal": ("classification", dict(loss="focal")),
     "custom-hinge-refit-found": ("classification", dict(loss="hinge")),
     "custom-three-quantiles": ("regression", dict(loss="quantiles", num_outputs=3)),
+    "student-t-vector-leaves": ("regression", dict(loss="student_t_nll", multi_strategy="multi_output_tree")),
+    "custom-gaussian-vector-leaves": ("regression", dict(loss="gaussian", num_outputs=2,
+                                                         multi_strategy="multi_output_tree")),
+    "custom-softmax-10-classes": ("multiclass", dict(loss="softmax", num_outputs=10, custom=True)),
 }
 
 
@@ -62,6 +66,14 @@ def _custom_loss(name: str):
             p_true = jnp.where(y > 0, p, 1 - p)
             return -((1 - p_true) ** gamma) * jnp.log(jnp.clip(p_true, 1e-7, 1.0))
         return focal
+    if name == "gaussian":
+        def gaussian(raw_prediction, y):  # (mean, log deviation)
+            return raw_prediction[1] + 0.5 * jnp.square((y - raw_prediction[0]) * jnp.exp(-raw_prediction[1]))
+        return gaussian
+    if name == "softmax":
+        def softmax(raw_prediction, y):
+            return jax.nn.logsumexp(raw_prediction) - raw_prediction[y.astype(jnp.int32)]
+        return softmax
     if name == "quantiles":
         def quantiles(raw_prediction, y):  # the 0.1, 0.5 and 0.9 quantiles, one output each
             residual = y - raw_prediction
@@ -88,7 +100,7 @@ def worker(config: str, rows: int) -> dict:
     else:
         X, y = make_classification(rows, 28, n_informative=14, n_redundant=4, random_state=0)
     X, y = X.astype(np.float32), y.astype(np.float32)
-    if settings["loss"] in ("focal", "hinge", "quantiles"):
+    if settings.pop("custom", False) or settings["loss"] in ("focal", "hinge", "quantiles", "gaussian"):
         settings["loss"] = _custom_loss(settings["loss"])
     if settings.pop("eval_set", False):
         settings["eval_set"] = [(X[:5000], y[:5000])]
