@@ -355,11 +355,16 @@ def test_a_stored_executable_is_loaded_donates_as_the_jitted_program_and_takes_o
 
 
 def test_a_later_process_readies_lapack_for_a_loaded_executable_that_calls_it(tmp_path):
-    """A vector loss's starting value without a closed form (the Student t likelihood's) takes
-    Newton steps along the Hessian's eigenvectors (LAPACK's ``syevd``). jaxlib's LAPACK kernels take their routines from SciPy when a program calling
-    them is lowered; a later process loads that program's executable unlowered, and had crashed
-    calling it. It readies them first, and predicts what the first process predicted."""
+    """A built-in vector loss's starting value without a closed form takes Newton steps along
+    the Hessian's eigenvectors (LAPACK's ``syevd``). jaxlib's LAPACK kernels take their routines
+    from SciPy when a program calling them is lowered; a later process loads that program's
+    executable unlowered, and had crashed calling it. It readies them first, and predicts what
+    the first process predicted. Every built-in now has its constant on the host (the Student t
+    likelihood's since its float64 minimisation there), so each process takes the Student t's
+    away to stand for such a loss."""
     code = ("import numpy as np, jaxboost as jb\n"
+            "record = jb.losses.BUILTINS['student_t_nll']\n"
+            "jb.losses.BUILTINS['student_t_nll'] = record._replace(optimal_constant=None)\n"
             "rng = np.random.default_rng(1)\n"
             "X = rng.normal(size=(240, 4)).astype(np.float32)\n"
             "y = (X[:, 0] + 0.3 * rng.standard_t(3, size=240)).astype(np.float32)\n"
