@@ -176,8 +176,9 @@ def student_t(y, sample_weight, num_outputs: int, *, df, **_) -> np.ndarray:
     so it is minimised on the host in float64, from the weighted mean and deviation: Newton
     steps on the exact likelihood where its Hessian is positive definite and a step (halved
     up to 30 times) lowers it, else the EM step for a t's location and scale (rows weighted by
-    their expected precision ``(df + 1) / (df + z^2)``), which always lowers it. 800k labels:
-    6-8 steps. Labels without spread stop where ``gaussian``'s do."""
+    their expected precision ``(df + 1) / (df + z^2)``), which always lowers it: 5-7
+    evaluations of the likelihood, about 0.1 s on 640k labels (df 2.5-30). Labels without
+    spread stop where ``gaussian``'s do."""
     del num_outputs  # always 2
     weights = np.asarray(sample_weight, np.float64).ravel()
     kept = weights > 0
