@@ -727,6 +727,24 @@ def test_labels_without_a_minimiser_start_where_float32_stops(name, label, expec
         assert np.all(prediction[:, 1] < 1e-6 * max(abs(expected[0]), 1)), prediction[:2]
 
 
+@pytest.mark.parametrize("share, df", [(0.9, 5.0), (0.7, 1.5)])
+def test_a_student_t_whose_likelihood_has_no_minimum_stops_at_float32_resolution(share, df):
+    """More than df / (df + 1) of the weight on one label: the Student t likelihood falls without
+    bound as the scale shrinks about that label. The host's minimisation stops where float32
+    resolves the scale at the location (it had overflowed), and a model trained from it predicts
+    the label. (The numerical program's steps had stopped near there for 90% at df 5, and run
+    the location off to 9e17 for 70% at df 1.5.)"""
+    rng = np.random.default_rng(23)
+    n = 2000
+    y = np.where(rng.uniform(size=n) < share, 3.0, rng.normal(size=n)).astype(np.float32)
+    floor = np.log(3.0 * np.finfo(np.float32).eps)
+    constant = losses._optimal_constants.student_t(y, np.ones(n, np.float32), 2, df=df)
+    np.testing.assert_allclose(constant, [3.0, floor], rtol=1e-6)
+    X = rng.normal(size=(n, 3)).astype(np.float32)
+    model = jb.train(X, y, loss="student_t_nll", loss_params={"df": df}, num_rounds=3, max_depth=2)
+    np.testing.assert_allclose(np.asarray(model.predict(X[:5]))[:, 0], 3.0, rtol=1e-6)
+
+
 @pytest.mark.parametrize("loss, num_classes", [("softmax", 3), ("gaussian_nll", None), ("logistic", None),
                                                ("student_t_nll", None)])
 def test_a_built_in_with_a_closed_form_finds_its_constant_without_a_program(monkeypatch, loss, num_classes):
