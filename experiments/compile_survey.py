@@ -6,10 +6,12 @@ Usage: ``python experiments/compile_survey.py [--configs a,b,...] [--rows N] [--
 For each configuration a fresh process (JAX's persistent cache and jaxboost's program store
 off) generates its data, builds a ``jb.Dataset`` and trains 1 round twice: the compile column is
 the first fit's time minus the second's, as in ``bench.py``; the first fit's CPU time (all
-threads) is reported too. With ``--baseline PATH`` (a checkout of another jaxboost, e.g. a git
-worktree of an earlier commit) every repeat runs that checkout and this one in turn, the order
-alternating, and the table adds the baseline's medians and the median of the run-by-run
-differences: on a noisy machine two runs minutes apart differ by more than most changes.
+threads) is reported too, and the second fit's time: what every later fit of those shapes pays,
+its starting value included (a change can move cost from the compile into every fit). With
+``--baseline PATH`` (a checkout of another jaxboost, e.g. a git worktree of an earlier commit)
+every repeat runs that checkout and this one in turn, the order alternating, and the table adds
+the baseline's medians and the median of the run-by-run differences: on a noisy machine two runs
+minutes apart differ by more than most changes.
 
 The data: 100k rows by default (the shapes a program is compiled for depend on the padded row
 count, the compile time little), the benchmark's generators (``make_classification`` with 28
@@ -116,7 +118,7 @@ def worker(config: str, rows: int) -> dict:
     started = time.perf_counter()
     jb.train(dataset, num_rounds=1, **settings)
     second_s = time.perf_counter() - started
-    return dict(compile_s=first_s - second_s, first_fit_s=first_s, first_fit_cpu_s=cpu,
+    return dict(compile_s=first_s - second_s, first_fit_s=first_s, second_fit_s=second_s, first_fit_cpu_s=cpu,
                 jaxboost=os.path.dirname(os.path.dirname(os.path.abspath(jb.__file__))),
                 losses=os.path.dirname(os.path.dirname(os.path.abspath(jb.losses.__file__))))
 
@@ -186,19 +188,22 @@ def write_report(args, configs, checkouts, results, took_s: float) -> None:
              f"Python {platform.python_version()}",
              f"- each cell: the median of {args.repeats} fresh processes, {args.rows:,} rows (wide: a quarter), "
              "depth 6 unless named, caches off; compile s = first 1-round fit - second; CPU s: the first fit's, "
-             "all threads", ""]
-    header = "| configuration | compile s | first fit CPU s |"
-    rule = "|---|---|---|"
+             "all threads; later fit s: the second 1-round fit (what every fit of those shapes pays, its starting "
+             "value included)", ""]
+    header = "| configuration | compile s | first fit CPU s | later fit s |"
+    rule = "|---|---|---|---|"
     if "baseline" in checkouts:
-        header += " baseline compile s | baseline CPU s | compile, run by run | CPU, run by run |"
-        rule += "---|---|---|---|"
+        header += " baseline compile s | baseline CPU s | baseline later fit s | compile, run by run | CPU, run by run |"
+        rule += "---|---|---|---|---|"
     lines += [header, rule]
     for name in configs:
         this = results[name]["this"]
-        row = f"| {name} | {_cell(_median(this, 'compile_s'))} | {_cell(_median(this, 'first_fit_cpu_s'))} |"
+        row = (f"| {name} | {_cell(_median(this, 'compile_s'))} | {_cell(_median(this, 'first_fit_cpu_s'))} | "
+               f"{_cell(_median(this, 'second_fit_s'))} |")
         if "baseline" in checkouts:
             base = results[name]["baseline"]
-            row += f" {_cell(_median(base, 'compile_s'))} | {_cell(_median(base, 'first_fit_cpu_s'))} |"
+            row += (f" {_cell(_median(base, 'compile_s'))} | {_cell(_median(base, 'first_fit_cpu_s'))} | "
+                    f"{_cell(_median(base, 'second_fit_s'))} |")
             for field in ("compile_s", "first_fit_cpu_s"):
                 differences = [new[field] - old[field] for new, old in zip(this, base) if new and old]
                 row += (f" {statistics.median(differences):+.2f} ({sum(d < 0 for d in differences)} of "
