@@ -671,12 +671,13 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     )
     if not grows_deep_levels:
         # The last level fits the loop's slots too: it runs in the loop, masked, rather than in
-        # a second copy of the level's program (0.8 s of a 3.4 s first fit at depth 6). In a
-        # loop wider than the shallow one (on CPU, for depth > 6) the kernels build the smaller
-        # children for the leading half of the slots, which hold the parents of every level but
-        # the last, as the second loop does: their results over every slot, 29 MB a level at
-        # depth 10, took 57 -> 77 ms a tree at 800k rows.
-        parent_slots = looped_capacity // 2 if looped_capacity > LOOPED_LEVEL_NODES else None
+        # a second copy of the level's program (0.8 s of a 3.4 s first fit at depth 6). The
+        # kernels build the smaller children for the leading half of the slots, which hold the
+        # parents of every level but the last, as the second loop does: their results over every
+        # slot, 29 MB a level at depth 10, took 57 -> 77 ms a tree at 800k rows, and at depth 6
+        # with 10-output full-Hessian leaves (66 channels) the trees' program held 127 MiB a
+        # device instead of 98.
+        parent_slots = looped_capacity // 2 if looped_capacity > 1 else None
         state, node_bounds = jax.lax.fori_loop(
             0, max_depth,
             lambda depth, c: split_level(depth, c, children_are_leaves=depth == max_depth - 1,
