@@ -222,6 +222,12 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
 # 8.8 -> 5.9 ms, depth 6 1.69 -> 1.60, medians of 6 runs).
 SHALLOW_PARENT_CHUNK = 8
 WIDE_PARENT_CHUNK = 32
+# At most this many bytes of a device's feature block of cells per step: a step holds its
+# chunk's smaller children of every feature before the sum (2 devices: twice this) and two
+# sums after it. 10 outputs with the full Hessian (66 channels, 0.95 MB a parent) take 4
+# parents a step instead of 8: the trees' program 82.9 -> 67.7 MB of temporaries a device at
+# 160k rows, rounds as fast (383-452 against 429-484 ms, alternating); fewer channels keep 8.
+PARENT_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 def parent_chunk_nodes(histogram_shape: tuple[int, ...], devices: int) -> int:
@@ -232,6 +238,8 @@ def parent_chunk_nodes(histogram_shape: tuple[int, ...], devices: int) -> int:
         chunk = scan_chunk_nodes(slots, math.prod(histogram_shape[1:]))
     else:
         chunk = SHALLOW_PARENT_CHUNK if slots <= LOOPED_LEVEL_NODES else WIDE_PARENT_CHUNK
+        fitting = max(1, PARENT_CHUNK_BYTES // (4 * math.prod(histogram_shape[1:])))
+        chunk = min(chunk, 1 << (fitting.bit_length() - 1))
     return min(chunk, max(slots // 2, 1))
 
 
