@@ -223,7 +223,7 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
 SHALLOW_PARENT_CHUNK = 8
 WIDE_PARENT_CHUNK = 32
 # At most this many bytes of a device's feature block of cells per step: a step holds its
-# chunk's smaller children of every feature before the sum (2 devices: twice this) and two
+# chunk's smaller children of every feature before the sum (devices times this) and two
 # sums after it. 10 outputs with the full Hessian (66 channels, 0.95 MB a parent) take 4
 # parents a step instead of 8: the trees' program 82.9 -> 67.7 MB of temporaries a device at
 # 160k rows, rounds as fast (383-452 against 429-484 ms, alternating); fewer channels keep 8.
