@@ -237,9 +237,8 @@ def parent_chunk_nodes(histogram_shape: tuple[int, ...], devices: int) -> int:
     if devices == 1:
         chunk = scan_chunk_nodes(slots, math.prod(histogram_shape[1:]))
     else:
-        chunk = SHALLOW_PARENT_CHUNK if slots <= LOOPED_LEVEL_NODES else WIDE_PARENT_CHUNK
-        fitting = max(1, PARENT_CHUNK_BYTES // (4 * math.prod(histogram_shape[1:])))
-        chunk = min(chunk, 1 << (fitting.bit_length() - 1))
+        widest = SHALLOW_PARENT_CHUNK if slots <= LOOPED_LEVEL_NODES else WIDE_PARENT_CHUNK
+        chunk = scan_chunk_nodes(widest, math.prod(histogram_shape[1:]), PARENT_CHUNK_BYTES)
     return min(chunk, max(slots // 2, 1))
 
 

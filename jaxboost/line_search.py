@@ -210,8 +210,8 @@ def newton_minimiser(derivative_sums: Callable[[float], tuple[float, float, floa
     # The bracket's ends, slope < 0 at lower and > 0 at upper, and their slopes (NaN: unknown).
     bracket = [-math.inf, point, math.nan, slope] if slope > 0 else [point, math.inf, slope, math.nan]
     last_step, longest_step, trusted, last_moved, widths = 0.0, 0.0, True, None, []
+    lower, upper = bracket[:2]
     for _ in range(MAX_EXPANSIONS + MAX_BISECTIONS):
-        lower, upper = bracket[:2]
         newton = point - slope / curvature if curvature > 0 and math.isfinite(curvature) else math.nan
         newton_length = abs(newton - point) if math.isfinite(newton) else 0.0
         towards = 1.0 if slope < 0 else -1.0

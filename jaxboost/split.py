@@ -263,11 +263,11 @@ def _empty_choice(num_nodes: int, leaves: VectorLeaves | None) -> SplitChoice:
 SCAN_CHUNK_BYTES = 128 * 1024
 
 
-def scan_chunk_nodes(num_slots: int, cells_per_node: int) -> int:
+def scan_chunk_nodes(num_slots: int, cells_per_node: int, budget_bytes: int = SCAN_CHUNK_BYTES) -> int:
     """Slots per step of the split scan of a level held in ``num_slots`` slots whose histograms
     hold ``cells_per_node`` float32 cells a node: the largest power of two whose cells fit in
-    ``SCAN_CHUNK_BYTES`` (at least 1, at most ``num_slots``, a power of two too)."""
-    fitting = max(1, SCAN_CHUNK_BYTES // (4 * max(cells_per_node, 1)))
+    ``budget_bytes`` (at least 1, at most ``num_slots``, a power of two too)."""
+    fitting = max(1, budget_bytes // (4 * max(cells_per_node, 1)))
     return min(1 << (fitting.bit_length() - 1), num_slots)
 
 

@@ -126,11 +126,17 @@ def log_class_frequencies(y, sample_weight, num_outputs: int, **_) -> np.ndarray
     return logs - logs[present].mean()
 
 
+def _float32_log_scale(location: float) -> float:
+    """The log of the smallest scale float32 resolves at ``location``: where a scale without a
+    minimiser (labels without spread) stops."""
+    return math.log(_FLOAT32_RESOLUTION * max(abs(location), 1.0))
+
+
 def _location_and_log_scale(values: np.ndarray, sample_weight) -> np.ndarray:
     location = _weighted_mean(values, sample_weight)
     variance = _weighted_mean(np.square(np.asarray(values, np.float64) - location), sample_weight)
-    smallest = _FLOAT32_RESOLUTION * max(abs(location), 1.0)
-    return np.array([location, 0.5 * np.log(max(variance, smallest * smallest))])
+    return np.array([location, max(0.5 * math.log(variance) if variance > 0 else -math.inf,
+                                   _float32_log_scale(location))])
 
 
 def gaussian(y, sample_weight, num_outputs: int, **_) -> np.ndarray:
@@ -216,11 +222,6 @@ def student_t(y, sample_weight, num_outputs: int, *, df, **_) -> np.ndarray:
         if _negligible(step, parameters):
             break
     return parameters
-
-
-def _float32_log_scale(location: float) -> float:
-    """The log of the smallest scale float32 resolves at ``location`` (``_location_and_log_scale``'s floor)."""
-    return math.log(_FLOAT32_RESOLUTION * max(abs(location), 1.0))
 
 
 def _below_resolution(parameters) -> bool:
