@@ -36,7 +36,10 @@ def softmax(raw_prediction: jax.typing.ArrayLike, y: jax.typing.ArrayLike) -> ja
     Returns:
       the loss, a scalar.
     """
-    return jax.nn.logsumexp(raw_prediction) - raw_prediction[y]
+    # The label's logit picked by a mask rather than an index: an index's derivative is a
+    # scatter, which XLA's CPU compiler turns into a loop over the rows, one row a step.
+    picked = jnp.where(jnp.arange(jnp.shape(raw_prediction)[-1]) == y, raw_prediction, 0.0)
+    return jax.nn.logsumexp(raw_prediction) - jnp.sum(picked)
 
 
 def exponential(raw_prediction: jax.typing.ArrayLike, y: jax.typing.ArrayLike) -> jax.Array:
