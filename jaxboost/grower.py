@@ -440,7 +440,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     if leaves is None:
         statistics = StatisticPairs(((gradients, hessians),), 2)
     else:
-        statistics = statistic_pairs(jnp.concatenate([gradients, hessians], axis=-1))
+        statistics = statistic_pairs((gradients, hessians))
     node_bounds = (jnp.full(num_nodes, -jnp.inf), jnp.full(num_nodes, jnp.inf))
 
     def record_values(tree, bounds, depth, level, values=None):

@@ -377,14 +377,15 @@ def _native_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hess
     return tuple(as_varying_as(output, inputs) for output in outputs)
 
 
-def _native_channel_histogram(X_binned_T, row_offset, node_index, statistics, row_mask, into, features_used, *,
-                              target, num_nodes, max_bin, threads, feature_major, result_features, width, channel):
+def _native_channel_histogram(X_binned_T, row_offset, node_index, statistics, more_statistics, row_mask, into,
+                              features_used, *, target, num_nodes, max_bin, threads, feature_major, result_features,
+                              width, channel):
     result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, width), jnp.float32)
     layout = _HISTOGRAM_LAYOUTS[feature_major]
-    inputs = (X_binned_T, row_offset, node_index, statistics, row_mask, into, features_used)
+    inputs = (X_binned_T, row_offset, node_index, statistics, more_statistics, row_mask, into, features_used)
     histogram = jax.ffi.ffi_call(target, result, vmap_method="sequential", output_layouts=layout,
-                                 input_layouts=[None] * 5 + [layout if channel else None, None],
-                                 input_output_aliases={5: 0} if channel else None)(
+                                 input_layouts=[None] * 6 + [layout if channel else None, None],
+                                 input_output_aliases={6: 0} if channel else None)(
         *inputs, threads=np.int64(threads), feature_major=np.int64(feature_major), channel=np.int64(channel))
     return as_varying_as(histogram, inputs)
 
@@ -545,13 +546,16 @@ def paired_width(channels: int) -> int:
 
 class StatisticPairs(NamedTuple):
     """Per-row statistics as the ``(first, second)`` float32 ``(n_rows,)`` column pairs the
-    kernels read, two channels per pass, and (``matrix``) as the ``(n_rows, C)`` array they came
-    from, which the native kernel of many channels reads whole. Formed once per tree: slicing
-    the columns of an ``(n_rows, C)`` array inside the level loop copied them at every level."""
+    kernels read, two channels per pass, and (``blocks``) as the ``(n_rows, C_i)`` arrays they
+    came from, whose columns side by side are the channels: the native kernel of many channels
+    reads them whole, joining a row's columns as it copies the row (vector leaves' gradients and
+    packed Hessians, as the derivatives' program gives them, were a copy of both joined into one
+    array: 20 MB a device at 80k rows of 65 channels). Formed once per tree: slicing the columns
+    of an ``(n_rows, C)`` array inside the level loop copied them at every level."""
 
     pairs: tuple
     channels: int
-    matrix: jax.Array | None = None
+    blocks: tuple | None = None
 
     @property
     def width(self) -> int:
@@ -560,15 +564,18 @@ class StatisticPairs(NamedTuple):
 
 
 def statistic_pairs(statistics) -> StatisticPairs:
-    """``(n_rows, C)`` statistics as column pairs (the last padded with zeros when C is odd);
-    a ``StatisticPairs`` is returned as it is."""
+    """``(n_rows, C)`` statistics, or a sequence of ``(n_rows, C_i)`` blocks whose columns side
+    by side are the channels, as column pairs (the last padded with zeros when the channels are
+    odd); a ``StatisticPairs`` is returned as it is."""
     if isinstance(statistics, StatisticPairs):
         return statistics
-    channels = statistics.shape[1]
-    columns = [statistics[:, i] for i in range(channels)]
+    blocks = tuple(jnp.asarray(block, jnp.float32) for block in
+                   (statistics if isinstance(statistics, (tuple, list)) else (statistics,)))
+    columns = [block[:, i] for block in blocks for i in range(block.shape[1])]
+    channels = len(columns)
     if channels % 2:
         columns.append(jnp.zeros_like(columns[0]))
-    return StatisticPairs(tuple(zip(columns[::2], columns[1::2])), channels, statistics.astype(jnp.float32))
+    return StatisticPairs(tuple(zip(columns[::2], columns[1::2])), channels, blocks)
 
 
 def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
@@ -624,12 +631,14 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
                                         deterministic=deterministic)
         return histogram
 
-    target = (None if statistics.matrix is None else
+    target = (None if statistics.blocks is None or len(statistics.blocks) > 2 else
               _choose_native_target(CHANNEL_HISTOGRAM_TARGET, "channel histogram", kernel, threads, X_binned_T, max_bin))
     if target is None:
         return by_pairs()
+    first, *more = statistics.blocks
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
-            statistics.matrix, jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool),
+            first, more[0] if more else jnp.zeros((0, 0), jnp.float32),
+            jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool),
             _earlier_channels(into, (num_nodes, result_features, max_bin), width, channel),
             _features_used_operand(features_used, X_binned_T, result_features))
     native = partial(_native_channel_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,

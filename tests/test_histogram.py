@@ -917,21 +917,27 @@ def route_case(seed, n_rows, n_features, num_nodes, max_bin):
     return X_binned, node_index, gradients, hessians, level
 
 
-@pytest.mark.parametrize("kernel,max_bin,threads,feature_major,channels,by_pairs", [
-    pytest.param("native", 256, 1, False, 6, False, marks=needs_native),
-    pytest.param("native", 256, 2, True, 5, False, marks=needs_native),  # odd: a zero channel pads the last pair
-    pytest.param("native", 64, 1, True, 6, False, marks=needs_native),   # fewer bins: the scratch buffer's copy
-    pytest.param("native", 64, 2, True, 5, True, marks=needs_native),    # the pair kernel, a pair per call
-    pytest.param("native", 256, 1, False, 6, True, marks=needs_native),
-    ("xla", 64, 1, False, 5, False)])
+@pytest.mark.parametrize("kernel,max_bin,threads,feature_major,channels,by_pairs,first_columns", [
+    pytest.param("native", 256, 1, False, 6, False, None, marks=needs_native),
+    pytest.param("native", 256, 2, True, 5, False, None, marks=needs_native),  # odd: a zero channel pads the last pair
+    pytest.param("native", 64, 1, True, 6, False, None, marks=needs_native),   # fewer bins: the scratch buffer's copy
+    pytest.param("native", 64, 2, True, 5, True, None, marks=needs_native),    # the pair kernel, a pair per call
+    pytest.param("native", 256, 1, False, 6, True, None, marks=needs_native),
+    # Two blocks of columns: the channel kernel's channels from the first block and the second,
+    # or (one column first) from the second alone, past its first column.
+    pytest.param("native", 256, 2, False, 7, False, 3, marks=needs_native),
+    pytest.param("native", 64, 1, True, 5, False, 1, marks=needs_native),
+    ("xla", 64, 1, False, 5, False, None),
+    ("xla", 64, 1, False, 5, False, 1)])
 def test_histograms_of_many_channels_are_built_into_one_buffer(monkeypatch, kernel, max_bin, threads, feature_major,
-                                                               channels, by_pairs):
+                                                               channels, by_pairs, first_columns):
     """Vector leaves' histograms, the root's, a masked build's and a routed level's smaller
     children, hold every channel's sums, laid out node- or feature-major and padded with zero
     features: built by the native kernel of many channels (after the route kernel's first pair)
     or a pair at a time (XLA, or ``by_pairs``: statistics given as column pairs only, for the
-    native pair kernel). Built in a loop, whose buffers hold the last step's sums, so each step
-    must start its cells at zero."""
+    native pair kernel), from one array of statistics or (``first_columns``) two blocks of
+    columns, as vector leaves give them (gradients, then Hessians). Built in a loop, whose
+    buffers hold the last step's sums, so each step must start its cells at zero."""
     from jaxboost import histogram
     from jaxboost.histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram,
                                     statistic_pairs)
@@ -952,7 +958,9 @@ def test_histograms_of_many_channels_are_built_into_one_buffer(monkeypatch, kern
     @jax.jit
     def every_step(stats):
         def step(i, results):
-            scaled = statistic_pairs(stats * jnp.asarray(scales)[i])
+            scaled = stats * jnp.asarray(scales)[i]
+            scaled = statistic_pairs(scaled if first_columns is None
+                                     else (scaled[:, :first_columns], scaled[:, first_columns:]))
             if by_pairs:
                 scaled = StatisticPairs(scaled.pairs, scaled.channels)
             root = build_statistics_histogram(X_T, jnp.zeros_like(nodes), scaled, 1, **options)
