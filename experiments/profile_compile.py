@@ -60,7 +60,7 @@ def listener(name, seconds, **kwargs):
 jax.monitoring.register_event_duration_secs_listener(listener)
 X, _, y, _ = make_task({task!r}, {rows})
 dataset = jb.Dataset(X, y)
-loss = {loss!r} or ("logistic" if {task!r} == "classification" else "squared_error")
+loss = {loss!r} or {{"classification": "logistic", "multiclass": "softmax"}}.get({task!r}, "squared_error")
 
 def cpu():
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -68,7 +68,7 @@ def cpu():
 
 def fit():
     jb.train(dataset, loss=loss, num_rounds=1, max_depth={depth}, learning_rate=0.1, reg_lambda=1.0,
-             min_child_weight=1.0)
+             min_child_weight=1.0, multi_strategy={multi_strategy!r})
 
 start[0], cpu_before = time.perf_counter(), cpu()
 fit()
@@ -87,7 +87,7 @@ _TIMER = r"time: [0-9.]+ \w+ \(([0-9]+) us\)"
 def run_child(args, env_extra: dict) -> tuple[dict, str]:
     """One fresh process's first fit: its result and its log (standard error)."""
     code = CHILD.format(experiments=str(REPO_ROOT / "experiments"), task=args.task, rows=args.rows, depth=args.depth,
-                        loss=args.loss)
+                        loss=args.loss, multi_strategy=args.multi_strategy)
     env = dict(os.environ, JAXBOOST_CACHE_DIR="", **env_extra)
     with tempfile.TemporaryDirectory() as folder:  # the repository root would shadow an installed jaxboost
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=folder,
@@ -235,10 +235,12 @@ def _attribute(hlo: str, kernels: dict, top: int) -> list:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=["classification", "regression"], default="classification")
+    parser.add_argument("--task", choices=["classification", "regression", "multiclass"], default="classification")
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows generated (80%% train)")
     parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--loss", help="a built-in loss's name (default: the task's, logistic or squared_error)")
+    parser.add_argument("--loss", help="a built-in loss's name (default: the task's, logistic, softmax or squared_error)")
+    parser.add_argument("--multi-strategy", default="one_output_per_tree", choices=["one_output_per_tree", "multi_output_tree"],
+                        help="vector leaves (multi_output_tree) for a loss of several outputs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=15, help="rows in the source and pass tables")
     parser.add_argument("--output", help="write the tables to this Markdown file too")
@@ -267,12 +269,15 @@ def main():
                                                     for _, phases, _ in runs]) or 0))
     out = ["# Where a cold first fit's compile time goes", "",
            f"- command: `python experiments/profile_compile.py --task {args.task} --rows {args.rows} "
-           f"--depth {args.depth} --repeats {args.repeats}`",
+           f"--depth {args.depth} --repeats {args.repeats}"
+           f"{f' --loss {args.loss}' if args.loss else ''}"
+           f"{f' --multi-strategy {args.multi_strategy}' if args.multi_strategy != 'one_output_per_tree' else ''}`",
            f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')} (took {(time.time() - started) / 60:.1f} min); "
            f"devices: {', '.join(runs[0][0]['devices'])}",
            f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
            f"load average {os.getloadavg()[0]:.2f} at the end",
-           f"- a 1-round fit of {args.task}{f' with {args.loss}' if args.loss else ''} "
+           f"- a 1-round fit of {args.task}{f' with {args.loss}' if args.loss else ''}"
+           f"{' (vector leaves)' if args.multi_strategy == 'multi_output_tree' else ''} "
            f"({int(args.rows * 0.8):,} training rows, depth {args.depth}) in a fresh "
            "process, caches off; medians of the repeats (XLA's timers are its log's, which adds a little)", "",
            f"First fit: {cell(median([r['first_s'] for r, _, _ in runs]))} s wall "
