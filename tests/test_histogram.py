@@ -927,6 +927,8 @@ def route_case(seed, n_rows, n_features, num_nodes, max_bin):
     # or (one column first) from the second alone, past its first column.
     pytest.param("native", 256, 2, False, 7, False, 3, marks=needs_native),
     pytest.param("native", 64, 1, True, 5, False, 1, marks=needs_native),
+    # 35 channels past the route kernel's pair: whole vectors of 16, then a part of one.
+    pytest.param("native", 256, 2, False, 37, False, 10, marks=needs_native),
     ("xla", 64, 1, False, 5, False, None),
     ("xla", 64, 1, False, 5, False, 1)])
 def test_histograms_of_many_channels_are_built_into_one_buffer(monkeypatch, kernel, max_bin, threads, feature_major,
