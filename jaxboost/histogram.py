@@ -548,10 +548,11 @@ class StatisticPairs(NamedTuple):
     """Per-row statistics as the ``(first, second)`` float32 ``(n_rows,)`` column pairs the
     kernels read, two channels per pass, and (``blocks``) as the ``(n_rows, C_i)`` arrays they
     came from, whose columns side by side are the channels: the native kernel of many channels
-    reads them whole, joining a row's columns as it copies the row (vector leaves' gradients and
-    packed Hessians, as the derivatives' program gives them, were a copy of both joined into one
-    array: 20 MB a device at 80k rows of 65 channels). Formed once per tree: slicing the columns
-    of an ``(n_rows, C)`` array inside the level loop copied them at every level."""
+    reads up to two of them whole, joining a row's columns as it copies the row (vector leaves'
+    gradients and packed Hessians, as the derivatives' program gives them, had been a copy of
+    both joined into one array: 20 MB a device at 80k rows of 65 channels); more blocks are
+    summed a pair of channels at a time. Formed once per tree: slicing the columns of an
+    ``(n_rows, C)`` array inside the level loop copied them at every level."""
 
     pairs: tuple
     channels: int
