@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .devices import all_sum, all_sum_scattered, axis_devices, chunks_in_use, in_steps_on_cpu
-from .histogram import (StatisticPairs, build_statistics_histogram, route_and_build_statistics_histogram,
-                        statistic_pairs)
-from .native import lowering_platform
+from .histogram import (StatisticPairs, build_statistics_histogram, builds_channels_natively,
+                        route_and_build_statistics_histogram, route_to_children, statistic_pairs)
+from .native import lowering_platform, per_platform
 from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
 from .sampling import uniform_scores
 from .split import (NodeBounds, children_splittable, find_best_splits_over_devices, hessian_mass, scan_chunk_nodes,
@@ -173,7 +173,8 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
     ``parent_histograms``: ``(slots, ...)`` summed over devices (this device's feature block);
     ``local_smaller``: this device's smaller-child histograms, ``(slots, ...)`` before the sum
     over devices, specified for the parents that split (``parent_splits``); it may cover only
-    the leading slots, as long as those hold every live parent. Parent ``p``'s children land in
+    the leading slots, as long as those hold every live parent. Or a function ``(start, count)
+    -> (count, ...)`` that builds those of ``count`` parents from slot ``start`` (traced). Parent ``p``'s children land in
     slots ``2 p`` and ``2 p + 1``; the children of a parent that does not split get zeros. Only
     the chunks of ``parent_chunk_nodes`` parents that hold one of the first ``live_parents`` slots
     (traced) and a parent that splits are summed over devices and subtracted, so a level's cost
@@ -194,7 +195,8 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
         def cut(per_parent):
             return jax.lax.dynamic_slice_in_dim(per_parent, start, count)
 
-        smaller = all_sum_scattered(cut(local_smaller), axis_name, 1)
+        local = local_smaller(start, count) if callable(local_smaller) else cut(local_smaller)
+        smaller = all_sum_scattered(local, axis_name, 1)
         left, right = sibling_histograms(cut(histograms), smaller, cut(left_is_smaller))
         splits = cut(parent_splits)
         pairs = jnp.stack([_where_nodes(splits, left, 0.0), _where_nodes(splits, right, 0.0)], axis=1)
@@ -541,16 +543,43 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             # Leaves need no histograms: the kernel only routes, and nothing is summed.
             histogram_splits = histogram_splits & ~children_are_leaves
             summed_nodes = jnp.where(children_are_leaves, 0, live_nodes)
-        # The kernel writes the parents whose smaller children are read, and no more.
-        chunk, read_chunks = _parent_chunks(state.histograms.shape, summed_nodes, axis_name)
-        child_of_row, smaller = route_and_build_statistics_histogram(
-            X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin, split.default_left,
-            histogram_splits, left_is_smaller, max_bin, feature_major=sharded, result_features=summed_features,
-            row_offset=row_offset, histogram_nodes=parent_slots, live_nodes=chunk * read_chunks,
-            threads=kernel_threads, keep_padding=True, features_used=feature_allowed,
-            deterministic=deterministic_histogram)
-        histograms = children_histograms_over_parents(state.histograms, smaller, left_is_smaller, histogram_splits,
-                                                      summed_nodes, axis_name)
+        def with_the_route():
+            # The kernel writes the parents whose smaller children are read, and no more.
+            chunk, read_chunks = _parent_chunks(state.histograms.shape, summed_nodes, axis_name)
+            child_of_row, smaller = route_and_build_statistics_histogram(
+                X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin, split.default_left,
+                histogram_splits, left_is_smaller, max_bin, feature_major=sharded, result_features=summed_features,
+                row_offset=row_offset, histogram_nodes=parent_slots, live_nodes=chunk * read_chunks,
+                threads=kernel_threads, keep_padding=True, features_used=feature_allowed,
+                deterministic=deterministic_histogram)
+            return child_of_row, children_histograms_over_parents(state.histograms, smaller, left_is_smaller,
+                                                                  histogram_splits, summed_nodes, axis_name)
+
+        def in_parent_chunks():
+            # Many channels on a CPU: each step of the children's subtraction builds its own
+            # parents' smaller children (every channel in the native kernel's pass), rather than
+            # cutting them from those of every parent, built at once: at 10 classes with the full
+            # Hessian that buffer was 29 MiB a device (16 parents x 28 features x 66 channels),
+            # and its cuts copied 7.6 MB a step.
+            child_of_row, in_smaller_child = route_to_children(
+                X_binned_T, node_of_row, statistics, split.feature, split.threshold_bin, split.default_left,
+                histogram_splits, left_is_smaller, max_bin, parent_slots, feature_major=sharded,
+                row_offset=row_offset)
+
+            def smaller(start, count: int):
+                return build_statistics_histogram(
+                    X_binned_T, node_of_row - start, statistics, count, max_bin, row_mask=in_smaller_child,
+                    feature_major=sharded, result_features=summed_features, row_offset=row_offset,
+                    threads=kernel_threads, keep_padding=True, features_used=feature_allowed,
+                    deterministic=deterministic_histogram)
+
+            return child_of_row, children_histograms_over_parents(state.histograms, smaller, left_is_smaller,
+                                                                  histogram_splits, summed_nodes, axis_name)
+
+        if builds_channels_natively(statistics, X_binned_T, max_bin):
+            child_of_row, histograms = per_platform(cpu=in_parent_chunks, default=with_the_route)
+        else:
+            child_of_row, histograms = with_the_route()
         lower, upper = state.lower, state.upper
         left_lower, left_upper, right_lower, right_upper = lower, upper, lower, upper
         if monotone is not None:

@@ -653,6 +653,33 @@ def _without_padding(histogram: jax.Array, channels: int) -> jax.Array:
     return histogram if histogram.shape[-1] == channels else histogram[..., :channels]
 
 
+def builds_channels_natively(statistics: StatisticPairs, X_binned_T: jax.Array, max_bin: int) -> bool:
+    """Whether ``build_statistics_histogram`` of ``statistics`` (more than one pair, given as up
+    to two blocks) runs the native kernel of many channels when lowered for a CPU."""
+    return (len(statistics.pairs) > 1 and statistics.blocks is not None and len(statistics.blocks) <= 2
+            and _choose_native_target(CHANNEL_HISTOGRAM_TARGET, "channel histogram", "auto", 1, X_binned_T,
+                                      max_bin) is not None)
+
+
+def route_to_children(X_binned_T: jax.Array, node_of_row: jax.Array, statistics: StatisticPairs,
+                      split_feature: jax.Array, split_threshold_bin: jax.Array, split_default_left: jax.Array,
+                      splits: jax.Array, left_is_smaller: jax.Array, max_bin: int, histogram_nodes: int | None,
+                      feature_major: bool = False,
+                      row_offset: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(child_of_row, in_smaller_child)``: ``route_and_build_histogram``'s routing alone, and
+    the rows whose smaller child of one of the first ``histogram_nodes`` nodes (None: of all)
+    that split (``splits``) a histogram sums, for callers that build those histograms
+    themselves (a few nodes at a time: ``grower.children_histograms_over_parents``)."""
+    # No node splits for the kernel, which then only routes (its one node's cells unwritten).
+    child_of_row, _ = route_and_build_histogram(
+        X_binned_T, node_of_row, *statistics.pairs[0], split_feature, split_threshold_bin, split_default_left,
+        jnp.zeros_like(splits), left_is_smaller, max_bin, feature_major=feature_major, row_offset=row_offset,
+        histogram_nodes=1)
+    goes_right = (child_of_row - 2 * node_of_row) == 1
+    histogram_nodes = jnp.shape(splits)[0] if histogram_nodes is None else histogram_nodes
+    return child_of_row, _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram_nodes)
+
+
 def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax.Array,
                                          statistics: jax.Array | StatisticPairs,
                                          split_feature: jax.Array, split_threshold_bin: jax.Array,

@@ -1137,6 +1137,27 @@ def test_route_and_build_histogram_matches_numpy(kernel, threads, num_nodes, max
     assert_split_nodes_close(smaller, expected, level["splits"], kernel, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("histogram_nodes", [None, 3])
+def test_route_to_children_routes_and_picks_the_smaller_childrens_rows(histogram_nodes):
+    """The routing alone (a grower that builds the smaller children's histograms a few parents
+    at a time): every row's child as NumPy routes it, and the rows in the smaller child of a
+    node that splits, of the first ``histogram_nodes`` nodes."""
+    from jaxboost.histogram import route_to_children, statistic_pairs
+
+    num_nodes, max_bin = 6, 32
+    X_binned, node_index, gradients, hessians, level = route_case(10, 5000, 5, num_nodes, max_bin)
+    X_binned[::7, 2] = max_bin - 1  # missing codes follow the default direction
+    expected_child, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    if histogram_nodes is not None:
+        in_smaller &= node_index < histogram_nodes
+    statistics = statistic_pairs(jnp.asarray(np.stack([gradients, hessians], axis=1)))
+    route = jax.jit(partial(route_to_children, max_bin=max_bin, histogram_nodes=histogram_nodes))
+    child, selected = route(jnp.asarray(X_binned.T), jnp.asarray(node_index), statistics,
+                            **{k: jnp.asarray(v) for k, v in level.items()})
+    np.testing.assert_array_equal(np.asarray(child), expected_child)
+    np.testing.assert_array_equal(np.asarray(selected), in_smaller)
+
+
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("empty_fraction", [0.3, 0.7])
