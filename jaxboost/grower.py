@@ -32,7 +32,7 @@ features, and one all-gather per level compares the blocks' best splits.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -165,7 +165,7 @@ def sibling_histograms(parent: jax.Array, smaller: jax.Array, left_is_smaller: j
     return jnp.where(choose, smaller, larger), jnp.where(choose, larger, smaller)
 
 
-def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller: jax.Array,
+def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller: jax.Array | Callable,
                                      left_is_smaller: jax.Array, parent_splits: jax.Array, live_parents: jax.Array,
                                      axis_name: str | None) -> jax.Array:
     """A looped level's children histograms, written over its parents' buffer.
@@ -174,16 +174,16 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
     ``local_smaller``: this device's smaller-child histograms, ``(slots, ...)`` before the sum
     over devices, specified for the parents that split (``parent_splits``); it may cover only
     the leading slots, as long as those hold every live parent. Or a function ``(start, count)
-    -> (count, ...)`` that builds those of ``count`` parents from slot ``start`` (traced). Parent ``p``'s children land in
-    slots ``2 p`` and ``2 p + 1``; the children of a parent that does not split get zeros. Only
-    the chunks of ``parent_chunk_nodes`` parents that hold one of the first ``live_parents`` slots
-    (traced) and a parent that splits are summed over devices and subtracted, so a level's cost
-    follows its splitting nodes rather than its buffer's slots (a level holds 2^depth nodes in
-    32 slots, or in the deep levels' wider buffer, and on few rows most deep nodes do not
-    split); the other slots keep what they held, and no node there is active. The chunks go
-    last first: a chunk's children land past every parent not yet read, so the buffer is
-    updated in place. Off the CPU every parent's children are written in one step
-    (``in_steps_on_cpu``).
+    -> (count, ...)`` that builds those of ``count`` parents from slot ``start`` (traced).
+    Parent ``p``'s children land in slots ``2 p`` and ``2 p + 1``; the children of a parent
+    that does not split get zeros. Only the chunks of ``parent_chunk_nodes`` parents that hold
+    one of the first ``live_parents`` slots (traced) and a parent that splits are summed over
+    devices and subtracted, so a level's cost follows its splitting nodes rather than its
+    buffer's slots (a level holds 2^depth nodes in 32 slots, or in the deep levels' wider
+    buffer, and on few rows most deep nodes do not split); the other slots keep what they held,
+    and no node there is active. The chunks go last first: a chunk's children land past every
+    parent not yet read, so the buffer is updated in place. Off the CPU every parent's children
+    are written in one step (``in_steps_on_cpu``).
     """
     slots = parent_histograms.shape[0]
     if slots < 2:

@@ -355,6 +355,12 @@ def _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogra
             & (node_of_row < histogram_nodes))
 
 
+def _routed_to_smaller_child(node_of_row, child_of_row, splits, left_is_smaller, histogram_nodes: int) -> jax.Array:
+    """``_in_smaller_child`` of rows routed to ``child_of_row`` (``2 node + goes_right``)."""
+    goes_right = (child_of_row - 2 * node_of_row) == 1
+    return _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram_nodes)
+
+
 # The native kernels' result layouts, major to minor: node-major or feature-major.
 _HISTOGRAM_LAYOUTS = {False: (0, 1, 2, 3), True: (1, 0, 2, 3)}
 
@@ -675,9 +681,9 @@ def route_to_children(X_binned_T: jax.Array, node_of_row: jax.Array, statistics:
         X_binned_T, node_of_row, *statistics.pairs[0], split_feature, split_threshold_bin, split_default_left,
         jnp.zeros_like(splits), left_is_smaller, max_bin, feature_major=feature_major, row_offset=row_offset,
         histogram_nodes=1)
-    goes_right = (child_of_row - 2 * node_of_row) == 1
     histogram_nodes = jnp.shape(splits)[0] if histogram_nodes is None else histogram_nodes
-    return child_of_row, _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram_nodes)
+    return child_of_row, _routed_to_smaller_child(node_of_row, child_of_row, splits, left_is_smaller,
+                                                  histogram_nodes)
 
 
 def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax.Array,
@@ -703,8 +709,8 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
         row_offset=row_offset, histogram_nodes=histogram_nodes, live_nodes=live_nodes, channels=width,
         features_used=features_used, deterministic=deterministic)
     if len(pairs) > 1:
-        goes_right = (child_of_row - 2 * node_of_row) == 1
-        in_smaller_child = _in_smaller_child(node_of_row, goes_right, splits, left_is_smaller, histogram.shape[0])
+        in_smaller_child = _routed_to_smaller_child(node_of_row, child_of_row, splits, left_is_smaller,
+                                                    histogram.shape[0])
         histogram = build_channels_histogram(X_binned_T, node_of_row, statistics, histogram.shape[0], max_bin,
                                              in_smaller_child, threads=threads, feature_major=feature_major,
                                              result_features=result_features, row_offset=row_offset, channel=2,
