@@ -638,8 +638,7 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
                                         deterministic=deterministic)
         return histogram
 
-    target = (None if statistics.blocks is None or len(statistics.blocks) > 2 else
-              _choose_native_target(CHANNEL_HISTOGRAM_TARGET, "channel histogram", kernel, threads, X_binned_T, max_bin))
+    target = _channel_kernel_target(statistics, kernel, threads, X_binned_T, max_bin)
     if target is None:
         return by_pairs()
     first, *more = statistics.blocks
@@ -659,12 +658,19 @@ def _without_padding(histogram: jax.Array, channels: int) -> jax.Array:
     return histogram if histogram.shape[-1] == channels else histogram[..., :channels]
 
 
+def _channel_kernel_target(statistics: StatisticPairs, kernel: str, threads: int, X_binned_T: jax.Array,
+                           max_bin: int) -> str | None:
+    """The native kernel of many channels for ``statistics`` on a CPU, or None (statistics given
+    as pairs alone, or as more blocks than it reads: a pair of channels at a time)."""
+    if statistics.blocks is None or len(statistics.blocks) > 2:
+        return None
+    return _choose_native_target(CHANNEL_HISTOGRAM_TARGET, "channel histogram", kernel, threads, X_binned_T, max_bin)
+
+
 def builds_channels_natively(statistics: StatisticPairs, X_binned_T: jax.Array, max_bin: int) -> bool:
-    """Whether ``build_statistics_histogram`` of ``statistics`` (more than one pair, given as up
-    to two blocks) runs the native kernel of many channels when lowered for a CPU."""
-    return (len(statistics.pairs) > 1 and statistics.blocks is not None and len(statistics.blocks) <= 2
-            and _choose_native_target(CHANNEL_HISTOGRAM_TARGET, "channel histogram", "auto", 1, X_binned_T,
-                                      max_bin) is not None)
+    """Whether ``build_statistics_histogram`` of ``statistics`` (more than one pair) runs the
+    native kernel of many channels when lowered for a CPU."""
+    return len(statistics.pairs) > 1 and _channel_kernel_target(statistics, "auto", 1, X_binned_T, max_bin) is not None
 
 
 def route_to_children(X_binned_T: jax.Array, node_of_row: jax.Array, statistics: StatisticPairs,
