@@ -17,7 +17,7 @@ from conftest import assert_same_training, cpu_argument
 import jaxboost as jb
 from jaxboost.grower import GrowthParams, grow_tree
 from jaxboost.histogram import build_statistics_histogram, route_and_build_statistics_histogram
-from jaxboost.regularizer import MAX_FULL_TO_DIAGONAL_SCORE, VectorLeaves, vector_value_and_score
+from jaxboost.regularizer import MAX_FULL_TO_DIAGONAL_SCORE, VectorLeaves, packed_hessian_entries, vector_value_and_score
 
 F32 = jnp.float32
 
@@ -60,7 +60,7 @@ def test_a_levels_diagonal_solution_compiles_to_loops_over_the_flattened_outputs
     assert f"{many},10" in divisions(many), divisions(many)
 
 
-@pytest.mark.parametrize("K", [2, 5])
+@pytest.mark.parametrize("K", [2, 5, 10])
 def test_a_packed_hessian_holds_its_diagonal_first_and_every_entry_once(K):
     """The packed layout: the diagonal as the leading channels (``diagonal`` reads a slice), then
     the upper triangle's other entries; ``hessian_entries`` gives back every entry of the
@@ -70,6 +70,8 @@ def test_a_packed_hessian_holds_its_diagonal_first_and_every_entry_once(K):
     leaves = VectorLeaves(K)
     packed = np.asarray(leaves.pack_hessian(jnp.asarray(H)))
     assert packed.shape == (3, K * (K + 1) // 2)
+    rows, columns = packed_hessian_entries(K)  # the layout the native damped solve reads
+    np.testing.assert_array_equal(packed, H[:, rows, columns])
     np.testing.assert_array_equal(packed[:, :K], np.diagonal(H, axis1=1, axis2=2))
     np.testing.assert_array_equal(np.asarray(leaves.diagonal(jnp.asarray(packed))), np.diagonal(H, axis1=1, axis2=2))
     rebuilt = np.stack([np.stack([np.asarray(entry) for entry in row], axis=-1)
