@@ -57,6 +57,14 @@ NUM_CLASSES = 10
 # The regression task's data fitted by absolute error, scored by the test MAE: a loss whose
 # Hessian is zero, so every library sets its leaves by an exact weighted median of residuals.
 ABSOLUTE_ERROR_TASKS = ("absolute_error",)
+
+
+def task_loss(task: str) -> str:
+    """jaxboost's built-in loss for ``task``."""
+    return ("logistic" if task in CLASSIFICATION_TASKS else "softmax" if task in MULTICLASS_TASKS
+            else "absolute_error" if task in ABSOLUTE_ERROR_TASKS else "squared_error")
+
+
 TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500, "multiclass": 28, "absolute_error": 50,
                  "missing": 28}
 # A task's samples are --rows divided by this: a regression row and a 10-class row cost more.
@@ -226,9 +234,7 @@ class JaxboostRunner:
         if (backend == "gpu") != (device == "gpu"):
             raise RuntimeError(f"asked for a {device} run, but JAX's default backend is {backend}")
         self.jb, self.max_bin = jb, max_bin
-        loss = ("logistic" if task in CLASSIFICATION_TASKS else "softmax" if task in MULTICLASS_TASKS
-                else "absolute_error" if task in ABSOLUTE_ERROR_TASKS else "squared_error")
-        self.params = dict(loss=loss, max_depth=depth, learning_rate=LEARNING_RATE, reg_lambda=reg_lambda(task),
+        self.params = dict(loss=task_loss(task), max_depth=depth, learning_rate=LEARNING_RATE, reg_lambda=reg_lambda(task),
                            min_child_weight=MIN_HESSIAN)
         self.eval_metric = EVAL_METRIC[task][0]
 

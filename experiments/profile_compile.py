@@ -47,7 +47,7 @@ import json, resource, sys, time
 sys.path.insert(0, {experiments!r})
 import jax
 import jaxboost as jb
-from bench_worker import make_task
+from bench_worker import make_task, task_loss
 
 events = []
 start = [None]
@@ -60,7 +60,7 @@ def listener(name, seconds, **kwargs):
 jax.monitoring.register_event_duration_secs_listener(listener)
 X, _, y, _ = make_task({task!r}, {rows})
 dataset = jb.Dataset(X, y)
-loss = {loss!r} or {{"classification": "logistic", "multiclass": "softmax"}}.get({task!r}, "squared_error")
+loss = {loss!r} or task_loss({task!r})
 
 def cpu():
     usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxboost as jb  # noqa: E402
-from bench_worker import make_task  # noqa: E402
+from bench_worker import make_task, task_loss  # noqa: E402
 
 
 def trace_events(trace_dir: Path) -> list[dict]:
@@ -120,9 +120,7 @@ def main() -> None:
 
     X_train, _, y_train, _ = make_task(args.task, args.rows)
     dataset = jb.Dataset(X_train, y_train, max_bin=256)
-    loss = {"classification": "logistic", "wide": "logistic", "regression": "squared_error",
-            "multiclass": "softmax"}[args.task]
-    settings = dict(loss=loss, max_depth=args.depth, learning_rate=0.1, reg_lambda=1.0, min_child_weight=1.0,
+    settings = dict(loss=task_loss(args.task), max_depth=args.depth, learning_rate=0.1, reg_lambda=1.0, min_child_weight=1.0,
                     colsample_bytree=args.colsample_bytree, colsample_bynode=args.colsample_bynode,
                     subsample=args.subsample)
     if args.vector_leaves:
