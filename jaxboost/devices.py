@@ -23,7 +23,6 @@ import logging
 import os
 import tempfile
 import time
-import warnings
 from typing import Callable, TypeVar
 
 import jax
@@ -34,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .cores import available_cpu_cores, process_cpu_cores
 from .host_memory import HOST_ALIGNMENT, aligned_empty
 from .native import COMPACT_FLAGS_TARGET, as_varying_as, available_native_target, per_platform
+from .validation import warn_caller
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -351,22 +351,30 @@ def is_wide(n_features: int, max_bin: int) -> bool:
     return n_features * max_bin * 2 * 4 > WIDE_NODE_BYTES
 
 
+def training_row_mesh(n_rows: int, n_features: int, max_bin: int) -> Mesh:
+    """``row_mesh`` for training, which warns once a process when the rows, enough for two
+    devices, train on the only device of a multi-core CPU (JAX started before jaxboost could
+    give it one device per core)."""
+    global _warned_single_device
+    devices = jax.local_devices()
+    # The cores are counted last (a system call, and the cgroup files once).
+    if (len(devices) == 1 and devices[0].platform == "cpu" and n_rows >= 2 * MIN_ROWS_PER_DEVICE
+            and not _warned_single_device and available_cpu_cores() > 1):
+        _warned_single_device = True
+        warn_caller("jaxboost is training on one CPU device of a multi-core machine, so the histogram "
+                    "kernel uses one core; call jaxboost.use_cpu_cores() before JAX starts (or import "
+                    "jaxboost first) to use them all", RuntimeWarning)
+    return row_mesh(n_rows, n_features, max_bin)
+
+
 def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = None) -> Mesh:
     """A 1-D mesh that rows are sharded along: every local device of the default backend when
     each gets at least ``MIN_ROWS_PER_DEVICE`` rows, fewer devices for smaller data, on CPU no
     more devices than the process has cores (``cores.available_cpu_cores``), and one CPU device
     for wide data (``is_wide``, when ``n_features`` and ``max_bin`` are given; its histogram
     kernel then uses ``kernel_threads``)."""
-    global _warned_single_device, _warned_extra_devices
+    global _warned_extra_devices
     devices = jax.local_devices()
-    # The cores are counted last (a system call, and the cgroup files once): predicting calls this
-    # every time.
-    if (len(devices) == 1 and devices[0].platform == "cpu" and n_rows >= 2 * MIN_ROWS_PER_DEVICE
-            and not _warned_single_device and available_cpu_cores() > 1):
-        _warned_single_device = True
-        warnings.warn("jaxboost is training on one CPU device of a multi-core machine, so the histogram "
-                      "kernel uses one core; call jaxboost.use_cpu_cores() before JAX starts (or import "
-                      "jaxboost first) to use them all", RuntimeWarning, stacklevel=3)
     used = _devices_for_rows(n_rows, len(devices))
     if devices[0].platform == "cpu":
         if n_features is not None and max_bin is not None and is_wide(n_features, max_bin):
@@ -379,12 +387,12 @@ def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = N
             # Fewer cores inside a cpu_cores block are the caller's choice: no warning for those.
             if len(devices) > process_cores and not _warned_extra_devices:
                 _warned_extra_devices = True
-                warnings.warn(f"JAX has {len(devices)} CPU devices but this process may use {process_cores} cores (its "
-                              "affinity mask, CPU quota and OMP_NUM_THREADS): jaxboost "
-                              f"shards rows over {process_cores} of them, and the others' threads still slow training (16 "
-                              "devices on 2 cores: 21 against 13 ms a tree); set XLA_FLAGS=--xla_force_host_platform_"
-                              f"device_count={process_cores} or call jaxboost.use_cpu_cores() before JAX starts",
-                              RuntimeWarning, stacklevel=3)
+                warn_caller(f"JAX has {len(devices)} CPU devices but this process may use {process_cores} cores (its "
+                            "affinity mask, CPU quota and OMP_NUM_THREADS): jaxboost "
+                            f"shards rows over {process_cores} of them, and the others' threads still slow training (16 "
+                            "devices on 2 cores: 21 against 13 ms a tree); set XLA_FLAGS=--xla_force_host_platform_"
+                            f"device_count={process_cores} or call jaxboost.use_cpu_cores() before JAX starts",
+                            RuntimeWarning)
             used = min(used, cores)
     return _row_mesh_of(tuple(devices[:used]))
 
@@ -444,7 +452,7 @@ def many_models_meshes(n_rows: int, n_features: int, max_bin: int, models: int) 
     does, and equals its model bit for bit. (Keeping each model's rows on one device and
     splitting the models would have been faster, 16 models of 80k rows 5.2 -> 3.6 s, but sums
     in another order, so near ties could split another way than ``jb.train``'s.)"""
-    rows_mesh = row_mesh(n_rows, n_features, max_bin)
+    rows_mesh = training_row_mesh(n_rows, n_features, max_bin)
     if (models < 2 or rows_mesh.devices.size != 1 or mesh_platform(rows_mesh) != "cpu"
             or kernel_threads(rows_mesh, n_features, max_bin) > 1):
         return rows_mesh, None

@@ -36,7 +36,6 @@ import json
 import math
 import numbers
 import os
-import warnings
 import zipfile
 import zlib
 
@@ -47,6 +46,7 @@ from .importance import reachable_nodes
 from .link import LINKS, resolve_link
 from .model import Model
 from .tree import Tree, depth_of_heap
+from .validation import warn_caller
 
 FORMAT_NAME = "jaxboost"
 FORMAT_VERSION = 1
@@ -105,9 +105,9 @@ def _link_record(link) -> dict:
         if link is function:
             return {"name": name}
     function_name = getattr(link, "__name__", type(link).__name__)
-    warnings.warn(f"the model's link is a custom function ({function_name!r}); the file keeps only its name. "
-                  "Pass it back with jaxboost.load(path, link=...), or predict() on the loaded model applies the "
-                  "identity (predict_raw is exact)", UserWarning, stacklevel=4)
+    warn_caller(f"the model's link is a custom function ({function_name!r}); the file keeps only its name. "
+                "Pass it back with jaxboost.load(path, link=...), or predict() on the loaded model applies the "
+                "identity (predict_raw is exact)")
     return {"name": None, "function": function_name}
 
 
@@ -429,9 +429,9 @@ def _link_function(record, link):
         return resolve_link(link)
     if name is None:
         function_name = record.get("function", "?")
-        warnings.warn(f"the model was trained with a custom link function ({function_name!r}) that a file cannot "
-                      "hold: predict() applies the identity (predict_raw is exact). Pass the function with "
-                      "jaxboost.load(path, link=...)", UserWarning, stacklevel=4)
+        warn_caller(f"the model was trained with a custom link function ({function_name!r}) that a file cannot "
+                    "hold: predict() applies the identity (predict_raw is exact). Pass the function with "
+                    "jaxboost.load(path, link=...)")
         return LINKS["identity"]
     if name not in LINKS:
         raise ModelFormatError(f"unknown link {name!r}; known links: {sorted(LINKS)}")

@@ -13,9 +13,6 @@ Host-side NumPy: this is I/O, not training.
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -122,12 +119,3 @@ def link_name(model) -> str | None:
         if model.link is function:
             return name
     return None
-
-
-def warn_caller(message: str) -> None:
-    """A ``UserWarning`` attributed to the first caller outside the jaxboost package."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, UserWarning, stacklevel=level + 1)

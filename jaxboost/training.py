@@ -33,7 +33,7 @@ from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .derivatives import hessian_vanishes
 from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
-                      float32_jax, replicated, row_mesh, row_sharding, shared_codes_on_mesh, solve_threads)
+                      float32_jax, replicated, row_sharding, shared_codes_on_mesh, solve_threads, training_row_mesh)
 from .grower import GrowthParams, prunes_splits, tree_feature_slots
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import collection_paused, release_free_memory, release_free_memory_after
@@ -608,7 +608,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     if init_model is not None and init_model.params.get("multi_strategy", "one_output_per_tree") != multi_strategy:
         raise ValueError(f"init_model was trained with multi_strategy="
                          f"{init_model.params.get('multi_strategy', 'one_output_per_tree')!r}; continue it with the same")
-    mesh = row_mesh(dataset.n_rows, dataset.n_features, dataset.max_bin)
+    mesh = training_row_mesh(dataset.n_rows, dataset.n_features, dataset.max_bin)
     if leaves is not None:
         leaves = dataclasses.replace(leaves, solve_threads=solve_threads(mesh))
     margin = check_base_margin(dataset.base_margin, dataset.n_rows, K)

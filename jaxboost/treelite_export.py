@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .node_list import link_name, model_node_lists, warn_caller
+from .node_list import link_name, model_node_lists
+from .validation import warn_caller
 
 # jaxboost link -> (treelite postprocessor, its sigmoid_alpha)
 POSTPROCESSORS = {

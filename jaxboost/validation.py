@@ -6,7 +6,22 @@ bad input never turns into a silent constant model.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 import numpy as np
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """A warning attributed to the first caller outside the jaxboost package: the frames between
+    it and the user's call (decorators, helpers) differ from one entry point to another, so a
+    fixed ``stacklevel`` named a jaxboost line for some of them."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)
 
 
 def check_features(X, n_features: int | None = None, what: str = "X",

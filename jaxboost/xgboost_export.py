@@ -31,7 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .node_list import NodeList, link_name, model_node_lists, warn_caller
+from .node_list import NodeList, link_name, model_node_lists
+from .validation import warn_caller
 
 # Written into the file as the format version; the layout below is the one XGBoost 2.x and
 # 3.x read (scalar base_score, one tree per output and round).

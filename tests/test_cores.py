@@ -174,9 +174,39 @@ def test_rows_are_sharded_over_no_more_devices_than_cores(monkeypatch):
         # Warned once, when there are more devices than cores.
         extra = [w for w in caught if "CPU devices but this process may use" in str(w.message)]
         assert len(extra) == (1 if available == 1 and n_devices > 1 else 0), (available, [str(w.message) for w in caught])
+        assert all(w.filename == __file__ for w in extra), [w.filename for w in extra]  # the caller's line
         wide = devices.row_mesh(rows, n_features=1000, max_bin=256)
         assert wide.devices.size == 1
         assert devices.kernel_threads(wide, 1000, 256) == min(n_devices, available)
+
+
+def test_training_on_the_only_device_of_a_multicore_cpu_warns_once_at_the_callers_line(monkeypatch):
+    """JAX started before jaxboost could give it a device per core: training rows enough for two
+    devices on its one CPU device warns, once a process, at the user's call (through
+    ``jb.train``'s wrappers); predicting does not."""
+    import warnings
+
+    import jax
+
+    import jaxboost as jb
+    from jaxboost import devices
+
+    cpu = jax.local_devices(backend="cpu")[0]
+    monkeypatch.setattr(devices.jax, "local_devices", lambda *args, **kwargs: [cpu])
+    monkeypatch.setattr(devices, "available_cpu_cores", lambda: 2)
+    monkeypatch.setattr(devices, "_warned_single_device", False)
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(2 * devices.MIN_ROWS_PER_DEVICE, 3)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        few = 100  # too few rows for two devices: no warning
+        jb.train(X[:few], y[:few], loss="logistic", num_rounds=1, max_depth=2).predict(X)
+        for _ in range(2):
+            jb.train(X, y, loss="logistic", num_rounds=1, max_depth=2)
+    single = [w for w in caught if "training on one CPU device" in str(w.message)]
+    assert len(single) == 1, [str(w.message) for w in caught]
+    assert single[0].category is RuntimeWarning and single[0].filename == __file__, single[0].filename
 
 
 def test_compiler_options_leave_out_what_this_xla_does_not_know(monkeypatch):

@@ -146,10 +146,11 @@ def test_custom_link_warns_and_load_accepts_the_function(regression, tmp_path):
 
     custom = dataclasses.replace(model, link=doubled)
     path = tmp_path / "custom.json"
-    with pytest.warns(UserWarning, match="custom function"):
+    with pytest.warns(UserWarning, match="custom function") as saved:
         custom.save(path)
-    with pytest.warns(UserWarning, match="applies the identity"):
+    with pytest.warns(UserWarning, match="applies the identity") as loaded:
         fallback = jb.load(path)
+    assert {w.filename for w in list(saved) + list(loaded)} == {__file__}  # the caller's lines
     np.testing.assert_array_equal(fallback.predict(X), custom.predict_raw(X))
     restored = jb.load(path, link=doubled)
     np.testing.assert_array_equal(restored.predict(X), custom.predict(X))

@@ -322,7 +322,7 @@ def test_n_jobs_sets_the_devices_of_the_fit_and_the_threads_of_predict(estimator
     meshes, threads = [], []
 
     def recording_mesh(*args, **kwargs):
-        mesh = devices.row_mesh(*args, **kwargs)
+        mesh = devices.training_row_mesh(*args, **kwargs)
         meshes.append(mesh.devices.size)
         return mesh
 
@@ -330,7 +330,7 @@ def test_n_jobs_sets_the_devices_of_the_fit_and_the_threads_of_predict(estimator
         threads.append(devices.predictor_threads(mesh, n_rows))
         return threads[-1]
 
-    monkeypatch.setattr(training, "row_mesh", recording_mesh)
+    monkeypatch.setattr(training, "training_row_mesh", recording_mesh)
     monkeypatch.setattr(model, "predictor_threads", recording_threads)
     estimator = estimator_class(n_estimators=2, max_depth=3, n_jobs=1).fit(X, y)
     estimator.predict(X)

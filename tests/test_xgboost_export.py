@@ -114,8 +114,9 @@ def test_custom_vector_loss_warns_and_exports_margins(models, data, tmp_path):
     has no XGBoost objective: its margins are exported as multi-target squared error."""
     _, _, _, X_test = data
     model = dataclasses.replace(models["softmax"], loss_name="cross_entropy")
-    with pytest.warns(UserWarning, match="reg:squarederror"):
+    with pytest.warns(UserWarning, match="reg:squarederror") as caught:
         booster = load_booster(model, tmp_path)
+    assert {w.filename for w in caught} == {__file__}  # the caller's line, not jaxboost's
     config = json.loads(booster.save_config())["learner"]
     assert config["objective"]["name"] == "reg:squarederror"
     assert config["learner_model_param"]["num_target"] == "3"
