@@ -1557,7 +1557,8 @@ XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
 
 // Prediction on raw features: every row walks every tree (rounds x outputs) of the heap layout
 // and adds the leaf value to its raw prediction, round after round in float32 (the order the
-// training loop uses). A row goes left when x < threshold, the bin edge of the split (exactly
+// training loop uses); the K trees of a round that share their splits (vector leaves) are walked
+// once, and each adds its own leaf (200k rows x 100 rounds of 10 outputs: 0.27 -> 0.06 s). A row goes left when x < threshold, the bin edge of the split (exactly
 // "bin <= threshold_bin"), and NaN follows the node's default direction, so no binning is
 // needed. ``packed`` holds feature << 10 | threshold_bin << 2 | default_left << 1 | is_leaf.
 
@@ -1567,6 +1568,10 @@ XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
 // test, and the leaf it ends on is `node - internal` (whichever way an infinite value went).
 struct PredictForest {
   int64_t trees = 0, depth = 0, internal = 0, leaves = 0;
+  // Trees walked at once: consecutive trees of `group` whose splits are the same (vector leaves:
+  // the K trees of a round share theirs), so a row walks the first and reads each one's leaf
+  // at the position it reached. 1 when the trees' splits differ.
+  int64_t group = 1;
   // Padded so that the vector kernels may load whole registers of a level's nodes or leaves.
   int64_t split_stride = 0, leaf_stride = 0;
   std::vector<float> threshold;  // (trees, split_stride), heap order
@@ -1652,7 +1657,7 @@ template <int64_t kRows>
 void PredictBlockScalar(const PredictForest& f, const float* x, int64_t n_features, int64_t outputs, int64_t rows,
                         float* acc, float* /*scratch*/) {
   int32_t node_of[kRows];
-  for (int64_t tree = 0; tree < f.trees; ++tree) {
+  for (int64_t tree = 0; tree < f.trees; tree += f.group) {
     const float* threshold = f.threshold.data() + tree * f.split_stride;
     const int32_t* split = f.split.data() + tree * f.split_stride;
     for (int64_t r = 0; r < rows; ++r) node_of[r] = 0;
@@ -1666,9 +1671,11 @@ void PredictBlockScalar(const PredictForest& f, const float* x, int64_t n_featur
         node_of[r] = 2 * node + 1 + static_cast<int32_t>(goes_right);
       }
     }
-    const float* leaf = f.leaf.data() + tree * f.leaf_stride;
-    float* sum = acc + (tree % outputs) * kRows;
-    for (int64_t r = 0; r < rows; ++r) sum[r] += leaf[node_of[r] - f.internal];
+    for (int64_t member = tree; member < tree + f.group; ++member) {
+      const float* leaf = f.leaf.data() + member * f.leaf_stride;
+      float* sum = acc + (member % outputs) * kRows;
+      for (int64_t r = 0; r < rows; ++r) sum[r] += leaf[node_of[r] - f.internal];
+    }
   }
 }
 
@@ -1741,7 +1748,7 @@ __attribute__((target("avx512f"))) inline __m512 PickColumn(const float* const* 
 template <bool kMissing>
 __attribute__((target("avx512f"))) inline void WalkTreeAvx512(const PredictForest& f, int64_t tree, const float* x,
                                                               int64_t n_features, const float* columns,
-                                                              __m512i row_offset, float* sum) {
+                                                              __m512i row_offset, int64_t outputs, float* acc) {
   constexpr int kLanes = 16, kVectors = kVectorBlockRows / kLanes;
   const float* threshold = f.threshold.data() + tree * f.split_stride;
   const int32_t* split = (kMissing ? f.split.data() : f.feature.data()) + tree * f.split_stride;
@@ -1789,18 +1796,21 @@ __attribute__((target("avx512f"))) inline void WalkTreeAvx512(const PredictFores
       position[v] = _mm512_mask_add_epi32(_mm512_add_epi32(p, p), goes_right, _mm512_add_epi32(p, p), one);
     }
   }
-  const float* leaf = f.leaf.data() + tree * f.leaf_stride;
-  for (int v = 0; v < kVectors; ++v) {
-    __m512 value;
-    if (f.leaves <= 64) {
-      const __m512 low = _mm512_permutex2var_ps(_mm512_loadu_ps(leaf), position[v], _mm512_loadu_ps(leaf + 16));
-      const __m512 high =
-          _mm512_permutex2var_ps(_mm512_loadu_ps(leaf + 32), position[v], _mm512_loadu_ps(leaf + 48));
-      value = _mm512_mask_blend_ps(_mm512_test_epi32_mask(position[v], _mm512_set1_epi32(32)), low, high);
-    } else {
-      value = _mm512_i32gather_ps(position[v], leaf, 4);
+  for (int64_t member = tree; member < tree + f.group; ++member) {
+    const float* leaf = f.leaf.data() + member * f.leaf_stride;
+    float* sum = acc + (member % outputs) * kVectorBlockRows;
+    for (int v = 0; v < kVectors; ++v) {
+      __m512 value;
+      if (f.leaves <= 64) {
+        const __m512 low = _mm512_permutex2var_ps(_mm512_loadu_ps(leaf), position[v], _mm512_loadu_ps(leaf + 16));
+        const __m512 high =
+            _mm512_permutex2var_ps(_mm512_loadu_ps(leaf + 32), position[v], _mm512_loadu_ps(leaf + 48));
+        value = _mm512_mask_blend_ps(_mm512_test_epi32_mask(position[v], _mm512_set1_epi32(32)), low, high);
+      } else {
+        value = _mm512_i32gather_ps(position[v], leaf, 4);
+      }
+      _mm512_storeu_ps(sum + v * kLanes, _mm512_add_ps(_mm512_loadu_ps(sum + v * kLanes), value));
     }
-    _mm512_storeu_ps(sum + v * kLanes, _mm512_add_ps(_mm512_loadu_ps(sum + v * kLanes), value));
   }
 }
 
@@ -1814,12 +1824,11 @@ __attribute__((target("avx512f"))) void PredictBlockAvx512(const PredictForest& 
   const __m512i row_offset = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_epi32(static_cast<int32_t>(n_features)));
-  for (int64_t tree = 0; tree < f.trees; ++tree) {
-    float* sum = acc + (tree % outputs) * kVectorBlockRows;
+  for (int64_t tree = 0; tree < f.trees; tree += f.group) {
     if (missing) {
-      WalkTreeAvx512<true>(f, tree, x, n_features, columns, row_offset, sum);
+      WalkTreeAvx512<true>(f, tree, x, n_features, columns, row_offset, outputs, acc);
     } else {
-      WalkTreeAvx512<false>(f, tree, x, n_features, columns, row_offset, sum);
+      WalkTreeAvx512<false>(f, tree, x, n_features, columns, row_offset, outputs, acc);
     }
   }
 }
@@ -1848,7 +1857,7 @@ __attribute__((target("avx2"))) inline __m256i Blend(__m256i a, __m256i b, __m25
 template <bool kMissing>
 __attribute__((target("avx2"))) inline void WalkTreeAvx2(const PredictForest& f, int64_t tree, const float* x,
                                                          int64_t n_features, const float* columns,
-                                                         __m256i row_offset, float* sum) {
+                                                         __m256i row_offset, int64_t outputs, float* acc) {
   constexpr int kLanes = 8, kVectors = kVectorBlockRows / kLanes;
   const float* threshold = f.threshold.data() + tree * f.split_stride;
   const int32_t* split = (kMissing ? f.split.data() : f.feature.data()) + tree * f.split_stride;
@@ -1913,10 +1922,13 @@ __attribute__((target("avx2"))) inline void WalkTreeAvx2(const PredictForest& f,
       position[v] = _mm256_sub_epi32(_mm256_add_epi32(p, p), _mm256_castps_si256(goes_right));
     }
   }
-  const float* leaf = f.leaf.data() + tree * f.leaf_stride;
-  for (int v = 0; v < kVectors; ++v) {
-    const __m256 value = _mm256_i32gather_ps(leaf, position[v], 4);
-    _mm256_storeu_ps(sum + v * kLanes, _mm256_add_ps(_mm256_loadu_ps(sum + v * kLanes), value));
+  for (int64_t member = tree; member < tree + f.group; ++member) {
+    const float* leaf = f.leaf.data() + member * f.leaf_stride;
+    float* sum = acc + (member % outputs) * kVectorBlockRows;
+    for (int v = 0; v < kVectors; ++v) {
+      const __m256 value = _mm256_i32gather_ps(leaf, position[v], 4);
+      _mm256_storeu_ps(sum + v * kLanes, _mm256_add_ps(_mm256_loadu_ps(sum + v * kLanes), value));
+    }
   }
 }
 
@@ -1928,12 +1940,11 @@ __attribute__((target("avx2"))) void PredictBlockAvx2(const PredictForest& f, co
   const bool missing = BlockColumns(f, x, n_features, columns);
   const __m256i row_offset = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                                 _mm256_set1_epi32(static_cast<int32_t>(n_features)));
-  for (int64_t tree = 0; tree < f.trees; ++tree) {
-    float* sum = acc + (tree % outputs) * kVectorBlockRows;
+  for (int64_t tree = 0; tree < f.trees; tree += f.group) {
     if (missing) {
-      WalkTreeAvx2<true>(f, tree, x, n_features, columns, row_offset, sum);
+      WalkTreeAvx2<true>(f, tree, x, n_features, columns, row_offset, outputs, acc);
     } else {
-      WalkTreeAvx2<false>(f, tree, x, n_features, columns, row_offset, sum);
+      WalkTreeAvx2<false>(f, tree, x, n_features, columns, row_offset, outputs, acc);
     }
   }
 }
@@ -1962,6 +1973,23 @@ struct PreparedForest {
   PredictKernel kernel = PredictKernel::kScalar;
 };
 
+// The trees per walk (PredictForest::group): `outputs` when the trees of every round have the
+// same splits as its first tree, as laid for the walk (thresholds bit for bit), else 1.
+int64_t SharedSplitTrees(const PredictForest& f, int64_t outputs) {
+  if (outputs <= 1 || f.trees % outputs != 0) return 1;
+  for (int64_t tree = 0; tree < f.trees; ++tree) {
+    const int64_t first = tree - tree % outputs;
+    if (tree == first) continue;
+    if (std::memcmp(f.threshold.data() + tree * f.split_stride, f.threshold.data() + first * f.split_stride,
+                    f.split_stride * sizeof(float)) != 0 ||
+        std::memcmp(f.split.data() + tree * f.split_stride, f.split.data() + first * f.split_stride,
+                    f.split_stride * sizeof(int32_t)) != 0) {
+      return 1;
+    }
+  }
+  return outputs;
+}
+
 // Checks trees of (rounds, outputs, nodes) heaps over n_features features and prepares them into
 // *out (left nullptr when they are wrong). Returns nullptr, or what was wrong.
 const char* PrepareForest(const int32_t* node_info, const float* thresholds, const float* values, int64_t rounds,
@@ -1982,6 +2010,7 @@ const char* PrepareForest(const int32_t* node_info, const float* thresholds, con
   }
   auto prepared = std::make_unique<PreparedForest>();
   prepared->forest = BuildForest(node_info, thresholds, values, rounds * outputs, depth, n_features);
+  prepared->forest.group = SharedSplitTrees(prepared->forest, outputs);
   prepared->n_features = n_features;
   prepared->outputs = outputs;
   prepared->kernel = ChoosePredictKernel();

@@ -97,6 +97,33 @@ def test_every_cpu_kernel_matches_the_binned_path(data, simd, monkeypatch):
             np.testing.assert_array_equal(model.predict_raw(rows[:n]), binned_prediction(model, rows[:n]))
 
 
+@pytest.mark.parametrize("simd", ["", "avx2", "none"])
+def test_vector_leaf_trees_are_walked_once_a_round_and_match_the_binned_path(data, simd, monkeypatch):
+    """A vector-leaf model keeps K trees a round with the same splits: each kernel walks the
+    first and reads the K leaves where the row ended (the same sums, in the same order). Trees
+    of a round whose splits differ (one threshold moved here) are walked one by one."""
+    monkeypatch.setenv("JAXBOOST_PREDICT_SIMD", simd)
+    X, signal = data
+    y = np.digitize(signal, [-1.0, 0.5]).astype(np.float32)
+    model = jb.train(X, y, loss="softmax", num_rounds=5, max_depth=5, learning_rate=0.5, min_child_weight=40.0,
+                     multi_strategy="multi_output_tree")
+    trees = model.trees
+    assert np.all(trees.threshold_bin == trees.threshold_bin[:, :1]) and np.all(trees.feature == trees.feature[:, :1])
+    assert np.any(trees.is_leaf[:, :, :(1 << 5) - 1])  # leaves above the last level, re-laid
+    threshold_bin = np.array(trees.threshold_bin)
+    assert not trees.is_leaf[2, 1, 0]
+    threshold_bin[2, 1, 0] = threshold_bin[2, 1, 0] // 2 if threshold_bin[2, 1, 0] > 20 else 40
+    # Round 2's second tree now has its own root split.
+    moved = dataclasses.replace(model, trees=trees._replace(threshold_bin=threshold_bin))
+    rows = np.random.default_rng(13).normal(size=(200, 6)).astype(np.float32)
+    rows[::4, 0] = np.nan
+    rows[::5, 5] = np.nan
+    for candidate in (model, moved):
+        for n in (1, 65, 200):
+            np.testing.assert_array_equal(candidate.predict_raw(rows[:n]), binned_prediction(candidate, rows[:n]))
+    assert not np.array_equal(moved.predict_raw(rows), model.predict_raw(rows))
+
+
 def test_native_walk_over_several_threads_matches_the_binned_path(data):
     """The host walk splits the rows into ranges of whole 64-row blocks, one per thread: any
     number of threads (more than there are blocks, too) gives the binned path's predictions,
