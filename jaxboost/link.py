@@ -66,11 +66,13 @@ def resolve_link(link: Link) -> Callable:
 
 # Rows per call when a link is applied to predictions: applied to the whole array, a link
 # compiled once per number of rows predicted on (about 40 ms for each new batch size, a hundred
-# times the prediction itself on 1000 rows); on chunks of one size it compiles once, and every
-# row's result is the same whatever batch it comes in (programs of other sizes differ in the
-# last bit). Inside a chunk the link runs on LINK_STEP_ROWS rows at a time: XLA's CPU backend
-# splits a larger transcendental loop over its thread pool, and waking the pool made one row's
-# sigmoid 90 us of a 110 us prediction (30 us in steps of 256 rows; 1M rows 4.1 -> 4.5 ms).
+# times the prediction itself on 1000 rows); on chunks of fixed sizes it compiles once for each,
+# and every row's result is the same whatever batch it comes in (programs of other sizes differ
+# in the last bit; a chunk of one step and a chunk of several run the same step program: the
+# built-in links gave the same bits for AVX-512, AVX2 and SSE4.2 code). Inside a chunk the link
+# runs on LINK_STEP_ROWS rows at a time: XLA's CPU backend splits a larger transcendental loop
+# over its thread pool, and waking the pool made one row's sigmoid 90 us of a 110 us prediction
+# (30 us in steps of 256 rows; 1M rows 4.1 -> 4.5 ms).
 LINK_CHUNK_ROWS = 2048
 LINK_STEP_ROWS = 256
 # Where the CPU backend is off (JAX_PLATFORMS without "cpu"), links run on the accelerator, where
@@ -127,9 +129,14 @@ def link_platform() -> str:
     return "cpu"
 
 
-def link_layout() -> tuple[int, bool]:
-    """``(rows a chunk, whether in steps of LINK_STEP_ROWS)`` on ``link_platform()``."""
-    return (LINK_CHUNK_ROWS, True) if link_platform() == "cpu" else (ACCELERATOR_LINK_CHUNK_ROWS, False)
+def link_layout(n_rows: int = LINK_CHUNK_ROWS) -> tuple[int, bool]:
+    """``(rows a chunk, whether in steps of LINK_STEP_ROWS)`` for ``n_rows`` rows on
+    ``link_platform()``. On CPU, up to one step's rows go in a chunk of one step, the same step
+    program as a whole chunk's: the softmax of one row of 10 outputs took 0.109 ms on a chunk of
+    LINK_CHUNK_ROWS, 0.062 on one step."""
+    if link_platform() != "cpu":
+        return ACCELERATOR_LINK_CHUNK_ROWS, False
+    return (LINK_STEP_ROWS if n_rows <= LINK_STEP_ROWS else LINK_CHUNK_ROWS), True
 
 
 def apply_link(link: Callable, raw_prediction: np.ndarray) -> np.ndarray:
@@ -139,8 +146,8 @@ def apply_link(link: Callable, raw_prediction: np.ndarray) -> np.ndarray:
     raw_prediction = np.asarray(raw_prediction, np.float32)
     if link is identity:  # nothing to compute, so nothing to compile
         return raw_prediction
-    chunk_rows, in_steps = link_layout()
     n_rows = raw_prediction.shape[0]
+    chunk_rows, in_steps = link_layout(n_rows)
     padded = np.zeros((-(-n_rows // chunk_rows) * chunk_rows,) + raw_prediction.shape[1:], np.float32)
     padded[:n_rows] = raw_prediction
     platform = link_platform()

@@ -1911,11 +1911,13 @@ def test_the_link_runs_on_the_host_cpu_when_the_default_backend_is_another(monke
 
 
 def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
-    """The link is applied to chunks of one size (the last zero-padded), so new batch sizes do
-    not compile it again; the result is the link of the raw predictions, row for row, for one
+    """The link is applied to chunks of fixed sizes (the last zero-padded), so new batch sizes
+    do not compile it again; the result is the link of the raw predictions, row for row, for one
     output and for a row-wise link over several (softmax). On CPU a chunk's rows go through the
-    link in steps; the layout for accelerators (whole, larger chunks, where JAX runs without its
-    CPU backend) gives the same values."""
+    link in steps, and up to one step's rows go in a chunk of one step: each size compiles once,
+    and a row's prediction is the same bit for bit whatever batch it comes in. The layout for
+    accelerators (whole, larger chunks, where JAX runs without its CPU backend) gives the same
+    values."""
     from jaxboost import link as links
 
     rng = np.random.default_rng(5)
@@ -1924,20 +1926,25 @@ def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
     labels = np.digitize(X[:, 0] + 0.3 * rng.normal(size=n_rows), [-0.5, 0.5]).astype(np.float32)
     accelerator_layout = (links.ACCELERATOR_LINK_CHUNK_ROWS, False)
     # Links run on the host's CPU, which holds the raw predictions, whatever the default backend.
-    assert links.link_platform() == "cpu" and links.link_layout() == (links.LINK_CHUNK_ROWS, True)
+    assert links.link_platform() == "cpu"
+    assert links.link_layout(1) == links.link_layout(links.LINK_STEP_ROWS) == (links.LINK_STEP_ROWS, True)
+    assert links.link_layout(links.LINK_STEP_ROWS + 1) == (links.LINK_CHUNK_ROWS, True)
     for loss, y in [("logistic", (labels > 0).astype(np.float32)), ("softmax", labels)]:
         model = jb.train(X[:3000], y[:3000], loss=loss, num_rounds=3, max_depth=3)
-        for layout in [links.link_layout(), accelerator_layout]:
-            monkeypatch.setattr(links, "link_layout", lambda layout=layout: layout)
-            compiled = links._compiled_link(model.link, layout[1], "cpu")
+        for layout, sizes in [(None, 2), (accelerator_layout, 1)]:
+            if layout is not None:
+                monkeypatch.setattr(links, "link_layout", lambda n_rows, layout=layout: layout)
+            compiled = links._compiled_link(model.link, layout is None or layout[1], "cpu")
+            whole = model.predict(X)
             for rows in (1, 7, 3000, n_rows):
                 raw = model.predict_raw(X[:rows])
                 predicted = model.predict(X[:rows])
                 np.testing.assert_allclose(predicted, np.asarray(model.link(jnp.asarray(raw))),
                                            rtol=1e-6, atol=1e-7, err_msg=f"{loss}, {rows} rows, layout {layout}")
+                np.testing.assert_array_equal(predicted, whole[:rows], err_msg=f"{loss}, {rows} rows, layout {layout}")
                 # A writable array, one chunk or several: not a read-only view of a result buffer.
                 assert predicted.flags.writeable, f"{loss}, {rows} rows"
-            assert compiled._cache_size() == 1, f"{loss}: the link compiled {compiled._cache_size()} times"
+            assert compiled._cache_size() == sizes, f"{loss}: the link compiled {compiled._cache_size()} times"
             monkeypatch.undo()
 
 
