@@ -1558,9 +1558,10 @@ XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
 // Prediction on raw features: every row walks every tree (rounds x outputs) of the heap layout
 // and adds the leaf value to its raw prediction, round after round in float32 (the order the
 // training loop uses); the K trees of a round that share their splits (vector leaves) are walked
-// once, and each adds its own leaf (200k rows x 100 rounds of 10 outputs: 0.27 -> 0.06 s). A row goes left when x < threshold, the bin edge of the split (exactly
-// "bin <= threshold_bin"), and NaN follows the node's default direction, so no binning is
-// needed. ``packed`` holds feature << 10 | threshold_bin << 2 | default_left << 1 | is_leaf.
+// once, and each adds its own leaf (200k rows x 100 rounds of 10 outputs: 0.27 -> 0.06 s). A row
+// goes left when x < threshold, the bin edge of the split (exactly "bin <= threshold_bin"), and
+// NaN follows the node's default direction, so no binning is needed. ``packed`` holds
+// feature << 10 | threshold_bin << 2 | default_left << 1 | is_leaf.
 
 // The trees re-laid for the walk. A leaf above the last level becomes a split that sends every
 // finite value and NaN left (+inf threshold, missing values left) over a subtree whose

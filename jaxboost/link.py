@@ -129,7 +129,7 @@ def link_platform() -> str:
     return "cpu"
 
 
-def link_layout(n_rows: int = LINK_CHUNK_ROWS) -> tuple[int, bool]:
+def link_layout(n_rows: int) -> tuple[int, bool]:
     """``(rows a chunk, whether in steps of LINK_STEP_ROWS)`` for ``n_rows`` rows on
     ``link_platform()``. On CPU, up to one step's rows go in a chunk of one step, the same step
     program as a whole chunk's: the softmax of one row of 10 outputs took 0.109 ms on a chunk of
