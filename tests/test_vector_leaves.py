@@ -70,8 +70,11 @@ def test_a_packed_hessian_holds_its_diagonal_first_and_every_entry_once(K):
     leaves = VectorLeaves(K)
     packed = np.asarray(leaves.pack_hessian(jnp.asarray(H)))
     assert packed.shape == (3, K * (K + 1) // 2)
-    rows, columns = packed_hessian_entries(K)  # the layout the native damped solve reads
-    np.testing.assert_array_equal(packed, H[:, rows, columns])
+    # The layout the native damped solve reads, written out as it walks it: the diagonal, then
+    # each row's entries right of the diagonal (not the same index table the packing uses).
+    entries = [(i, i) for i in range(K)] + [(i, j) for i in range(K) for j in range(i + 1, K)]
+    assert list(zip(*(a.tolist() for a in packed_hessian_entries(K)))) == entries
+    np.testing.assert_array_equal(packed, np.stack([H[:, i, j] for i, j in entries], axis=-1))
     np.testing.assert_array_equal(packed[:, :K], np.diagonal(H, axis1=1, axis2=2))
     np.testing.assert_array_equal(np.asarray(leaves.diagonal(jnp.asarray(packed))), np.diagonal(H, axis1=1, axis2=2))
     rebuilt = np.stack([np.stack([np.asarray(entry) for entry in row], axis=-1)
