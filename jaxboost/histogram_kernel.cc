@@ -1180,23 +1180,69 @@ inline __attribute__((always_inline)) void FactorLanes(const float* packed, cons
   }
 }
 
-// Candidates [first, last) of the problem, kSolveLanes at a time.
-inline __attribute__((always_inline)) void DampedSolveBody(const DampedSolveProblem& p, int64_t first,
-                                                           int64_t last) {
-  constexpr int64_t L = kSolveLanes;
-  const int64_t k = p.k;
-  // The packed layout (regularizer.packed_hessian_entries): the diagonal, then the upper
-  // triangle's other entries row by row.
+// The packed layout (regularizer.packed_hessian_entries): the diagonal, then the upper
+// triangle's other entries row by row. channel[i * k + j] is entry (i, j)'s channel.
+inline std::vector<int64_t> PackedChannels(int64_t k) {
   std::vector<int64_t> channel(static_cast<size_t>(k * k));
   for (int64_t i = 0; i < k; ++i) channel[i * k + i] = i;
   for (int64_t i = 0, c = k; i < k; ++i) {
     for (int64_t j = i + 1; j < k; ++j, ++c) channel[i * k + j] = channel[j * k + i] = c;
   }
-  std::vector<float> lanes(static_cast<size_t>(p.c * L)), factor(static_cast<size_t>(k * k * L)), damped(factor.size());
-  std::vector<float> y(static_cast<size_t>(k * L)), x(y.size()), pivots(y.size()), gradient(y.size());
-  float lambda[L], zero[L], tol[L], sum[L];
-  int32_t semi[L], solved[L];
+  return channel;
+}
+
+// Working memory of the solve of one block of lanes.
+struct SolveLanesScratch {
+  std::vector<float> factor, damped, y, pivots;
+  explicit SolveLanesScratch(int64_t k)
+      : factor(static_cast<size_t>(k * k * kSolveLanes)), damped(factor.size()),
+        y(static_cast<size_t>(k * kSolveLanes)), pivots(y.size()) {}
+};
+
+// One block of kSolveLanes candidates, transposed into lanes: `lanes` their packed Hessians (C
+// channels of lanes), `gradient` their gradients (K of lanes) -> `x` (K of lanes) solving
+// (H + lambda I) x = -G, `semi` whether H is PSD up to `tol`, `solved` whether H + lambda I
+// factorised with positive pivots.
+inline __attribute__((always_inline)) void SolveLanes(const float* lanes, const float* gradient, const int64_t* channel,
+                                                      const float* lambda, const float* tol, int64_t k,
+                                                      SolveLanesScratch& s, float* x, int32_t* semi, int32_t* solved) {
+  constexpr int64_t L = kSolveLanes;
+  float zero[L], sum[L];
   for (int64_t l = 0; l < L; ++l) zero[l] = 0.0f;
+  FactorLanes<false>(lanes, channel, lambda, tol, k, s.factor.data(), semi);
+  FactorLanes<true>(lanes, channel, lambda, zero, k, s.damped.data(), solved);
+  for (int64_t i = 0; i < k; ++i) {
+    const float* d = s.damped.data() + (i * k + i) * L;
+    for (int64_t l = 0; l < L; ++l) s.pivots[i * L + l] = d[l] > 0.0f ? d[l] : 1.0f;
+  }
+  for (int64_t i = 0; i < k; ++i) {  // forward: L y = -G
+    for (int64_t l = 0; l < L; ++l) sum[l] = 0.0f;
+    for (int64_t q = 0; q < i; ++q) {
+      const float* a = s.damped.data() + (i * k + q) * L;
+      for (int64_t l = 0; l < L; ++l) sum[l] += a[l] * s.y[q * L + l];
+    }
+    for (int64_t l = 0; l < L; ++l) s.y[i * L + l] = (-gradient[i * L + l] - sum[l]) / s.pivots[i * L + l];
+  }
+  for (int64_t i = k - 1; i >= 0; --i) {  // back: L' x = y
+    for (int64_t l = 0; l < L; ++l) sum[l] = 0.0f;
+    for (int64_t q = i + 1; q < k; ++q) {
+      const float* a = s.damped.data() + (q * k + i) * L;
+      for (int64_t l = 0; l < L; ++l) sum[l] += a[l] * x[q * L + l];
+    }
+    for (int64_t l = 0; l < L; ++l) x[i * L + l] = (s.y[i * L + l] - sum[l]) / s.pivots[i * L + l];
+  }
+}
+
+// Candidates [first, last) of the problem, kSolveLanes at a time.
+inline __attribute__((always_inline)) void DampedSolveBody(const DampedSolveProblem& p, int64_t first,
+                                                           int64_t last) {
+  constexpr int64_t L = kSolveLanes;
+  const int64_t k = p.k;
+  const std::vector<int64_t> channel = PackedChannels(k);
+  SolveLanesScratch scratch(k);
+  std::vector<float> lanes(static_cast<size_t>(p.c * L)), x(static_cast<size_t>(k * L)), gradient(x.size());
+  float lambda[L], tol[L];
+  int32_t semi[L], solved[L];
   for (int64_t start = first; start < last; start += L) {
     const int64_t count = std::min(L, last - start);
     // Blocks of candidates whose results are not read (the split scan's invalid ones: a child
@@ -1223,28 +1269,7 @@ inline __attribute__((always_inline)) void DampedSolveBody(const DampedSolveProb
       lambda[l] = p.lambda[row[l]];
       tol[l] = p.tolerance[row[l]];
     }
-    FactorLanes<false>(lanes.data(), channel.data(), lambda, tol, k, factor.data(), semi);
-    FactorLanes<true>(lanes.data(), channel.data(), lambda, zero, k, damped.data(), solved);
-    for (int64_t i = 0; i < k; ++i) {
-      const float* d = damped.data() + (i * k + i) * L;
-      for (int64_t l = 0; l < L; ++l) pivots[i * L + l] = d[l] > 0.0f ? d[l] : 1.0f;
-    }
-    for (int64_t i = 0; i < k; ++i) {  // forward: L y = -G
-      for (int64_t l = 0; l < L; ++l) sum[l] = 0.0f;
-      for (int64_t q = 0; q < i; ++q) {
-        const float* a = damped.data() + (i * k + q) * L;
-        for (int64_t l = 0; l < L; ++l) sum[l] += a[l] * y[q * L + l];
-      }
-      for (int64_t l = 0; l < L; ++l) y[i * L + l] = (-gradient[i * L + l] - sum[l]) / pivots[i * L + l];
-    }
-    for (int64_t i = k - 1; i >= 0; --i) {  // back: L' x = y
-      for (int64_t l = 0; l < L; ++l) sum[l] = 0.0f;
-      for (int64_t q = i + 1; q < k; ++q) {
-        const float* a = damped.data() + (q * k + i) * L;
-        for (int64_t l = 0; l < L; ++l) sum[l] += a[l] * x[q * L + l];
-      }
-      for (int64_t l = 0; l < L; ++l) x[i * L + l] = (y[i * L + l] - sum[l]) / pivots[i * L + l];
-    }
+    SolveLanes(lanes.data(), gradient.data(), channel.data(), lambda, tol, k, scratch, x.data(), semi, solved);
     for (int64_t l = 0; l < count; ++l) {
       const int64_t n = start + l;
       const bool read = p.active[n];
@@ -1314,6 +1339,298 @@ XLA_FFI_DEFINE_HANDLER(kDampedSolveHandler, DampedSolveImpl,
                            .Attr<int64_t>("threads")
                            .Ret<ffi::Buffer<ffi::F32>>()
                            .Ret<ffi::Buffer<ffi::PRED>>());
+
+// Full-Hessian vector leaves: the split scan of a level's nodes, whole (split.find_best_splits
+// with regularizer.vector_value_and_score, whose arithmetic this follows operation for
+// operation). As XLA code around the native solve, each node's step copied its histogram, its
+// running sums, both directions' candidates and both children's sides into arrays of their own:
+// a third of the scan's time at 10 outputs. Here each (node, feature) pair's running sums stay
+// in a buffer of its own, only the candidates a split can take (both children above
+// min_child_weight, the feature allowed) are solved, and each pair keeps its best candidate.
+struct VectorScanProblem {
+  const float* histograms;  // (N, d, B, C): K gradient channels, the packed Hessian, padding
+  const bool* allowed;      // (N, d)
+  const float* split_cost;  // (N, d)
+  const float* settings;    // (N, 3): lambda, max_delta_step, min_child_weight
+  int64_t d, bins, c, k, directions;
+  float psd_tolerance, max_full_to_diagonal;
+  bool general_objective;  // the objective evaluated in full (leaves possibly bounded)
+  // Each pair's best: its gain, its candidate (direction * (B - 1) + bin; -1: every gain NaN),
+  // whether its first gain is NaN, and that candidate's left and right sums (K + P each).
+  float* pair_gain;
+  int32_t* pair_candidate;
+  bool* pair_first_nan;
+  float* pair_sums;
+};
+
+// The pairs [first, last) of `pairs` (node * d + feature).
+inline __attribute__((always_inline)) void VectorScanBody(const VectorScanProblem& p, const int64_t* pairs,
+                                                          int64_t first, int64_t last) {
+  constexpr int64_t L = kSolveLanes;
+  const int64_t k = p.k, hessians = k * (k + 1) / 2, width = k + hessians, c = p.c, bins = p.bins;
+  const int64_t values = bins - 1, candidates = p.directions * values;
+  const std::vector<int64_t> channel = PackedChannels(k);
+  SolveLanesScratch scratch(k);
+  // Running sums over the bins, then every candidate's left and right sides (the node itself
+  // last: its left side holds every row).
+  std::vector<float> running(static_cast<size_t>(bins * c)), total(static_cast<size_t>(c));
+  std::vector<float> sides(static_cast<size_t>((candidates + 1) * 2 * c)), scores((candidates + 1) * 2);
+  std::vector<float> gains(static_cast<size_t>(candidates));
+  std::vector<char> valid_candidate(static_cast<size_t>(candidates));
+  std::vector<int64_t> solve;  // side indices (candidate * 2 + side) whose scores are read
+  std::vector<float> lanes(static_cast<size_t>(hessians * L)), gradient(static_cast<size_t>(k * L));
+  std::vector<float> x(static_cast<size_t>(k * L));
+  float lambda_lanes[L], tol[L], scale[L], diagonal[L], linear[L], quadratic[L];
+  int32_t semi[L], solved[L];
+  for (int64_t at = first; at < last; ++at) {
+    const int64_t pair = pairs[at], node = pair / p.d;
+    const float* histogram = p.histograms + pair * bins * c;
+    const float lambda = p.settings[node * 3], max_delta_step = p.settings[node * 3 + 1];
+    const float min_weight = p.settings[node * 3 + 2];
+    const float bound = max_delta_step > 0.0f ? max_delta_step : std::numeric_limits<float>::infinity();
+    // As the cumulative-bins kernel sums them: each channel in bin order.
+    for (int64_t ch = 0; ch < c; ++ch) total[ch] = 0.0f;
+    for (int64_t bin = 0; bin < bins; ++bin) {
+      for (int64_t ch = 0; ch < c; ++ch) running[bin * c + ch] = total[ch] += histogram[bin * c + ch];
+    }
+    const float* missing = histogram + values * c;
+    for (int64_t ch = 0; ch < c; ++ch) total[ch] = running[(values - 1) * c + ch] + missing[ch];
+    auto weight = [&](const float* sums) {  // the smallest Hessian diagonal (NaN if any is)
+      float smallest = sums[k];
+      for (int64_t i = 1; i < k; ++i) smallest = (sums[k + i] < smallest || std::isnan(sums[k + i])) ? sums[k + i] : smallest;
+      return smallest;
+    };
+    const bool allowed = p.allowed[pair];
+    solve.clear();
+    for (int64_t candidate = 0; candidate <= candidates; ++candidate) {
+      float* left = sides.data() + candidate * 2 * c;
+      float* right = left + c;
+      if (candidate == candidates) {
+        for (int64_t ch = 0; ch < c; ++ch) left[ch] = total[ch];
+      } else {
+        const float* sums = running.data() + (candidate % values) * c;
+        // Direction 0 sends the missing values left.
+        if (candidate < values) {
+          for (int64_t ch = 0; ch < c; ++ch) left[ch] = sums[ch] + missing[ch];
+        } else {
+          for (int64_t ch = 0; ch < c; ++ch) left[ch] = sums[ch];
+        }
+      }
+      for (int64_t ch = 0; ch < c; ++ch) right[ch] = total[ch] - left[ch];
+      const float left_weight = weight(left), right_weight = weight(right);
+      const bool valid = candidate < candidates && allowed && left_weight >= min_weight &&
+                         right_weight >= min_weight && left_weight > 0.0f && right_weight > 0.0f;
+      if (valid || candidate == candidates) solve.push_back(candidate * 2);
+      if (valid) solve.push_back(candidate * 2 + 1);
+      if (candidate < candidates) {
+        valid_candidate[candidate] = valid;
+        gains[candidate] = -std::numeric_limits<float>::infinity();
+      }
+    }
+    // Without a valid candidate the node's own score is not read either.
+    if (solve.size() == 1) solve.clear();
+    const char* valid = valid_candidate.data();
+    // The sides' scores, kSolveLanes at a time; lanes past the last repeat it.
+    const int64_t count_all = static_cast<int64_t>(solve.size());
+    for (int64_t start = 0; start < count_all; start += L) {
+      const int64_t count = std::min(L, count_all - start);
+      const float* side[L];
+      for (int64_t l = 0; l < L; ++l) side[l] = sides.data() + solve[start + std::min(l, count - 1)] * c;
+      for (int64_t e = 0; e < hessians; ++e) {
+        for (int64_t l = 0; l < L; ++l) lanes[e * L + l] = side[l][k + e];
+      }
+      for (int64_t i = 0; i < k; ++i) {
+        for (int64_t l = 0; l < L; ++l) gradient[i * L + l] = side[l][i];
+      }
+      for (int64_t l = 0; l < L; ++l) {
+        lambda_lanes[l] = lambda;
+        scale[l] = std::fabs(lanes[l]);
+      }
+      for (int64_t i = 1; i < k; ++i) {
+        for (int64_t l = 0; l < L; ++l) scale[l] = std::max(scale[l], std::fabs(lanes[i * L + l]));
+      }
+      for (int64_t l = 0; l < L; ++l) tol[l] = p.psd_tolerance * scale[l];
+      SolveLanes(lanes.data(), gradient.data(), channel.data(), lambda_lanes, tol, k, scratch, x.data(), semi, solved);
+      // Both solutions' scores, lane by lane as the solve: the diagonal one (each output on its
+      // own) and the full one at its clipped value.
+      for (int64_t l = 0; l < L; ++l) diagonal[l] = linear[l] = quadratic[l] = 0.0f;
+      for (int64_t i = 0; i < k; ++i) {
+        const float* g = gradient.data() + i * L;
+        const float* h = lanes.data() + i * L;
+        float* w = x.data() + i * L;
+        for (int64_t l = 0; l < L; ++l) {
+          const float denominator = h[l] + lambda;
+          const float safe = denominator > 0.0f ? denominator : 1.0f;
+          float value = -g[l] / safe;
+          value = denominator > 0.0f ? value : 0.0f;
+          value = std::min(std::max(value, -bound), bound);
+          const float objective = g[l] * value + 0.5f * h[l] * value * value +
+                                  (0.5f * lambda * value * value + 0.0f * std::fabs(value));
+          diagonal[l] += -2.0f * objective;
+          w[l] = std::min(std::max(w[l], -bound), bound);
+          linear[l] += g[l] * w[l];
+        }
+      }
+      if (p.general_objective) {
+        for (int64_t i = 0; i < k; ++i) {
+          for (int64_t j = 0; j < k; ++j) {
+            const float* h = lanes.data() + channel[i * k + j] * L;
+            const float damping = i == j ? lambda : 0.0f;
+            for (int64_t l = 0; l < L; ++l) quadratic[l] += x[i * L + l] * (h[l] + damping) * x[j * L + l];
+          }
+        }
+      }
+      for (int64_t l = 0; l < count; ++l) {
+        const float objective = p.general_objective ? linear[l] + 0.5f * quadratic[l] : 0.5f * linear[l];
+        const float full = -2.0f * objective;
+        const bool use_full = semi[l] && solved[l] && lambda > 0.0f && full <= p.max_full_to_diagonal * diagonal[l];
+        scores[solve[start + l]] = use_full ? full : diagonal[l];
+      }
+    }
+    const float parent = scores[candidates * 2];
+    for (int64_t candidate = 0; candidate < candidates; ++candidate) {
+      if (valid[candidate]) {
+        gains[candidate] = (scores[candidate * 2] + scores[candidate * 2 + 1] - parent) - p.split_cost[pair];
+      }
+    }
+    // The first maximum among the gains that are not NaN.
+    int64_t best = -1;
+    for (int64_t candidate = 0; candidate < candidates; ++candidate) {
+      const float gain = gains[candidate];
+      if (!std::isnan(gain) && (best < 0 || gain > gains[best])) best = candidate;
+    }
+    // A node whose very first gain is NaN takes that candidate (first_maximum's rule).
+    const bool nan_first = pair % p.d == 0 && std::isnan(gains[0]);
+    const int64_t chosen = best < 0 || nan_first ? 0 : best;
+    p.pair_first_nan[at] = nan_first;
+    p.pair_candidate[at] = static_cast<int32_t>(best);
+    p.pair_gain[at] = gains[chosen];
+    // The chosen candidate's sides, as find_best_splits recomputes them from the running sums.
+    const float* sums = running.data() + (chosen % values) * c;
+    float* out = p.pair_sums + at * 2 * width;
+    for (int64_t ch = 0; ch < width; ++ch) {
+      out[ch] = sums[ch] + (chosen < values ? missing[ch] : 0.0f);
+      out[width + ch] = total[ch] - out[ch];
+    }
+  }
+}
+
+void VectorScanPairs(const VectorScanProblem& p, const int64_t* pairs, int64_t first, int64_t last) {
+  VectorScanBody(p, pairs, first, last);
+}
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx2,fma"))) void VectorScanPairsAvx2(const VectorScanProblem& p, const int64_t* pairs,
+                                                              int64_t first, int64_t last) {
+  VectorScanBody(p, pairs, first, last);
+}
+__attribute__((target("avx512f"))) void VectorScanPairsAvx512(const VectorScanProblem& p, const int64_t* pairs,
+                                                               int64_t first, int64_t last) {
+  VectorScanBody(p, pairs, first, last);
+}
+#endif
+
+using ScanPairs = void (*)(const VectorScanProblem&, const int64_t*, int64_t, int64_t);
+
+// histograms (..., N, d, B, C), allowed and split_cost (..., N, d), settings (..., N, 3) and scan
+// (..., N): per node its best split's gain, feature, threshold bin, direction (missing values
+// left) and children's sums (..., N, K + P); zeros for the nodes not scanned. Leading axes are
+// more nodes (a vmapped call's batch axes). Threads take ranges of the scanned pairs.
+ffi::Error VectorSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi::PRED> allowed,
+                               ffi::Buffer<ffi::F32> split_cost, ffi::Buffer<ffi::F32> settings,
+                               ffi::Buffer<ffi::PRED> scan, int64_t outputs, int64_t directions,
+                               int64_t general_objective, float psd_tolerance, float max_full_to_diagonal,
+                               int64_t threads, ffi::ResultBuffer<ffi::F32> gain, ffi::ResultBuffer<ffi::S32> feature,
+                               ffi::ResultBuffer<ffi::S32> threshold, ffi::ResultBuffer<ffi::PRED> default_left,
+                               ffi::ResultBuffer<ffi::F32> left_sums, ffi::ResultBuffer<ffi::F32> right_sums) {
+  const auto dims = histograms.dimensions();
+  if (dims.size() < 4) return ffi::Error::InvalidArgument("vector split scan: histograms (..., N, d, B, C) expected");
+  const int64_t d = dims[dims.size() - 3], bins = dims[dims.size() - 2], c = dims[dims.size() - 1];
+  const int64_t k = outputs, width = k + k * (k + 1) / 2;
+  const int64_t nodes = static_cast<int64_t>(scan.element_count());
+  if (k < 1 || k > 64 || c < width || bins < 2 || (directions != 1 && directions != 2) ||
+      static_cast<int64_t>(histograms.element_count()) != nodes * d * bins * c ||
+      static_cast<int64_t>(allowed.element_count()) != nodes * d ||
+      static_cast<int64_t>(split_cost.element_count()) != nodes * d ||
+      static_cast<int64_t>(settings.element_count()) != nodes * 3 ||
+      static_cast<int64_t>(left_sums->element_count()) != nodes * width) {
+    return ffi::Error::InvalidArgument("vector split scan: inconsistent shapes");
+  }
+  std::vector<int64_t> pairs;
+  for (int64_t node = 0; node < nodes; ++node) {
+    if (!scan.typed_data()[node]) continue;
+    for (int64_t f = 0; f < d; ++f) pairs.push_back(node * d + f);
+  }
+  const int64_t count = static_cast<int64_t>(pairs.size());
+  std::vector<float> pair_gain(static_cast<size_t>(count)), pair_sums(static_cast<size_t>(count * 2 * width));
+  std::vector<int32_t> pair_candidate(static_cast<size_t>(count));
+  std::unique_ptr<bool[]> pair_first_nan(new bool[static_cast<size_t>(std::max<int64_t>(count, 1))]);
+  VectorScanProblem problem{histograms.typed_data(), allowed.typed_data(), split_cost.typed_data(),
+                            settings.typed_data(), d, bins, c, k, directions, psd_tolerance, max_full_to_diagonal,
+                            general_objective != 0, pair_gain.data(), pair_candidate.data(), pair_first_nan.get(),
+                            pair_sums.data()};
+  threads = std::max<int64_t>(1, std::min(threads, count));
+  static const ScanPairs scan_pairs =
+      ChooseForCpu<ScanPairs>(VectorScanPairs X86_VARIANTS(VectorScanPairsAvx2, VectorScanPairsAvx512));
+  std::vector<std::thread> workers;
+  auto range = [&](int64_t t) { return t * count / threads; };
+  for (int64_t t = 1; t < threads; ++t) {
+    workers.emplace_back(scan_pairs, std::cref(problem), pairs.data(), range(t), range(t + 1));
+  }
+  if (count > 0) scan_pairs(problem, pairs.data(), 0, range(1));
+  for (auto& worker : workers) worker.join();
+  // Each node's first maximum over its features' candidates (feature, then direction, then bin),
+  // as first_maximum takes it: NaNs never win, unless the very first gain is NaN.
+  std::fill(gain->typed_data(), gain->typed_data() + nodes, 0.0f);
+  std::fill(feature->typed_data(), feature->typed_data() + nodes, 0);
+  std::fill(threshold->typed_data(), threshold->typed_data() + nodes, 0);
+  std::fill(default_left->typed_data(), default_left->typed_data() + nodes, false);
+  std::fill(left_sums->typed_data(), left_sums->typed_data() + nodes * width, 0.0f);
+  std::fill(right_sums->typed_data(), right_sums->typed_data() + nodes * width, 0.0f);
+  for (int64_t first = 0; first < count; first += d) {
+    const int64_t node = pairs[first] / d;
+    int64_t best = first;  // the first pair's candidate 0 unless a gain that is not NaN wins
+    bool found = false;
+    if (!pair_first_nan[first]) {
+      for (int64_t at = first; at < first + d; ++at) {
+        if (pair_candidate[at] >= 0 && (!found || pair_gain[at] > pair_gain[best])) {
+          best = at;
+          found = true;
+        }
+      }
+    }
+    const int64_t candidate = found ? pair_candidate[best] : 0;
+    const int64_t values = bins - 1;
+    gain->typed_data()[node] = found ? pair_gain[best] : pair_gain[first];
+    feature->typed_data()[node] = static_cast<int32_t>(best - first);
+    threshold->typed_data()[node] = static_cast<int32_t>(candidate % values);
+    default_left->typed_data()[node] = candidate < values;
+    std::copy(pair_sums.begin() + best * 2 * width, pair_sums.begin() + best * 2 * width + width,
+              left_sums->typed_data() + node * width);
+    std::copy(pair_sums.begin() + best * 2 * width + width, pair_sums.begin() + (best + 1) * 2 * width,
+              right_sums->typed_data() + node * width);
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kVectorSplitScanHandler, VectorSplitScanImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::PRED>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::PRED>>()
+                           .Attr<int64_t>("outputs")
+                           .Attr<int64_t>("directions")
+                           .Attr<int64_t>("general_objective")
+                           .Attr<float>("psd_tolerance")
+                           .Attr<float>("max_full_to_diagonal")
+                           .Attr<int64_t>("threads")
+                           .Ret<ffi::Buffer<ffi::F32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::PRED>>()
+                           .Ret<ffi::Buffer<ffi::F32>>()
+                           .Ret<ffi::Buffer<ffi::F32>>());
 
 // The first index of the maximum of every row of a (rows, ...) array, and that maximum: the split
 // scan's choice among its candidates. Computed by XLA as two reductions, the candidates' gains
@@ -2135,6 +2452,9 @@ extern "C" XLA_FFI_Error* JaxboostSegmentSum(XLA_FFI_CallFrame* call_frame) {
   return kSegmentSumHandler(call_frame);
 }
 
+extern "C" XLA_FFI_Error* JaxboostVectorSplitScan(XLA_FFI_CallFrame* call_frame) {
+  return kVectorSplitScanHandler(call_frame);
+}
 extern "C" XLA_FFI_Error* JaxboostDampedSolve(XLA_FFI_CallFrame* call_frame) {
   return kDampedSolveHandler(call_frame);
 }

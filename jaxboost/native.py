@@ -48,6 +48,7 @@ FIRST_MAXIMUM_TARGET = "jaxboost_first_maximum"
 ADD_POSITION_VALUES_TARGET = "jaxboost_add_position_values"
 SORT_BY_KEY_TARGET = "jaxboost_sort_by_key"
 DAMPED_SOLVE_TARGET = "jaxboost_damped_solve"
+VECTOR_SPLIT_SCAN_TARGET = "jaxboost_vector_split_scan"
 SEGMENT_SUM_TARGET = "jaxboost_segment_sum"
 SORTED_AUC_SUMS_TARGET = "jaxboost_sorted_auc_sums"
 COMPACT_FLAGS_TARGET = "jaxboost_compact_flags"
@@ -56,7 +57,8 @@ _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "Jaxb
             CHANNEL_HISTOGRAM_TARGET: "JaxboostChannelHistogram",
             CUMULATIVE_BINS_TARGET: "JaxboostCumulativeBins", FIRST_MAXIMUM_TARGET: "JaxboostFirstMaximum",
             ADD_POSITION_VALUES_TARGET: "JaxboostAddPositionValues", SORT_BY_KEY_TARGET: "JaxboostSortByKey",
-            DAMPED_SOLVE_TARGET: "JaxboostDampedSolve", SEGMENT_SUM_TARGET: "JaxboostSegmentSum",
+            DAMPED_SOLVE_TARGET: "JaxboostDampedSolve", VECTOR_SPLIT_SCAN_TARGET: "JaxboostVectorSplitScan",
+            SEGMENT_SUM_TARGET: "JaxboostSegmentSum",
             SORTED_AUC_SUMS_TARGET: "JaxboostSortedAucSums", COMPACT_FLAGS_TARGET: "JaxboostCompactFlags"}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w", "-fno-math-errno"]
 _COMPILE_TIMEOUT_S = 300

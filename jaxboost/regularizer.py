@@ -14,7 +14,9 @@ the constrained minimiser. A node's score is ``-2 objective(w*)`` (``T_alpha(G)^
 lambda)`` in the closed form), and a split's ``loss_chg`` is ``score(left) + score(right) -
 score(parent)``, XGBoost's convention, so that ``gamma`` means the same number in both
 libraries; a per-feature ``split_cost`` is subtracted from it. Nothing else in jaxboost derives a
-leaf value or a gain.
+leaf value or a gain, except the CPU's native kernels for full-Hessian vector leaves (the damped
+solve, and the split scan that calls it: ``histogram_kernel.cc``), which run this module's
+arithmetic operation for operation and are tested against it.
 
 Public constructors (``jb.regularizers.l2(1.0)``, ``l1``, ``elastic_net``, ``custom``) build the
 ``Regularization`` record; its numbers are traced, so new values do not recompile.

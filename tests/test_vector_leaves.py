@@ -4,6 +4,7 @@ solves, whole models against XGBoost's ``multi_output_tree``, and the model mach
 SHAP, importance) on a vector-leaf softmax model."""
 
 import re
+from functools import partial
 
 import numpy as np
 import pytest
@@ -131,6 +132,84 @@ def test_native_damped_solve_is_the_element_wise_solve(K, reg_lambda):
     w_batched, ok_batched = batched(G.reshape(3, 100, K), packed.reshape(3, 100, -1), tolerance.reshape(3, 100))
     np.testing.assert_array_equal(np.asarray(w_batched).reshape(n, K), w_native)
     np.testing.assert_array_equal(np.asarray(ok_batched).reshape(n), ok_native)
+
+
+def _softmax_level_histograms(rng, K, num_nodes, n_features, max_bin):
+    """A level's histograms of softmax rows' statistics (gradients, packed Hessians and the
+    padding channel), summed by NumPy; each node holds its own rows, some with missing values."""
+    leaves = VectorLeaves(K)
+    width = K + leaves.hessian_channels
+    histograms = np.zeros((num_nodes, n_features, max_bin, width + width % 2), np.float32)
+    for node in range(num_nodes):
+        rows = int(rng.integers(30, 600))
+        p = np.exp(rng.normal(size=(rows, K)))
+        p /= p.sum(axis=1, keepdims=True)
+        g = p - np.eye(K)[rng.integers(0, K, rows)]
+        H = np.einsum("nk,kl->nkl", p, np.eye(K)) - np.einsum("nk,nl->nkl", p, p)
+        statistics = np.concatenate([g, np.asarray(leaves.pack_hessian(jnp.asarray(H)))], axis=1)
+        for feature in range(n_features):
+            codes = rng.integers(0, max_bin, rows)  # the last bin: missing values
+            np.add.at(histograms[node, feature, :, :width], codes, statistics)
+    return histograms
+
+
+@pytest.mark.parametrize("K, bound, missing_values, per_feature_cost", [
+    (5, False, True, True), (10, False, True, False), (10, None, False, True), (10, True, True, False)])
+def test_native_vector_split_scan_is_the_xla_scan(K, bound, missing_values, per_feature_cost):
+    """The native scan of a level of full-Hessian vector leaves chooses what the XLA scan around
+    the native solve chooses (feature, bin, direction, and the children's sums bit for bit; the
+    gain to float32 rounding, as the two sum a candidate's outputs in their own order), on nodes
+    where min_child_weight and the column sample leave some candidates out and one node none;
+    the nodes not scanned (past the live ones, or not active) are zeros, and a vmapped call is
+    the calls one by one. Bounded leaves (max_delta_step) and unknown bounds score the full
+    objective, known unbounded ones half its linear term."""
+    from jaxboost.split import find_best_splits_of_live_nodes
+
+    rng = np.random.default_rng(K)
+    num_nodes, n_features, max_bin = 8, 5, 24
+    histograms = _softmax_level_histograms(rng, K, num_nodes, n_features, max_bin)
+    # Node 6: its first candidate valid (a heavy first bin), then NaN gradients there: a NaN first
+    # gain is first_maximum's choice (NaN, the first candidate) whatever follows.
+    histograms[6] *= 100
+    histograms[6, 0, 0] = histograms[6, 0, :-1].sum(axis=0)
+    histograms[6, 0, :, 0] = np.nan
+    histograms = jnp.asarray(histograms)
+    allowed = rng.random((num_nodes, n_features)) < 0.8
+    allowed[6, 0] = True
+    allowed[2] = False  # no candidate at all: -inf at the first one
+    cost = np.linspace(0.0, 0.4, n_features) if per_feature_cost else 0.1
+    reg = jb.regularizers.l2(1.0, split_cost=cost)
+    reg = reg if bound is None else reg.with_max_delta_step(0.3 if bound else 0.0)
+    leaves = VectorLeaves(K)
+    live = num_nodes - 1
+    active = np.arange(num_nodes) != 4
+    scanned = (np.arange(num_nodes) < live) & active
+
+    def scan(kernel, histograms, reg):
+        return find_best_splits_of_live_nodes(histograms, jnp.asarray(allowed), reg, F32(5.0), None, leaves,
+                                              jnp.int32(live), missing_values, jnp.asarray(active), kernel=kernel)
+
+    native, xla = (jax.tree_util.tree_map(np.asarray, jax.jit(partial(scan, kernel))(histograms, reg))
+                   for kernel in ("native", "xla"))
+    for field in ("feature", "threshold_bin", "default_left", "left_gradients", "left_hessians", "right_gradients",
+                  "right_hessians"):
+        np.testing.assert_array_equal(getattr(native, field)[scanned], getattr(xla, field)[scanned], err_msg=field)
+        assert not getattr(native, field)[~scanned].any(), field
+    np.testing.assert_allclose(native.loss_change[scanned], xla.loss_change[scanned], rtol=2e-6)
+    assert not native.loss_change[~scanned].any()
+    assert native.loss_change[2] == -np.inf and native.feature[2] == 0 and native.threshold_bin[2] == 0
+    assert np.isnan(native.loss_change[6]) and native.feature[6] == 0 and native.threshold_bin[6] == 0
+    assert np.isfinite(native.loss_change[scanned]).sum() >= 3
+    if not missing_values:
+        assert native.default_left[scanned].all()
+    # Two models at once (train_many): a second lambda changes the gains.
+    other = reg.replace(reg_lambda=F32(4.0))
+    stacked = jax.tree_util.tree_map(lambda a, b: jnp.stack([jnp.asarray(a), jnp.asarray(b)]), reg, other)
+    both = jax.jit(jax.vmap(partial(scan, "native"), in_axes=(None, 0)))(histograms, stacked)
+    alone = jax.jit(partial(scan, "native"))(histograms, other)
+    for batched, first, second in zip(both, native, alone):
+        np.testing.assert_array_equal(np.asarray(batched), np.stack([first, np.asarray(second)]))
+    assert not np.array_equal(native.loss_change, np.asarray(alone.loss_change))
 
 
 @pytest.mark.parametrize("reg", PENALTIES)
