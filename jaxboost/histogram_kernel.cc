@@ -1547,7 +1547,7 @@ ffi::Error VectorSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi
   const int64_t d = dims[dims.size() - 3], bins = dims[dims.size() - 2], c = dims[dims.size() - 1];
   const int64_t k = outputs, width = k + k * (k + 1) / 2;
   const int64_t nodes = static_cast<int64_t>(scan.element_count());
-  if (k < 1 || k > 64 || c < width || bins < 2 || (directions != 1 && directions != 2) ||
+  if (k < 1 || c < width || bins < 2 || (directions != 1 && directions != 2) ||
       static_cast<int64_t>(histograms.element_count()) != nodes * d * bins * c ||
       static_cast<int64_t>(allowed.element_count()) != nodes * d ||
       static_cast<int64_t>(split_cost.element_count()) != nodes * d ||
