@@ -153,6 +153,8 @@ def _softmax_level_histograms(rng, K, num_nodes, n_features, max_bin):
     return histograms
 
 
+@pytest.mark.skipif(jb.native.native_target(jb.native.VECTOR_SPLIT_SCAN_TARGET) is None or jax.default_backend() != "cpu",
+                    reason="native kernels not built here, or JAX's default backend is not the CPU")
 @pytest.mark.parametrize("K, bound, missing_values, per_feature_cost", [
     (5, False, True, True), (10, False, True, False), (10, None, False, True), (10, True, True, False)])
 def test_native_vector_split_scan_is_the_xla_scan(K, bound, missing_values, per_feature_cost):
