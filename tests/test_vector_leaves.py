@@ -39,6 +39,8 @@ PENALTIES = [pytest.param(jb.regularizers.l2(1.0), id="bound-unknown"),
              pytest.param(jb.regularizers.l2(1.0).with_max_delta_step(0.0), id="unbounded")]
 
 
+@pytest.mark.skipif(jb.native.native_target(jb.native.DAMPED_SOLVE_TARGET) is None,
+                    reason="without the native kernels the full solve's own divisions are XLA code too")
 def test_a_levels_diagonal_solution_compiles_to_loops_over_the_flattened_outputs():
     """A level's leaf values (few candidates): the diagonal solution's division runs over the
     candidates' outputs flattened into one axis, not over (candidates, K) arrays, whose short
