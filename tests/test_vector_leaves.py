@@ -157,16 +157,17 @@ def _softmax_level_histograms(rng, K, num_nodes, n_features, max_bin):
 
 @pytest.mark.skipif(jb.native.native_target(jb.native.VECTOR_SPLIT_SCAN_TARGET) is None or jax.default_backend() != "cpu",
                     reason="native kernels not built here, or JAX's default backend is not the CPU")
-@pytest.mark.parametrize("K, bound, missing_values, per_feature_cost", [
-    (5, False, True, True), (10, False, True, False), (10, None, False, True), (10, True, True, False)])
-def test_native_vector_split_scan_is_the_xla_scan(K, bound, missing_values, per_feature_cost):
+@pytest.mark.parametrize("K, bound, missing_values, per_feature_cost, threads", [
+    (5, False, True, True, 1), (10, False, True, False, 1), (10, None, False, True, 3), (10, True, True, False, 1)])
+def test_native_vector_split_scan_is_the_xla_scan(K, bound, missing_values, per_feature_cost, threads):
     """The native scan of a level of full-Hessian vector leaves chooses what the XLA scan around
     the native solve chooses (feature, bin, direction, and the children's sums bit for bit; the
     gain to float32 rounding, as the two sum a candidate's outputs in their own order), on nodes
     where min_child_weight and the column sample leave some candidates out and one node none;
     the nodes not scanned (past the live ones, or not active) are zeros, and a vmapped call is
     the calls one by one. Bounded leaves (max_delta_step) and unknown bounds score the full
-    objective, known unbounded ones half its linear term."""
+    objective, known unbounded ones half its linear term. Threads share a level's (node,
+    feature) pairs."""
     from jaxboost.split import find_best_splits_of_live_nodes
 
     rng = np.random.default_rng(K)
@@ -184,7 +185,7 @@ def test_native_vector_split_scan_is_the_xla_scan(K, bound, missing_values, per_
     cost = np.linspace(0.0, 0.4, n_features) if per_feature_cost else 0.1
     reg = jb.regularizers.l2(1.0, split_cost=cost)
     reg = reg if bound is None else reg.with_max_delta_step(0.3 if bound else 0.0)
-    leaves = VectorLeaves(K)
+    leaves = VectorLeaves(K, solve_threads=threads)
     live = num_nodes - 1
     active = np.arange(num_nodes) != 4
     scanned = (np.arange(num_nodes) < live) & active
