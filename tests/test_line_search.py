@@ -418,7 +418,10 @@ def test_a_loss_without_any_curvature_starts_from_its_refit_program(monkeypatch)
     objective = _vector_objective(two_pinball_losses, 2)
     args = (jnp.zeros((N_ROWS, 2)), jnp.asarray(y), jnp.asarray(weights))
     with_newton = np.asarray(starting_value(objective, *args))
-    np.testing.assert_array_equal(np.asarray(model.base_score), with_newton)
+    if jb.native.native_target(jb.native.SEGMENT_SUM_TARGET) is not None:
+        np.testing.assert_array_equal(np.asarray(model.base_score), with_newton)
+    else:  # without the native segment sum the two programs sum the rows in orders of their own
+        np.testing.assert_allclose(np.asarray(model.base_score), with_newton, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(starting_value(objective, *args, hessian_vanishes=True)), with_newton)
     w, y64 = weights.astype(np.float64), y.astype(np.float64)
     for output, level in enumerate([0.2, 0.7]):
