@@ -1344,7 +1344,7 @@ XLA_FFI_DEFINE_HANDLER(kDampedSolveHandler, DampedSolveImpl,
 // with regularizer.vector_value_and_score, whose arithmetic this follows operation for
 // operation). As XLA code around the native solve, each node's step copied its histogram, its
 // running sums, both directions' candidates and both children's sides into arrays of their own:
-// a third of the scan's time at 10 outputs. Here each (node, feature) pair's running sums stay
+// about half of the scan's time at 10 outputs. Here each (node, feature) pair's running sums stay
 // in a buffer of its own, only the candidates a split can take (both children above
 // min_child_weight, the feature allowed) are solved, and each pair keeps its best candidate.
 struct VectorScanProblem {
@@ -1397,7 +1397,9 @@ inline __attribute__((always_inline)) void VectorScanBody(const VectorScanProble
     for (int64_t ch = 0; ch < c; ++ch) total[ch] = running[(values - 1) * c + ch] + missing[ch];
     auto weight = [&](const float* sums) {  // the smallest Hessian diagonal (NaN if any is)
       float smallest = sums[k];
-      for (int64_t i = 1; i < k; ++i) smallest = (sums[k + i] < smallest || std::isnan(sums[k + i])) ? sums[k + i] : smallest;
+      for (int64_t i = 1; i < k; ++i) {
+        smallest = (sums[k + i] < smallest || std::isnan(sums[k + i])) ? sums[k + i] : smallest;
+      }
       return smallest;
     };
     const bool allowed = p.allowed[pair];

@@ -374,7 +374,7 @@ def _native_vector_scan(target: str, histograms: jax.Array, feature_allowed: jax
     the native kernel, which follows the scan's and ``vector_value_and_score``'s arithmetic (the
     regularizer's constants come from there); the nodes not scanned get ``_empty_choice``'s zeros.
     As XLA code, each node's step around the native solve copied its histogram, running sums and
-    candidates' sides into arrays of their own: at 10 outputs a third of the scan's time."""
+    candidates' sides into arrays of their own: at 10 outputs about half of the scan's time."""
     num_nodes, n_features = histograms.shape[:2]
     K = leaves.num_outputs
     width = K + leaves.hessian_channels
