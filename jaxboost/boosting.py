@@ -35,7 +35,7 @@ from .devices import (MODEL_AXIS, ROW_AXIS, all_sum, compiler_options, mesh_plat
 from .grower import GrowthParams, RowLeaves, empty_tree, grow_tree, histogram_buffer_shape, sample_features
 from .histogram import paired_width
 from .line_search import SLOPE_ROUNDING, minimise_segment_offsets, segment_sums
-from .native import lowering_for
+from .native import lowering_for, uninitialized
 from .predictor import add_position_values, leaf_index, predict_round
 from .program_store import ready, serializable_record, store_folder, stored_program
 from .regularizer import Regularization, VectorLeaves, clip_leaf_value
@@ -437,7 +437,9 @@ def in_row_chunks(function: Callable, arrays: tuple, chunk_rows: int | None = No
     if n_rows <= chunk_rows:
         return function(*arrays)
     pieces = jax.eval_shape(function, *(a[:chunk_rows] for a in arrays))
-    results = tuple(jnp.zeros((n_rows,) + piece.shape[1:], piece.dtype) for piece in pieces)
+    # The chunks write every row.
+    results = tuple(uninitialized((n_rows,) + piece.shape[1:], piece.dtype, arrays[0], tag)
+                    for tag, piece in enumerate(pieces))
 
     def one_chunk(chunk, results):
         start = jnp.minimum(chunk * chunk_rows, n_rows - chunk_rows)

@@ -1112,6 +1112,13 @@ XLA_FFI_DEFINE_HANDLER(kSegmentSumHandler, SegmentSumImpl,
                        ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::Buffer<ffi::F32>>());
 
+// An output XLA allocates and nothing writes (native.uninitialized): for a caller that writes
+// every element before reading any, where XLA's zeros would be written first.
+ffi::Error UninitializedImpl(int64_t tag, ffi::Result<ffi::AnyBuffer> out) { return ffi::Error::Success(); }
+
+XLA_FFI_DEFINE_HANDLER(kUninitializedHandler, UninitializedImpl,
+                       ffi::Ffi::Bind().Attr<int64_t>("tag").Ret<ffi::AnyBuffer>());
+
 // Full-Hessian vector leaves: for each candidate n, the solution w of (H + lambda I) w = -G by
 // Cholesky, and whether it holds: H positive semi-definite up to rounding (every pivot of its
 // factorization >= -tolerance) and H + lambda I factorised with positive pivots. The arithmetic
@@ -2456,6 +2463,10 @@ extern "C" XLA_FFI_Error* JaxboostSegmentSum(XLA_FFI_CallFrame* call_frame) {
 
 extern "C" XLA_FFI_Error* JaxboostVectorSplitScan(XLA_FFI_CallFrame* call_frame) {
   return kVectorSplitScanHandler(call_frame);
+}
+
+extern "C" XLA_FFI_Error* JaxboostUninitialized(XLA_FFI_CallFrame* call_frame) {
+  return kUninitializedHandler(call_frame);
 }
 extern "C" XLA_FFI_Error* JaxboostDampedSolve(XLA_FFI_CallFrame* call_frame) {
   return kDampedSolveHandler(call_frame);

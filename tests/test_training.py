@@ -1796,8 +1796,10 @@ def test_level_and_node_column_samples_draw_anew_for_every_level_node_and_tree(s
 @pytest.mark.parametrize("n_rows, chunk_rows", [(1000, 128), (1024, 128), (100, 128), (129, 128)])
 def test_in_row_chunks_equals_the_whole_computation(n_rows, chunk_rows):
     """Chunks cover every row once or, at the overlapping last chunk, twice to the same values;
-    several results of several shapes, those of one call on all rows (up to an ulp: XLA
-    vectorises a chunk's loop and the whole one differently)."""
+    several results of several shapes and types, those of one call on all rows (up to an ulp:
+    XLA vectorises a chunk's loop and the whole one differently). On CPU the results start
+    uninitialized (``native.uninitialized``), so a row no chunk wrote would hold garbage."""
+    from jaxboost import native
     from jaxboost.boosting import in_row_chunks
 
     rng = np.random.default_rng(n_rows)
@@ -1807,13 +1809,17 @@ def test_in_row_chunks_equals_the_whole_computation(n_rows, chunk_rows):
     def statistics(raw, y):
         probabilities = jax.nn.softmax(raw)
         g = probabilities - jax.nn.one_hot(y, 3)
-        return g, probabilities * (1 - probabilities), jnp.einsum("nk,nl->nkl", g, g), jnp.sum(g, axis=1)
+        return (g, probabilities * (1 - probabilities), jnp.einsum("nk,nl->nkl", g, g), jnp.sum(g, axis=1),
+                y * 7 + 1, raw[:, 0] > 0)
 
-    chunked = jax.jit(lambda raw, y: in_row_chunks(statistics, (raw, y), chunk_rows))(raw, y)
+    chunked_call = jax.jit(lambda raw, y: in_row_chunks(statistics, (raw, y), chunk_rows))
+    chunked = chunked_call(raw, y)
     whole = jax.jit(statistics)(raw, y)
     for part, expected in zip(chunked, whole):
-        assert part.shape == expected.shape
+        assert part.shape == expected.shape and part.dtype == expected.dtype
         np.testing.assert_allclose(np.asarray(part), np.asarray(expected), rtol=1e-6, atol=1e-7)
+    if n_rows > chunk_rows and jax.default_backend() == "cpu" and native.native_target(native.UNINITIALIZED_TARGET):
+        assert chunked_call.lower(raw, y).as_text().count(native.UNINITIALIZED_TARGET) == len(whole)
 
 
 @pytest.mark.parametrize("loss, vector", [("logistic", False), ("softmax", False), ("softmax", True)])
