@@ -360,8 +360,10 @@ def _cholesky(matrix: list, tolerance) -> tuple[list, jax.Array]:
     """Lower Cholesky factor of symmetric positive semi-definite matrices given as nested lists
     of ``(...)`` arrays, element-wise: every candidate split of a level is one lane of the same
     arithmetic, which XLA fuses (a batched LAPACK call per candidate would not be). A pivot at
-    or below ``tolerance`` (a null direction) zeroes its column. Returns the factor and whether
-    every pivot was above ``-tolerance`` (the matrix is PSD up to rounding)."""
+    or below ``tolerance`` (a null direction) zeroes its column, whose other entries are scaled
+    by the pivot's root inverted once (one division a column, as LAPACK's; the native kernel's
+    arithmetic too). Returns the factor and whether every pivot was above ``-tolerance`` (the
+    matrix is PSD up to rounding)."""
     K = len(matrix)
     factor = [[None] * K for _ in range(K)]
     semi_definite = jnp.ones_like(matrix[0][0], dtype=bool)
@@ -371,22 +373,26 @@ def _cholesky(matrix: list, tolerance) -> tuple[list, jax.Array]:
         positive = pivot > tolerance
         root = jnp.sqrt(jnp.where(positive, pivot, 1.0))
         factor[j][j] = jnp.where(positive, root, 0.0)
+        # Through the select: XLA rewrites 1 / sqrt as its approximate rsqrt, in some programs
+        # and not others (one tree's leaf values then differed in their last bits by the loop
+        # that grew it).
+        inverse_root = 1.0 / jnp.where(positive, root, 1.0)
         for i in range(j + 1, K):
             off = matrix[i][j] - sum((factor[i][k] * factor[j][k] for k in range(j)), 0.0)
-            factor[i][j] = jnp.where(positive, off / root, 0.0)
+            factor[i][j] = jnp.where(positive, off * inverse_root, 0.0)
     return factor, semi_definite
 
 
 def _cholesky_solve(factor: list, rhs: list) -> list:
     """``x`` with ``L L' x = rhs`` (lanes whose factor has a zero pivot get garbage, finite)."""
     K = len(factor)
-    pivots = [jnp.where(factor[i][i] > 0, factor[i][i], 1.0) for i in range(K)]
+    inverse_pivots = [1.0 / jnp.where(factor[i][i] > 0, factor[i][i], 1.0) for i in range(K)]
     y = [None] * K
     for i in range(K):
-        y[i] = (rhs[i] - sum((factor[i][k] * y[k] for k in range(i)), 0.0)) / pivots[i]
+        y[i] = (rhs[i] - sum((factor[i][k] * y[k] for k in range(i)), 0.0)) * inverse_pivots[i]
     x = [None] * K
     for i in reversed(range(K)):
-        x[i] = (y[i] - sum((factor[k][i] * x[k] for k in range(i + 1, K)), 0.0)) / pivots[i]
+        x[i] = (y[i] - sum((factor[k][i] * x[k] for k in range(i + 1, K)), 0.0)) * inverse_pivots[i]
     return x
 
 
