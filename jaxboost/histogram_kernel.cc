@@ -1146,12 +1146,12 @@ struct DampedSolveProblem {
 // run over the lanes innermost, so each step is one vector operation on kSolveLanes candidates.
 // GCC vectorises these loops only with int32 masks, every division run unconditionally (by 1
 // where the pivot is not positive) before a select, and the column loop kept a loop (`unroll
-// 1`: unrolled first, its 16 divisions stayed scalar vdivss; its multiplications now, as slow).
-// Otherwise the solve took 2.5x. A column's pivot is inverted once and its entries multiplied,
-// as LAPACK's Cholesky scales a column, and so are the triangular solves' (regularizer._cholesky
-// does the same): K divisions a factorization instead of K (K + 1) / 2. The split scan at 10
-// outputs, 16 nodes x 14 features x 256 bins, its first quartile of 60 calls in 5 alternating
-// pairs: 1.98-2.36 against 2.61-2.80 ms a node.
+// 1`: unrolled first, its 16 divisions stayed scalar vdivss, and its multiplications now left
+// the scan twice as slow). Otherwise the solve took 2.5x. A column's pivot is inverted once and
+// its entries multiplied, as LAPACK's Cholesky scales a column, and so are the triangular
+// solves' (regularizer._cholesky does the same): K divisions a factorization instead of
+// K (K + 1) / 2. The split scan at 10 outputs, 16 nodes x 14 features x 256 bins, its first
+// quartile of 60 calls in 5 alternating pairs: 1.98-2.36 against 2.61-2.80 ms a node.
 template <bool Damped>
 inline __attribute__((always_inline)) void FactorLanes(const float* packed, const int64_t* channel, const float* lambda,
                                                        const float* tol, int64_t k, float* factor, int32_t* semi) {
@@ -2474,6 +2474,7 @@ extern "C" XLA_FFI_Error* JaxboostVectorSplitScan(XLA_FFI_CallFrame* call_frame)
 extern "C" XLA_FFI_Error* JaxboostUninitialized(XLA_FFI_CallFrame* call_frame) {
   return kUninitializedHandler(call_frame);
 }
+
 extern "C" XLA_FFI_Error* JaxboostDampedSolve(XLA_FFI_CallFrame* call_frame) {
   return kDampedSolveHandler(call_frame);
 }

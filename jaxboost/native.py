@@ -208,8 +208,10 @@ def uninitialized(shape: tuple, dtype, like: jax.Array, tag: int = 0) -> jax.Arr
     would take identical calls for one value, one buffer then copied for each use."""
     target = native_target(UNINITIALIZED_TARGET)
 
-    def zeros(_):
-        return jnp.zeros(shape, dtype)
+    def zeros(like):
+        # Varying as the native branch's result is: inside a shard_map that checks it, both
+        # branches are traced (platform unknown) and their types must match.
+        return as_varying_as(jnp.zeros(shape, dtype), (like,))
 
     if target is None:
         return zeros(like)

@@ -1822,6 +1822,26 @@ def test_in_row_chunks_equals_the_whole_computation(n_rows, chunk_rows):
         assert chunked_call.lower(raw, y).as_text().count(native.UNINITIALIZED_TARGET) == len(whole)
 
 
+def test_in_row_chunks_inside_a_shard_map_that_checks_varying_types():
+    """Outside a round's ``lowering_for`` both platform branches of the uninitialized output are
+    traced, and inside a ``shard_map`` that checks varying types theirs must match."""
+    from jax.sharding import Mesh, PartitionSpec
+    from jaxboost.boosting import in_row_chunks
+
+    mesh = Mesh(np.array(jax.devices()), ("rows",))
+    n_rows = 300 * len(jax.devices())
+
+    def local(raw, y):
+        return in_row_chunks(lambda r, t: (r * 2.0, t + 1), (raw, y), 128)
+
+    rows = PartitionSpec("rows")
+    call = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(rows, rows), out_specs=(rows, rows)))
+    raw, y = jnp.arange(n_rows, dtype=jnp.float32), jnp.arange(n_rows, dtype=jnp.int32)
+    doubled, incremented = call(raw, y)
+    np.testing.assert_array_equal(np.asarray(doubled), 2 * np.arange(n_rows, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(incremented), np.arange(n_rows) + 1)
+
+
 @pytest.mark.parametrize("loss, vector", [("logistic", False), ("softmax", False), ("softmax", True)])
 def test_rounds_computing_derivatives_in_chunks_grow_the_same_trees(loss, vector, monkeypatch):
     """Training with the derivatives computed a few rows at a time (the chunks of large data)
