@@ -403,6 +403,15 @@ def _cholesky_solve(factor: list, rhs: list) -> list:
 NATIVE_SOLVE_MIN_OUTPUTS = 5
 
 
+def native_vector_target(name: str, what: str, leaves: VectorLeaves, kernel: str) -> str | None:
+    """The FFI target ``name`` of a full-Hessian vector-leaf kernel (the damped solve, the split
+    scan that calls it) as ``available_native_target`` gives it, but under "auto" only from
+    ``NATIVE_SOLVE_MIN_OUTPUTS`` outputs on."""
+    if kernel == "auto" and leaves.num_outputs < NATIVE_SOLVE_MIN_OUTPUTS:
+        return None
+    return available_native_target(name, what, kernel)
+
+
 def _damped_solve_xla(sum_gradients, packed_hessians, reg_lambda, tolerance, *, leaves: VectorLeaves):
     """``damped_solve`` as element-wise XLA code: every candidate is one lane of the same
     arithmetic (the accelerators' form, and the CPU's without the native kernel)."""
@@ -430,8 +439,7 @@ def damped_solve(sum_gradients: jax.Array, packed_hessians: jax.Array, reg_lambd
     On CPU, from ``NATIVE_SOLVE_MIN_OUTPUTS`` outputs on ("auto"), a native kernel runs the same
     arithmetic, skipping inactive candidates: as XLA code for 10 outputs it was 1.7 of a round's
     3.9 s compile and half of its run time."""
-    small = kernel == "auto" and leaves.num_outputs < NATIVE_SOLVE_MIN_OUTPUTS
-    target = None if small else available_native_target(DAMPED_SOLVE_TARGET, "damped-solve", kernel)
+    target = native_vector_target(DAMPED_SOLVE_TARGET, "damped-solve", leaves, kernel)
     reg_lambda = jnp.broadcast_to(jnp.asarray(reg_lambda, jnp.float32), tolerance.shape)
     active = jnp.ones(tolerance.shape, bool) if active is None else jnp.broadcast_to(active, tolerance.shape)
     # The kernel's operand order.
