@@ -396,22 +396,6 @@ def _cholesky_solve(factor: list, rhs: list) -> list:
     return x
 
 
-# Outputs from which the CPU solves full Hessians natively ("auto"). 20k x 28 rows, depth 6, a
-# round / its compile, element-wise XLA code against the native kernel: 3 outputs 16-17 ms /
-# 1.6 s against 28-29 / 1.4; 4: 26 / 1.8 against 37 / 1.5; 5: 55 / 2.0 against 52 / 1.6;
-# 7: 85 / 2.7 against 91 / 1.9; 10: 165-182 / 3.8-3.9 against 157 / 2.1-2.3.
-NATIVE_SOLVE_MIN_OUTPUTS = 5
-
-
-def native_vector_target(name: str, what: str, leaves: VectorLeaves, kernel: str) -> str | None:
-    """The FFI target ``name`` of a full-Hessian vector-leaf kernel (the damped solve, the split
-    scan that calls it) as ``available_native_target`` gives it, but under "auto" only from
-    ``NATIVE_SOLVE_MIN_OUTPUTS`` outputs on."""
-    if kernel == "auto" and leaves.num_outputs < NATIVE_SOLVE_MIN_OUTPUTS:
-        return None
-    return available_native_target(name, what, kernel)
-
-
 def _damped_solve_xla(sum_gradients, packed_hessians, reg_lambda, tolerance, *, leaves: VectorLeaves):
     """``damped_solve`` as element-wise XLA code: every candidate is one lane of the same
     arithmetic (the accelerators' form, and the CPU's without the native kernel)."""
@@ -436,10 +420,12 @@ def damped_solve(sum_gradients: jax.Array, packed_hessians: jax.Array, reg_lambd
     candidates whose results are read (None: all); the others' are unspecified. ``kernel`` as
     for ``histogram.build_histogram``.
 
-    On CPU, from ``NATIVE_SOLVE_MIN_OUTPUTS`` outputs on ("auto"), a native kernel runs the same
-    arithmetic, skipping inactive candidates: as XLA code for 10 outputs it was 1.7 of a round's
-    3.9 s compile and half of its run time."""
-    target = native_vector_target(DAMPED_SOLVE_TARGET, "damped-solve", leaves, kernel)
+    On CPU ("auto"), a native kernel runs the same arithmetic, skipping inactive candidates: as
+    XLA code for 10 outputs it was 1.7 of a round's 3.9 s compile and half of its run time. It
+    had taken over from 5 outputs on only, the element-wise code running faster below; since its
+    reciprocal pivots it compiles 0.4-0.8 s faster at 2 to 4 outputs (with the native split scan
+    that calls it) and runs a round as fast, at 4 outputs 1.5x faster."""
+    target = available_native_target(DAMPED_SOLVE_TARGET, "damped-solve", kernel)
     reg_lambda = jnp.broadcast_to(jnp.asarray(reg_lambda, jnp.float32), tolerance.shape)
     active = jnp.ones(tolerance.shape, bool) if active is None else jnp.broadcast_to(active, tolerance.shape)
     # The kernel's operand order.

@@ -32,9 +32,9 @@ from jax import lax
 
 from .devices import axis_devices, in_steps_on_cpu, update_leading_chunks
 from .histogram import cumulative_over_bins, first_maximum
-from .native import VECTOR_SPLIT_SCAN_TARGET, as_varying_as, per_platform
+from .native import VECTOR_SPLIT_SCAN_TARGET, as_varying_as, available_native_target, per_platform
 from .regularizer import (MAX_FULL_TO_DIAGONAL_SCORE, PSD_TOLERANCE, Regularization, VectorLeaves, leaf_value,
-                          native_vector_target, node_score, split_loss_change, value_and_score,
+                          node_score, split_loss_change, value_and_score,
                           vector_value_and_score)
 
 
@@ -358,11 +358,10 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
 
 
 def _vector_scan_target(leaves: VectorLeaves | None, bounds: NodeBounds | None, kernel: str) -> str | None:
-    """The native vector-leaf scan's FFI target where it applies: full Hessians of as many
-    outputs as the native solve takes (``NATIVE_SOLVE_MIN_OUTPUTS`` under "auto"), no bounds."""
+    """The native vector-leaf scan's FFI target where it applies: full Hessians, no bounds."""
     if leaves is None or not leaves.full_hessian or bounds is not None:
         return None
-    return native_vector_target(VECTOR_SPLIT_SCAN_TARGET, "vector split-scan", leaves, kernel)
+    return available_native_target(VECTOR_SPLIT_SCAN_TARGET, "vector split-scan", kernel)
 
 
 def _native_vector_scan(target: str, histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
