@@ -610,6 +610,15 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
     return histogram if keep_padding else _without_padding(histogram, statistics.channels)
 
 
+# Widest cells whose one-node histogram (a tree's root) the CPU builds a pair of channels per
+# pass of the pair kernel rather than in one pass of the channel kernel: a root's cells stay in
+# the caches, where the pair kernel's four features a row outrun the channel kernel's one (3
+# classes, diagonal vector leaves, 160k rows: the root 23-29 -> 10-12 ms of the devices' time a
+# round in 2 alternating profiles; 3 classes, full Hessian, width 10: 26-29 against 19-28; 10
+# classes, diagonal, width 20: 32-39 against 43-53, slower).
+ROOT_PAIR_PASSES_MAX_WIDTH = 8
+
+
 def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, statistics: StatisticPairs,
                              num_nodes: int, max_bin: int, row_mask: jax.Array | None = None, kernel: str = "auto",
                              threads: int = 1, feature_major: bool = False, result_features: int | None = None,
@@ -622,7 +631,8 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
 
     Returns float32 ``(num_nodes, result_features, max_bin, statistics.width)`` (an odd number
     of channels padded with a zero one). On CPU one native pass adds all of a row's
-    channels to its cell; elsewhere, and with ``kernel="xla"``, a pair of channels per
+    channels to its cell (a root's cells of at most ``ROOT_PAIR_PASSES_MAX_WIDTH`` channels: the
+    pair kernel, a pair per pass); elsewhere, and with ``kernel="xla"``, a pair of channels per
     ``build_histogram``, each into the last one's result.
     """
     result_features = X_binned_T.shape[0] if result_features is None else result_features
@@ -639,7 +649,7 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
         return histogram
 
     target = _channel_kernel_target(statistics, kernel, threads, X_binned_T, max_bin)
-    if target is None:
+    if target is None or (kernel == "auto" and num_nodes == 1 and width <= ROOT_PAIR_PASSES_MAX_WIDTH):
         return by_pairs()
     first, *more = statistics.blocks
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),

@@ -7,6 +7,7 @@ subtraction) and scans every candidate split with XGBoost's ``loss_chg`` re-deri
 from __future__ import annotations
 
 import os
+import re
 from functools import partial
 
 import jax
@@ -1102,6 +1103,42 @@ def test_compact_histograms_hold_the_features_used_in_feature_order(kernel, max_
     np.testing.assert_allclose(channels, compact(node_index, row_mask, num_nodes, statistics), rtol=1e-5, atol=1e-3)
     with pytest.raises(ValueError, match="needs features_used"):
         build_histogram(X_T, nodes, g, h, num_nodes, max_bin, kernel=kernel, result_features=slots)
+
+
+@pytest.mark.skipif(not (NATIVE_AVAILABLE and jax.default_backend() == "cpu"),
+                    reason="native kernels not built here, or JAX's default backend is not the CPU")
+@pytest.mark.parametrize("channels, num_nodes, narrow", [(5, 1, True), (6, 1, True), (20, 1, False), (6, 4, False)])
+def test_a_narrow_roots_channels_take_the_pair_kernel(channels, num_nodes, narrow):
+    """A root's histogram (one node) of at most ``ROOT_PAIR_PASSES_MAX_WIDTH`` (8) channels is built
+    a pair of channels per pass of the pair kernel on CPU, wider ones and several nodes' by the
+    channel kernel: the same sums bit for bit as the channel kernel's, rows in the same order (a
+    row mask, a column sample, two threads), and NumPy's."""
+    from jaxboost.histogram import CHANNEL_HISTOGRAM_TARGET, build_channels_histogram, statistic_pairs
+    n_rows, n_features, max_bin = 9_000, 7, 256
+    rng = np.random.default_rng(channels)
+    X_binned = rng.integers(0, max_bin, (n_rows, n_features)).astype(np.uint8)
+    statistics = rng.normal(size=(n_rows, channels)).astype(np.float32)
+    row_mask = rng.uniform(size=n_rows) < 0.7
+    used = np.ones(n_features, bool)
+    used[3] = False
+    node_of_row = rng.integers(0, num_nodes, n_rows)
+    X_T, nodes = jnp.asarray(X_binned.T), jnp.asarray(node_of_row, jnp.int32)
+
+    def build(kernel):
+        return jax.jit(lambda s, m: build_channels_histogram(
+            X_T, nodes, statistic_pairs(s), num_nodes, max_bin, m, kernel=kernel, threads=2, feature_major=True,
+            features_used=jnp.asarray(used)))
+
+    arguments = (jnp.asarray(statistics), jnp.asarray(row_mask))
+    lowered = build("auto").lower(*arguments).as_text()
+    assert (re.search(rf"@{HISTOGRAM_TARGET}\b", lowered) is not None) == narrow
+    assert (re.search(rf"@{CHANNEL_HISTOGRAM_TARGET}\b", lowered) is not None) != narrow
+    automatic, channel_kernel = (np.asarray(build(kernel)(*arguments)) for kernel in ("auto", "native"))
+    np.testing.assert_array_equal(automatic, channel_kernel)
+    expected = np.zeros((num_nodes, n_features, max_bin, channels))
+    for f in np.flatnonzero(used):
+        np.add.at(expected, (node_of_row[row_mask], f, X_binned[row_mask, f].astype(int)), statistics[row_mask])
+    np.testing.assert_allclose(automatic[..., :channels], expected, rtol=1e-5, atol=1e-4)
 
 
 def assert_split_nodes_close(actual, expected, splits, kernel, **tolerances):
