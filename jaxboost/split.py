@@ -34,8 +34,7 @@ from .devices import axis_devices, in_steps_on_cpu, update_leading_chunks
 from .histogram import cumulative_over_bins, first_maximum
 from .native import VECTOR_SPLIT_SCAN_TARGET, as_varying_as, available_native_target, per_platform
 from .regularizer import (MAX_FULL_TO_DIAGONAL_SCORE, PSD_TOLERANCE, Regularization, VectorLeaves, leaf_value,
-                          node_score, split_loss_change, value_and_score,
-                          vector_value_and_score)
+                          node_score, split_loss_change, value_and_score, vector_value_and_score)
 
 
 class SplitChoice(NamedTuple):
