@@ -1376,7 +1376,73 @@ struct VectorScanProblem {
   float* pair_sums;
 };
 
-// The pairs [first, last) of `pairs` (node * d + feature).
+// The scores of kSolveLanes sides at once (`side`: their K gradients then their packed
+// Hessian, each channel a row of lanes), as vector_value_and_score gives them: the full
+// solution's where H is PSD up to rounding, H + lambda I solved and the full score at most
+// max_full_to_diagonal times the diagonal one's, else the diagonal solution's.
+inline __attribute__((always_inline)) void ScoreSideLanes(const VectorScanProblem& p, const float* side,
+                                                          const int64_t* channel, float lambda, float bound,
+                                                          SolveLanesScratch& scratch, float* x, float* score) {
+  constexpr int64_t L = kSolveLanes;
+  const int64_t k = p.k;
+  const float* gradient = side;
+  const float* lanes = side + k * L;
+  float lambda_lanes[L], tol[L], scale[L], diagonal[L], linear[L], quadratic[L];
+  int32_t semi[L], solved[L];
+  for (int64_t l = 0; l < L; ++l) {
+    lambda_lanes[l] = lambda;
+    scale[l] = std::fabs(lanes[l]);
+  }
+  for (int64_t i = 1; i < k; ++i) {
+    for (int64_t l = 0; l < L; ++l) scale[l] = std::max(scale[l], std::fabs(lanes[i * L + l]));
+  }
+  for (int64_t l = 0; l < L; ++l) tol[l] = p.psd_tolerance * scale[l];
+  SolveLanes(lanes, gradient, channel, lambda_lanes, tol, k, scratch, x, semi, solved);
+  // Both solutions' scores, lane by lane as the solve: the diagonal one (each output on its
+  // own) and the full one at its clipped value.
+  for (int64_t l = 0; l < L; ++l) diagonal[l] = linear[l] = quadratic[l] = 0.0f;
+  for (int64_t i = 0; i < k; ++i) {
+    const float* g = gradient + i * L;
+    const float* h = lanes + i * L;
+    float* w = x + i * L;
+    for (int64_t l = 0; l < L; ++l) {
+      const float denominator = h[l] + lambda;
+      const float safe = denominator > 0.0f ? denominator : 1.0f;
+      float value = -g[l] / safe;
+      value = denominator > 0.0f ? value : 0.0f;
+      value = std::min(std::max(value, -bound), bound);
+      const float objective = g[l] * value + 0.5f * h[l] * value * value +
+                              (0.5f * lambda * value * value + 0.0f * std::fabs(value));
+      diagonal[l] += -2.0f * objective;
+      w[l] = std::min(std::max(w[l], -bound), bound);
+      linear[l] += g[l] * w[l];
+    }
+  }
+  if (p.general_objective) {
+    for (int64_t i = 0; i < k; ++i) {
+      for (int64_t j = 0; j < k; ++j) {
+        const float* h = lanes + channel[i * k + j] * L;
+        const float damping = i == j ? lambda : 0.0f;
+        for (int64_t l = 0; l < L; ++l) quadratic[l] += x[i * L + l] * (h[l] + damping) * x[j * L + l];
+      }
+    }
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const float objective = p.general_objective ? linear[l] + 0.5f * quadratic[l] : 0.5f * linear[l];
+    const float full = -2.0f * objective;
+    const bool use_full = semi[l] && solved[l] && lambda > 0.0f && full <= p.max_full_to_diagonal * diagonal[l];
+    score[l] = use_full ? full : diagonal[l];
+  }
+}
+
+// The pairs [first, last) of `pairs` (node * d + feature). Candidates go kSolveLanes
+// consecutive bins at a time, their sides built in lanes straight from running sums kept
+// channel by channel, and their smallest Hessian diagonals compared in lanes too. Each side
+// had been built whole, its weight found channel by channel, and the valid ones listed and
+// transposed into lanes: 16 nodes x 14 features x 256 bins at 10 outputs took 0.79-0.98 ms a
+// node against 0.71-0.88 this way (5 alternating pairs). A block with no valid candidate is
+// skipped; the others' invalid lanes are solved and not read (in a 10-class fit, 98% of the
+// lanes solved were valid, so listing them saved nothing).
 inline __attribute__((always_inline)) void VectorScanBody(const VectorScanProblem& p, const int64_t* pairs,
                                                           int64_t first, int64_t last) {
   constexpr int64_t L = kSolveLanes;
@@ -1384,17 +1450,14 @@ inline __attribute__((always_inline)) void VectorScanBody(const VectorScanProble
   const int64_t values = bins - 1, candidates = p.directions * values;
   const std::vector<int64_t> channel = PackedChannels(k);
   SolveLanesScratch scratch(k);
-  // Running sums over the bins, then every candidate's left and right sides (the node itself
-  // last: its left side holds every row).
-  std::vector<float> running(static_cast<size_t>(bins * c)), total(static_cast<size_t>(c));
-  std::vector<float> sides(static_cast<size_t>((candidates + 1) * 2 * c)), scores((candidates + 1) * 2);
+  // Each channel's running sums over the bins, a row of `stride` (the lanes of the last block
+  // read past the bins, into zeros).
+  const int64_t stride = bins + L;
+  std::vector<float> running(static_cast<size_t>(width * stride), 0.0f), total(static_cast<size_t>(width));
+  std::vector<float> left(static_cast<size_t>(width * L)), right(left.size()), x(static_cast<size_t>(k * L));
+  std::vector<float> left_scores(static_cast<size_t>(candidates)), right_scores(left_scores.size());
   std::vector<float> gains(static_cast<size_t>(candidates));
-  std::vector<char> valid_candidate(static_cast<size_t>(candidates));
-  std::vector<int64_t> solve;  // side indices (candidate * 2 + side) whose scores are read
-  std::vector<float> lanes(static_cast<size_t>(hessians * L)), gradient(static_cast<size_t>(k * L));
-  std::vector<float> x(static_cast<size_t>(k * L));
-  float lambda_lanes[L], tol[L], scale[L], diagonal[L], linear[L], quadratic[L];
-  int32_t semi[L], solved[L];
+  std::vector<char> valid(static_cast<size_t>(candidates));
   for (int64_t at = first; at < last; ++at) {
     const int64_t pair = pairs[at], node = pair / p.d;
     const float* histogram = p.histograms + pair * bins * c;
@@ -1402,110 +1465,72 @@ inline __attribute__((always_inline)) void VectorScanBody(const VectorScanProble
     const float min_weight = p.settings[node * 3 + 2];
     const float bound = max_delta_step > 0.0f ? max_delta_step : std::numeric_limits<float>::infinity();
     // As the cumulative-bins kernel sums them: each channel in bin order.
-    for (int64_t ch = 0; ch < c; ++ch) total[ch] = 0.0f;
+    for (int64_t ch = 0; ch < width; ++ch) total[ch] = 0.0f;
     for (int64_t bin = 0; bin < bins; ++bin) {
-      for (int64_t ch = 0; ch < c; ++ch) running[bin * c + ch] = total[ch] += histogram[bin * c + ch];
+      for (int64_t ch = 0; ch < width; ++ch) running[ch * stride + bin] = total[ch] += histogram[bin * c + ch];
     }
     const float* missing = histogram + values * c;
-    for (int64_t ch = 0; ch < c; ++ch) total[ch] = running[(values - 1) * c + ch] + missing[ch];
-    auto weight = [&](const float* sums) {  // the smallest Hessian diagonal (NaN if any is)
-      float smallest = sums[k];
-      for (int64_t i = 1; i < k; ++i) {
-        smallest = (sums[k + i] < smallest || std::isnan(sums[k + i])) ? sums[k + i] : smallest;
-      }
-      return smallest;
-    };
+    for (int64_t ch = 0; ch < width; ++ch) total[ch] = running[ch * stride + values - 1] + missing[ch];
     const bool allowed = p.allowed[pair];
-    solve.clear();
-    for (int64_t candidate = 0; candidate <= candidates; ++candidate) {
-      float* left = sides.data() + candidate * 2 * c;
-      float* right = left + c;
-      if (candidate == candidates) {
-        for (int64_t ch = 0; ch < c; ++ch) left[ch] = total[ch];
-      } else {
-        const float* sums = running.data() + (candidate % values) * c;
+    bool any_valid = false;
+    for (int64_t direction = 0; direction < p.directions; ++direction) {
+      for (int64_t start = 0; start < values; start += L) {
         // Direction 0 sends the missing values left.
-        if (candidate < values) {
-          for (int64_t ch = 0; ch < c; ++ch) left[ch] = sums[ch] + missing[ch];
-        } else {
-          for (int64_t ch = 0; ch < c; ++ch) left[ch] = sums[ch];
+        for (int64_t ch = 0; ch < width; ++ch) {
+          const float* sums = running.data() + ch * stride + start;
+          float* to = left.data() + ch * L;
+          if (direction == 0) {
+            for (int64_t l = 0; l < L; ++l) to[l] = sums[l] + missing[ch];
+          } else {
+            for (int64_t l = 0; l < L; ++l) to[l] = sums[l];
+          }
+          float* other = right.data() + ch * L;
+          for (int64_t l = 0; l < L; ++l) other[l] = total[ch] - to[l];
         }
-      }
-      for (int64_t ch = 0; ch < c; ++ch) right[ch] = total[ch] - left[ch];
-      const float left_weight = weight(left), right_weight = weight(right);
-      const bool valid = candidate < candidates && allowed && left_weight >= min_weight &&
-                         right_weight >= min_weight && left_weight > 0.0f && right_weight > 0.0f;
-      if (valid || candidate == candidates) solve.push_back(candidate * 2);
-      if (valid) solve.push_back(candidate * 2 + 1);
-      if (candidate < candidates) {
-        valid_candidate[candidate] = valid;
-        gains[candidate] = -std::numeric_limits<float>::infinity();
-      }
-    }
-    // Without a valid candidate the node's own score is not read either.
-    if (solve.size() == 1) solve.clear();
-    const char* valid = valid_candidate.data();
-    // The sides' scores, kSolveLanes at a time; lanes past the last repeat it.
-    const int64_t count_all = static_cast<int64_t>(solve.size());
-    for (int64_t start = 0; start < count_all; start += L) {
-      const int64_t count = std::min(L, count_all - start);
-      const float* side[L];
-      for (int64_t l = 0; l < L; ++l) side[l] = sides.data() + solve[start + std::min(l, count - 1)] * c;
-      for (int64_t e = 0; e < hessians; ++e) {
-        for (int64_t l = 0; l < L; ++l) lanes[e * L + l] = side[l][k + e];
-      }
-      for (int64_t i = 0; i < k; ++i) {
-        for (int64_t l = 0; l < L; ++l) gradient[i * L + l] = side[l][i];
-      }
-      for (int64_t l = 0; l < L; ++l) {
-        lambda_lanes[l] = lambda;
-        scale[l] = std::fabs(lanes[l]);
-      }
-      for (int64_t i = 1; i < k; ++i) {
-        for (int64_t l = 0; l < L; ++l) scale[l] = std::max(scale[l], std::fabs(lanes[i * L + l]));
-      }
-      for (int64_t l = 0; l < L; ++l) tol[l] = p.psd_tolerance * scale[l];
-      SolveLanes(lanes.data(), gradient.data(), channel.data(), lambda_lanes, tol, k, scratch, x.data(), semi, solved);
-      // Both solutions' scores, lane by lane as the solve: the diagonal one (each output on its
-      // own) and the full one at its clipped value.
-      for (int64_t l = 0; l < L; ++l) diagonal[l] = linear[l] = quadratic[l] = 0.0f;
-      for (int64_t i = 0; i < k; ++i) {
-        const float* g = gradient.data() + i * L;
-        const float* h = lanes.data() + i * L;
-        float* w = x.data() + i * L;
+        // Each side's smallest Hessian diagonal (NaN if any is).
+        float left_weight[L], right_weight[L];
         for (int64_t l = 0; l < L; ++l) {
-          const float denominator = h[l] + lambda;
-          const float safe = denominator > 0.0f ? denominator : 1.0f;
-          float value = -g[l] / safe;
-          value = denominator > 0.0f ? value : 0.0f;
-          value = std::min(std::max(value, -bound), bound);
-          const float objective = g[l] * value + 0.5f * h[l] * value * value +
-                                  (0.5f * lambda * value * value + 0.0f * std::fabs(value));
-          diagonal[l] += -2.0f * objective;
-          w[l] = std::min(std::max(w[l], -bound), bound);
-          linear[l] += g[l] * w[l];
+          left_weight[l] = left[k * L + l];
+          right_weight[l] = right[k * L + l];
         }
-      }
-      if (p.general_objective) {
-        for (int64_t i = 0; i < k; ++i) {
-          for (int64_t j = 0; j < k; ++j) {
-            const float* h = lanes.data() + channel[i * k + j] * L;
-            const float damping = i == j ? lambda : 0.0f;
-            for (int64_t l = 0; l < L; ++l) quadratic[l] += x[i * L + l] * (h[l] + damping) * x[j * L + l];
+        for (int64_t i = 1; i < k; ++i) {
+          const float* a = left.data() + (k + i) * L;
+          const float* b = right.data() + (k + i) * L;
+          for (int64_t l = 0; l < L; ++l) {
+            left_weight[l] = (a[l] < left_weight[l] || std::isnan(a[l])) ? a[l] : left_weight[l];
+            right_weight[l] = (b[l] < right_weight[l] || std::isnan(b[l])) ? b[l] : right_weight[l];
           }
         }
-      }
-      for (int64_t l = 0; l < count; ++l) {
-        const float objective = p.general_objective ? linear[l] + 0.5f * quadratic[l] : 0.5f * linear[l];
-        const float full = -2.0f * objective;
-        const bool use_full = semi[l] && solved[l] && lambda > 0.0f && full <= p.max_full_to_diagonal * diagonal[l];
-        scores[solve[start + l]] = use_full ? full : diagonal[l];
+        const int64_t count = std::min(L, values - start);
+        bool block_valid = false;
+        for (int64_t l = 0; l < count; ++l) {
+          const bool is_valid = allowed && left_weight[l] >= min_weight && right_weight[l] >= min_weight &&
+                                left_weight[l] > 0.0f && right_weight[l] > 0.0f;
+          valid[direction * values + start + l] = is_valid;
+          block_valid |= is_valid;
+        }
+        if (!block_valid) continue;
+        any_valid = true;
+        float scores[L];
+        ScoreSideLanes(p, left.data(), channel.data(), lambda, bound, scratch, x.data(), scores);
+        std::copy(scores, scores + count, left_scores.data() + direction * values + start);
+        ScoreSideLanes(p, right.data(), channel.data(), lambda, bound, scratch, x.data(), scores);
+        std::copy(scores, scores + count, right_scores.data() + direction * values + start);
       }
     }
-    const float parent = scores[candidates * 2];
     for (int64_t candidate = 0; candidate < candidates; ++candidate) {
-      if (valid[candidate]) {
-        gains[candidate] = (scores[candidate * 2] + scores[candidate * 2 + 1] - parent) - p.split_cost[pair];
+      gains[candidate] = -std::numeric_limits<float>::infinity();
+    }
+    // Without a valid candidate the node's own score is not needed.
+    if (any_valid) {
+      for (int64_t ch = 0; ch < width; ++ch) std::fill(left.data() + ch * L, left.data() + (ch + 1) * L, total[ch]);
+      float scores[L];
+      ScoreSideLanes(p, left.data(), channel.data(), lambda, bound, scratch, x.data(), scores);
+      const float parent = scores[0];
+      for (int64_t candidate = 0; candidate < candidates; ++candidate) {
+        if (valid[candidate]) {
+          gains[candidate] = (left_scores[candidate] + right_scores[candidate] - parent) - p.split_cost[pair];
+        }
       }
     }
     // The first maximum among the gains that are not NaN.
@@ -1521,10 +1546,10 @@ inline __attribute__((always_inline)) void VectorScanBody(const VectorScanProble
     p.pair_candidate[at] = static_cast<int32_t>(best);
     p.pair_gain[at] = gains[chosen];
     // The chosen candidate's sides, as find_best_splits recomputes them from the running sums.
-    const float* sums = running.data() + (chosen % values) * c;
+    const int64_t bin = chosen % values;
     float* out = p.pair_sums + at * 2 * width;
     for (int64_t ch = 0; ch < width; ++ch) {
-      out[ch] = sums[ch] + (chosen < values ? missing[ch] : 0.0f);
+      out[ch] = running[ch * stride + bin] + (chosen < values ? missing[ch] : 0.0f);
       out[width + ch] = total[ch] - out[ch];
     }
   }

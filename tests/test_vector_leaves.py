@@ -224,6 +224,43 @@ def test_native_vector_split_scan_is_the_xla_scan(K, bound, missing_values, per_
     assert not np.array_equal(native.loss_change, np.asarray(alone.loss_change))
 
 
+@pytest.mark.skipif(jb.native.native_target(jb.native.VECTOR_SPLIT_SCAN_TARGET) is None or jax.default_backend() != "cpu",
+                    reason="native kernels not built here, or JAX's default backend is not the CPU")
+def test_native_vector_split_scan_finds_a_split_at_every_lane_of_its_blocks():
+    """The native scan takes its candidates 16 bins at a time: a node whose rows separate
+    perfectly at bin b (class 0 up to it, class 1 past it) splits there, at the first and last
+    lanes of a block, the last bin, and bin 0 with the missing values sent right, with the
+    children's sums the XLA scan gives."""
+    from jaxboost.split import find_best_splits_of_live_nodes
+
+    K, max_bin = 3, 40  # 39 bins of values: blocks of 16, 16 and 7 candidates
+    leaves = VectorLeaves(K)
+    width = K + leaves.hessian_channels
+    p = np.full(K, 1.0 / K)
+    hessian = np.asarray(leaves.pack_hessian(jnp.asarray(np.diag(p) - np.outer(p, p))))
+    # (threshold bin, missing values sent left), the best split of each node.
+    splits = [(0, False), (14, True), (15, True), (16, False), (31, True), (32, True), (37, True), (38, False)]
+    histograms = np.zeros((len(splits), 1, max_bin, width + width % 2), np.float32)
+    for node, (threshold, missing_left) in enumerate(splits):
+        for code in range(max_bin):
+            label = (0 if missing_left else 1) if code == max_bin - 1 else int(code > threshold)
+            histograms[node, 0, code, :width] = 20 * np.concatenate([p - np.eye(K)[label], hessian])
+    reg = jb.regularizers.l2(1.0).with_max_delta_step(0.0)
+
+    def scan(kernel, histograms):
+        return find_best_splits_of_live_nodes(histograms, jnp.ones((len(splits), 1), bool), reg, F32(1.0), None,
+                                              leaves, None, True, None, kernel=kernel)
+
+    native, xla = (jax.tree_util.tree_map(np.asarray, jax.jit(partial(scan, kernel))(jnp.asarray(histograms)))
+                   for kernel in ("native", "xla"))
+    np.testing.assert_array_equal(native.threshold_bin, [threshold for threshold, _ in splits])
+    np.testing.assert_array_equal(native.default_left, [missing_left for _, missing_left in splits])
+    for field in ("threshold_bin", "default_left", "left_gradients", "left_hessians", "right_gradients",
+                  "right_hessians"):
+        np.testing.assert_array_equal(getattr(native, field), getattr(xla, field), err_msg=field)
+    np.testing.assert_allclose(native.loss_change, xla.loss_change, rtol=2e-6)
+
+
 @pytest.mark.parametrize("reg", PENALTIES)
 @pytest.mark.parametrize("K", [1, 2, 3, 5])
 def test_full_solve_matches_dense_solve_and_minimises(K, reg):
