@@ -380,19 +380,16 @@ def newton_constant(objective: Objective, raw_prediction: jax.Array, y: jax.Arra
 _STARTING_VALUE_METHODS = {"newton": newton_constant, "sweeps": _coordinate_sweeps}
 
 
-def _apply_hessian_mode(shape: RoundShape, params: RoundParams, h: jax.Array) -> jax.Array:
-    """The curvature used for splits and Newton values: per-row Hessian diagonals ``(n, K)`` or,
-    for vector leaves, matrices ``(n, K, K)`` whose diagonal the mode floors or replaces."""
+def _apply_hessian_mode(shape: RoundShape, params: RoundParams, diagonal: jax.Array,
+                        off_diagonal: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """The curvature used for splits and Newton values: per-row Hessian diagonals ``(n, K)``,
+    which the mode floors or replaces, and for vector leaves the rest of each row's packed
+    Hessian (``VectorLeaves.pack_hessian``), which "floor" keeps and "constant" zeroes."""
     if shape.hessian_mode == "exact":
-        return h
-    diagonal = jnp.diagonal(h, axis1=-2, axis2=-1) if h.ndim == 3 else h
-    diagonal = (jnp.maximum(diagonal, params.hessian_floor) if shape.hessian_mode == "floor"
-                else jnp.ones_like(diagonal))
-    if h.ndim == 2:
-        return diagonal
-    identity = jnp.eye(h.shape[-1], dtype=bool)
-    off_diagonal = jnp.where(identity, 0.0, h) if shape.hessian_mode == "floor" else 0.0
-    return off_diagonal + diagonal[..., :, None] * identity
+        return diagonal, off_diagonal
+    if shape.hessian_mode == "floor":
+        return jnp.maximum(diagonal, params.hessian_floor), off_diagonal
+    return jnp.ones_like(diagonal), None if off_diagonal is None else jnp.zeros_like(off_diagonal)
 
 
 # The round's health travels in the arrays the tree is grown from, not in per-row flags of its
@@ -508,24 +505,29 @@ def _tree_statistics(shape: RoundShape, params: RoundParams, raw_prediction, y, 
         values, g, h = loss_derivatives(objective, raw_prediction, y, params.loss_params)
         zero = () if sample_weight is None else (zero_hessian_rows(h, sample_weight),)
         counted = row_weight > 0
-        h = _apply_hessian_mode(shape, params, h)
+        h, _ = _apply_hessian_mode(shape, params, h)
         return (_marked_gradients(counted, values, g, h, row_weight), _split_hessians(counted, h, row_weight)) + zero
 
     def vector_rows(raw_prediction, y, row_weight, sample_weight=None):
-        values, g, hessian = values_gradients_and_hessian_matrices(bind_loss(objective, params.loss_params),
-                                                                   raw_prediction, y)
-        zero = (() if sample_weight is None
-                else (zero_hessian_rows(jnp.diagonal(hessian, axis1=-2, axis2=-1), sample_weight),))
+        # Each row's Hessian packed as the trees read it (the diagonal first) while the rows are
+        # the last axis, so that each packed channel is a row of the matrices' entries. Packed
+        # from (n, K, K) matrices, XLA's loop found every element's entry in a table, one
+        # element at a time, and computed the entries again for the marks: at 10 classes on
+        # 160k rows, the derivatives' loop took 34 against 13 ms of the devices' time a round,
+        # and the program compiled in 0.9-1.1 against 0.24 s.
+        values, g, packed = values_gradients_and_hessian_matrices(bind_loss(objective, params.loss_params),
+                                                                  raw_prediction, y, pack=leaves.pack_hessian)
+        K = objective.num_outputs
+        diagonal, off_diagonal = packed[:, :K], packed[:, K:]
+        zero = () if sample_weight is None else (zero_hessian_rows(diagonal, sample_weight),)
         counted = row_weight > 0
-        hessian = _apply_hessian_mode(shape, params, hessian)
-        split_diagonal = _split_hessians(counted, jnp.diagonal(hessian, axis1=-2, axis2=-1), row_weight)
-        identity = jnp.eye(objective.num_outputs, dtype=bool)
-        weighted = jnp.where(identity, split_diagonal[..., :, None],
-                             jnp.where(counted[:, None, None], hessian * row_weight[:, None, None], 0.0))
-        # Marked by the Hessian entries the tree reads (the diagonal, or the upper triangle):
-        # marks from all K^2 made XLA compute every entry for them alone.
-        return (_marked_gradients(counted, values, g, leaves.pack_hessian(hessian), row_weight), split_diagonal,
-                leaves.pack_hessian(weighted)) + zero
+        diagonal, off_diagonal = _apply_hessian_mode(shape, params, diagonal, off_diagonal)
+        split_diagonal = _split_hessians(counted, diagonal, row_weight)
+        weighted = jnp.where(counted[:, None], off_diagonal * row_weight[:, None], 0.0)
+        # Marked by the Hessian entries the tree reads.
+        read = jnp.concatenate([diagonal, off_diagonal], axis=1)
+        return (_marked_gradients(counted, values, g, read, row_weight), split_diagonal,
+                jnp.concatenate([split_diagonal, weighted], axis=1)) + zero
 
     arrays = (raw_prediction, y, row_weight) + ((sample_weight,) if counts else ())
     if leaves is None:

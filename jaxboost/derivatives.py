@@ -68,11 +68,17 @@ def values_gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: 
     return over_rows(lambda f, label: _example_value_gradient_and_hessian(loss, f, label), raw_prediction, y)
 
 
-def values_gradients_and_hessian_matrices(loss: Callable, raw_prediction: jax.Array, y: jax.Array):
+def values_gradients_and_hessian_matrices(loss: Callable, raw_prediction: jax.Array, y: jax.Array,
+                                          pack: Callable | None = None):
     """Row-wise loss values ``(n,)``, gradients ``(n, K)`` and full Hessians ``(n, K, K)`` of a
-    vector loss (vector leaves solve with the whole matrix, not just its diagonal)."""
-    return over_rows(lambda f, label: _example_value_gradient_and_hessian(loss, f, label, full=True),
-                     raw_prediction, y)
+    vector loss (vector leaves solve with the whole matrix, not just its diagonal); with
+    ``pack``, each row's Hessian mapped by it (one ``(K, K)`` matrix to a vector, while the rows
+    are still the last axis, where its slices are whole rows)."""
+    def example(f, label):
+        value, g, hessian = _example_value_gradient_and_hessian(loss, f, label, full=True)
+        return value, g, hessian if pack is None else pack(hessian)
+
+    return over_rows(example, raw_prediction, y)
 
 
 def gradients_and_hessians(loss: Callable, raw_prediction: jax.Array, y: jax.Array):

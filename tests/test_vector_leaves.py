@@ -352,6 +352,135 @@ def test_statistics_histograms_match_numpy():
     np.testing.assert_allclose(np.asarray(smaller)[splits], naive(node_of_row, in_smaller)[splits], atol=1e-4)
 
 
+class _StopBeforeCompiling(Exception):
+    pass
+
+
+def _round_shape_and_arguments(monkeypatch, X, y, **settings):
+    """The round's shape and arguments that ``jb.train`` would compile and run its first round with."""
+    from jaxboost import training
+
+    def stop(shape, arguments):
+        raise _StopBeforeCompiling(shape, arguments)
+
+    monkeypatch.setattr(training, "stored_round", stop)
+    with pytest.raises(_StopBeforeCompiling) as stopped:
+        jb.train(X, y, num_rounds=1, **settings)
+    return stopped.value.args
+
+
+def _coupled_softmax(raw_prediction, y):
+    """A custom 3-class loss whose Hessian has off-diagonal entries (softmax's and a coupling)."""
+    return (jax.nn.logsumexp(raw_prediction) - raw_prediction[y.astype(jnp.int32)]
+            + raw_prediction[0] * raw_prediction[2])
+
+
+@pytest.mark.parametrize("hessian_mode", ["exact", "floor", "constant"])
+def test_round_statistics_pack_each_rows_weighted_hessian(monkeypatch, hessian_mode):
+    """A vector-leaf round's statistics: each counted row's weighted gradient, then its Hessian
+    packed as the trees read it (the diagonal, raised to the floor or replaced by 1 by the
+    Hessian mode, then the upper triangle row by row, zero in the "constant" mode), all zero for
+    a row of weight 0; against autodiff's per-row Hessians in NumPy."""
+    from jaxboost import boosting
+
+    rng = np.random.default_rng(4)
+    n, K = 300, 3
+    X = rng.normal(size=(n, 4)).astype(np.float32)
+    y = rng.integers(0, K, n).astype(np.float32)
+    shape, arguments = _round_shape_and_arguments(
+        monkeypatch, X, y, loss=_coupled_softmax, num_outputs=K, multi_strategy="multi_output_tree",
+        hessian="floor", hessian_floor=0.3)
+    shape = shape._replace(hessian_mode=hessian_mode)
+    params, y_rows, sample_weight, row_index, raw_prediction, *rest = (
+        boosting.compiled_round(shape).program_arguments(arguments)[0])
+    rows = raw_prediction.shape[0]  # the devices' rows, padded with rows of weight 0
+    y = np.zeros(rows, np.float32)
+    y[:n] = np.asarray(y_rows)[:n]
+    raw_prediction = rng.normal(size=(rows, K)).astype(np.float32)
+    row_weight = np.zeros(rows, np.float32)
+    row_weight[:n] = rng.uniform(0.5, 2.0, n)
+    row_weight[:n:7] = 0
+    statistics_program = boosting.round_statistics_function(boosting.statistics_shape(shape))
+    rows_spec = jax.sharding.PartitionSpec(boosting.ROW_AXIS)
+    placed = [jax.device_put(row_weight, jax.sharding.NamedSharding(shape.mesh, rows_spec)),
+              jax.device_put(raw_prediction, jax.sharding.NamedSharding(shape.mesh, rows_spec + (None,)))]
+    (gradients, packed), _ = jax.jit(statistics_program)(params, y_rows, placed[0], row_index, placed[1], *rest)
+    gradients, packed = np.asarray(gradients)[:n], np.asarray(packed)[:n]
+    raw_prediction, y, row_weight = raw_prediction[:n], y[:n], row_weight[:n]
+
+    per_row = jax.vmap(jax.hessian(_coupled_softmax))(jnp.asarray(raw_prediction), jnp.asarray(y))
+    H = np.asarray(per_row, np.float64)
+    g = np.asarray(jax.vmap(jax.grad(_coupled_softmax))(jnp.asarray(raw_prediction), jnp.asarray(y)), np.float64)
+    diagonal = np.diagonal(H, axis1=1, axis2=2)
+    upper = H[:, [0, 0, 1], [1, 2, 2]]
+    assert np.abs(upper[:, 1]).min() > 0.5  # the coupling's entry is there to be read
+    if hessian_mode == "floor":
+        diagonal = np.maximum(diagonal, 0.3)
+    elif hessian_mode == "constant":
+        diagonal, upper = np.ones_like(diagonal), np.zeros_like(upper)
+    w = row_weight[:, None]
+    expected = np.concatenate([diagonal * w, upper * w], axis=1)
+    np.testing.assert_allclose(packed[:, :2 * K], expected, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(gradients, g * w, rtol=2e-5, atol=1e-6)
+    assert not packed[::7].any() and not gradients[::7].any()
+
+
+@jax.custom_jvp
+def _zero_with_nan_slope(x, flag):
+    """0, whose derivative is NaN where ``flag`` > 0 and 0 elsewhere (its change along a zero
+    tangent is 0, not NaN)."""
+    return 0.0 * x
+
+
+@_zero_with_nan_slope.defjvp
+def _zero_with_nan_slope_jvp(primals, tangents):
+    x, flag = primals
+    tangent = tangents[0]
+    return 0.0 * x, jnp.where((flag > 0) & (tangent != 0), jnp.nan, 0.0 * tangent)
+
+
+@jax.custom_jvp
+def _nan_coupling(a, b, flag):
+    """0, with zero gradients, whose Hessian's (a, b) entry alone is NaN where ``flag`` > 0."""
+    return 0.0 * a * b
+
+
+@_nan_coupling.defjvp
+def _nan_coupling_jvp(primals, tangents):
+    a, b, flag = primals
+    ta, tb, _ = tangents
+    return 0.0 * a * b, _zero_with_nan_slope(b, flag) * ta + _zero_with_nan_slope(a, flag) * tb
+
+
+def test_a_non_finite_off_diagonal_hessian_entry_stops_full_hessian_leaves():
+    """A NaN Hessian entry off the diagonal (the loss's value, gradient and Hessian diagonal
+    finite) stops a fit whose trees read it, the full Hessian's, with the error that names it;
+    diagonal vector leaves never read it and train, and so do full ones where its row weighs
+    nothing."""
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(400, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 400).astype(np.float32)
+    y[17] = 5  # the one row whose Hessian has the NaN entry
+
+    def loss(raw_prediction, label):
+        flag = (label > 4).astype(jnp.float32)
+        return (0.5 * jnp.sum(jnp.square(raw_prediction - jnp.minimum(label, 2.0)))
+                + _nan_coupling(raw_prediction[0], raw_prediction[1], flag))
+
+    H = jax.hessian(loss)(jnp.zeros(3), jnp.float32(5))
+    assert np.isnan(H[0, 1]) and np.isfinite(np.diagonal(H)).all()
+    assert np.isfinite(jax.hessian(loss)(jnp.zeros(3), jnp.float32(1))).all()
+    settings = dict(loss=loss, num_outputs=3, multi_strategy="multi_output_tree", num_rounds=2, max_depth=2)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        jb.train(X, y, multi_output_hessian="full", **settings)
+    model = jb.train(X, y, multi_output_hessian="diagonal", **settings)
+    assert np.isfinite(model.predict(X)).all()
+    weight = np.ones(len(y), np.float32)
+    weight[17] = 0
+    weightless = jb.train(jb.Dataset(X, y, sample_weight=weight), multi_output_hessian="full", **settings)
+    assert np.isfinite(weightless.predict(X)).all()
+
+
 def test_grown_vector_tree_leaves_are_the_per_leaf_solves():
     rng = np.random.default_rng(1)
     n, d, max_bin, K = 3000, 3, 16, 3
