@@ -1450,8 +1450,8 @@ inline __attribute__((always_inline)) void VectorScanBody(const VectorScanProble
   const int64_t values = bins - 1, candidates = p.directions * values;
   const std::vector<int64_t> channel = PackedChannels(k);
   SolveLanesScratch scratch(k);
-  // Each channel's running sums over the bins, a row of `stride` (the lanes of the last block
-  // read past the bins, into zeros).
+  // Each channel's running sums over the bins, a row of `stride` (the last block's lanes past
+  // the last candidate read on into the missing values' bin and zeros; they are not read back).
   const int64_t stride = bins + L;
   std::vector<float> running(static_cast<size_t>(width * stride), 0.0f), total(static_cast<size_t>(width));
   std::vector<float> left(static_cast<size_t>(width * L)), right(left.size()), x(static_cast<size_t>(k * L));
