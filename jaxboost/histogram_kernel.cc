@@ -1518,20 +1518,18 @@ inline __attribute__((always_inline)) void VectorScanBody(const VectorScanProble
         std::copy(scores, scores + count, right_scores.data() + direction * values + start);
       }
     }
-    for (int64_t candidate = 0; candidate < candidates; ++candidate) {
-      gains[candidate] = -std::numeric_limits<float>::infinity();
-    }
     // Without a valid candidate the node's own score is not needed.
+    float parent = 0.0f;
     if (any_valid) {
       for (int64_t ch = 0; ch < width; ++ch) std::fill(left.data() + ch * L, left.data() + (ch + 1) * L, total[ch]);
       float scores[L];
       ScoreSideLanes(p, left.data(), channel.data(), lambda, bound, scratch, x.data(), scores);
-      const float parent = scores[0];
-      for (int64_t candidate = 0; candidate < candidates; ++candidate) {
-        if (valid[candidate]) {
-          gains[candidate] = (left_scores[candidate] + right_scores[candidate] - parent) - p.split_cost[pair];
-        }
-      }
+      parent = scores[0];
+    }
+    for (int64_t candidate = 0; candidate < candidates; ++candidate) {
+      gains[candidate] = valid[candidate]
+                             ? (left_scores[candidate] + right_scores[candidate] - parent) - p.split_cost[pair]
+                             : -std::numeric_limits<float>::infinity();
     }
     // The first maximum among the gains that are not NaN.
     int64_t best = -1;

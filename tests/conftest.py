@@ -84,3 +84,21 @@ def cpu_argument(shape, dtype) -> jax.ShapeDtypeStruct:
 needs_repeatable_sums = pytest.mark.skipif(
     not repeatable_sums(), reason="a GPU's float atomic adds sum the rows in a varying order, so near ties may "
     "split differently between runs; XLA_FLAGS=--xla_gpu_deterministic_ops=true makes them repeatable")
+
+
+class Lowering(Exception):
+    """Stops a fit before its round is compiled, carrying what the stopped call was given."""
+
+
+def round_shape_and_arguments(monkeypatch, X, y, **settings):
+    """The round's shape and arguments that ``jb.train(X, y, num_rounds=1, **settings)`` would
+    compile and run its first round with (the fit stops there)."""
+    from jaxboost import training
+
+    def stop_before_compiling(shape, arguments):
+        raise Lowering(shape, arguments)
+
+    monkeypatch.setattr(training, "stored_round", stop_before_compiling)
+    with pytest.raises(Lowering) as stopped:
+        jb.train(X, y, num_rounds=1, **settings)
+    return stopped.value.args

@@ -19,7 +19,7 @@ import jaxboost as jb
 from jaxboost import boosting
 from jaxboost.derivatives import gradients_and_hessians
 
-from conftest import assert_same_training, needs_repeatable_sums, repeatable_sums
+from conftest import Lowering, assert_same_training, needs_repeatable_sums, repeatable_sums, round_shape_and_arguments
 
 # Most tests share one shape (1000 rows -> one padded bucket, 5 features, depth 4) so the
 # compiled round is reused across them.
@@ -651,10 +651,6 @@ def test_a_refit_round_is_compiled_ahead_and_once(settings, trees_programs):
     assert [in_main for name, in_main in compiles if name == "jit(round_refit)"] == [False], compiles
 
 
-class _Lowering(Exception):
-    """Stops a fit before its round is compiled, carrying the round's shape and arguments."""
-
-
 def _exported_custom_calls(function, arguments, platform: str, allowed=()) -> set:
     """The custom calls of ``function`` exported for ``platform`` (JAX's export refuses any
     without a stability guarantee but ``allowed``)."""
@@ -682,7 +678,7 @@ def test_every_program_of_a_round_lowers_for_a_gpu(monkeypatch, settings):
     one), exports for CUDA, where JAX refuses any custom call without a stability guarantee,
     and calls none of the CPU's native kernels. (The round's shape is this machine's: its
     devices are CPUs.) Lowered for the CPU, the trees' program does call them."""
-    from jaxboost import native, training
+    from jaxboost import native
 
     X, y = _binary_data(seed=3)
     settings = dict(settings)
@@ -691,13 +687,7 @@ def test_every_program_of_a_round_lowers_for_a_gpu(monkeypatch, settings):
     if settings.pop("eval_set", False):
         settings["eval_set"] = [(X[:200], y[:200])]
 
-    def stop_before_compiling(shape, arguments):
-        raise _Lowering(shape, arguments)
-
-    monkeypatch.setattr(training, "stored_round", stop_before_compiling)
-    with pytest.raises(_Lowering) as stopped:
-        jb.train(X, y, num_rounds=1, max_depth=DEPTH, **settings)
-    shape, arguments = stopped.value.args
+    shape, arguments = round_shape_and_arguments(monkeypatch, X, y, max_depth=DEPTH, **settings)
     split_round = boosting.compiled_round(shape)  # its programs jitted, not compiled
     statistics_arguments, trees_arguments, refit_arguments, metrics_arguments = split_round.program_arguments(arguments)
     # Each program as (made when traced, after the platform is set; its arguments).
@@ -752,10 +742,10 @@ def test_train_many_rounds_lower_for_a_gpu(monkeypatch, loss):
     monkeypatch.setattr(line_search, "probes_per_step", recorded_probes)
 
     def stop_before_compiling(shape, params_axes, models_mesh, arguments):
-        raise _Lowering(shape, params_axes, arguments)
+        raise Lowering(shape, params_axes, arguments)
 
     monkeypatch.setattr(vmapped_training, "stored_many_rounds", stop_before_compiling)
-    with pytest.raises(_Lowering) as stopped:
+    with pytest.raises(Lowering) as stopped:
         jb.train_many(X, y, batch={"reg_lambda": [1.0, 2.0, 3.0]}, num_rounds=1, max_depth=DEPTH, loss=loss,
                       eval_set=[(X[:200], y[:200])])
     shape, params_axes, arguments = stopped.value.args

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import xgboost as xgb
 
-from conftest import assert_same_training, cpu_argument
+from conftest import assert_same_training, cpu_argument, round_shape_and_arguments
 
 import jaxboost as jb
 from jaxboost.grower import GrowthParams, grow_tree
@@ -352,23 +352,6 @@ def test_statistics_histograms_match_numpy():
     np.testing.assert_allclose(np.asarray(smaller)[splits], naive(node_of_row, in_smaller)[splits], atol=1e-4)
 
 
-class _StopBeforeCompiling(Exception):
-    pass
-
-
-def _round_shape_and_arguments(monkeypatch, X, y, **settings):
-    """The round's shape and arguments that ``jb.train`` would compile and run its first round with."""
-    from jaxboost import training
-
-    def stop(shape, arguments):
-        raise _StopBeforeCompiling(shape, arguments)
-
-    monkeypatch.setattr(training, "stored_round", stop)
-    with pytest.raises(_StopBeforeCompiling) as stopped:
-        jb.train(X, y, num_rounds=1, **settings)
-    return stopped.value.args
-
-
 def _coupled_softmax(raw_prediction, y):
     """A custom 3-class loss whose Hessian has off-diagonal entries (softmax's and a coupling)."""
     return (jax.nn.logsumexp(raw_prediction) - raw_prediction[y.astype(jnp.int32)]
@@ -387,7 +370,7 @@ def test_round_statistics_pack_each_rows_weighted_hessian(monkeypatch, hessian_m
     n, K = 300, 3
     X = rng.normal(size=(n, 4)).astype(np.float32)
     y = rng.integers(0, K, n).astype(np.float32)
-    shape, arguments = _round_shape_and_arguments(
+    shape, arguments = round_shape_and_arguments(
         monkeypatch, X, y, loss=_coupled_softmax, num_outputs=K, multi_strategy="multi_output_tree",
         hessian="floor", hessian_floor=0.3)
     shape = shape._replace(hessian_mode=hessian_mode)
