@@ -617,6 +617,21 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
 # round in 2 alternating profiles; 3 classes, full Hessian, width 10: 26-29 against 19-28; 10
 # classes, diagonal, width 20: 32-39 against 43-53, slower).
 ROOT_PAIR_PASSES_MAX_WIDTH = 8
+# Widest cells whose children's histograms (several nodes: the smaller children of a level) the
+# CPU builds by pair passes too, the first pair while the rows are routed and the others over
+# the smaller children's rows, rather than routing first and adding every channel in the
+# channel kernel's passes, parents a step at a time. Measured in whole rounds, the same trees
+# bit for bit: the Student t with vector leaves (2 outputs, full Hessian: width 6), 800k x 50
+# rows, 245-263 against 287-298 ms a round; 3 classes, diagonal (width 6), 160k rows, 30.6-39.8
+# against 32.5-43.9 (medians of 3 fits in each of 2-3 alternating processes); 4 classes, diagonal
+# (width 8), slower: 45-60 against 38-52.
+CHILDREN_PAIR_PASSES_MAX_WIDTH = 6
+
+
+def _by_pair_passes(num_nodes: int, width: int) -> bool:
+    """Whether the CPU builds a histogram of ``num_nodes`` nodes' cells of ``width`` channels by
+    pair passes rather than by the channel kernel."""
+    return width <= (ROOT_PAIR_PASSES_MAX_WIDTH if num_nodes == 1 else CHILDREN_PAIR_PASSES_MAX_WIDTH)
 
 
 def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, statistics: StatisticPairs,
@@ -631,8 +646,9 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
 
     Returns float32 ``(num_nodes, result_features, max_bin, statistics.width)`` (an odd number
     of channels padded with a zero one). On CPU one native pass adds all of a row's
-    channels to its cell (a root's cells of at most ``ROOT_PAIR_PASSES_MAX_WIDTH`` channels: the
-    pair kernel, a pair per pass); elsewhere, and with ``kernel="xla"``, a pair of channels per
+    channels to its cell (a root's cells of at most ``ROOT_PAIR_PASSES_MAX_WIDTH`` channels, and
+    several nodes' of at most ``CHILDREN_PAIR_PASSES_MAX_WIDTH``: the pair kernel, a pair per
+    pass); elsewhere, and with ``kernel="xla"``, a pair of channels per
     ``build_histogram``, each into the last one's result.
     """
     result_features = X_binned_T.shape[0] if result_features is None else result_features
@@ -649,7 +665,7 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
         return histogram
 
     target = _channel_kernel_target(statistics, kernel, threads, X_binned_T, max_bin)
-    if target is None or (kernel == "auto" and num_nodes == 1 and width <= ROOT_PAIR_PASSES_MAX_WIDTH):
+    if target is None or (kernel == "auto" and _by_pair_passes(num_nodes, width)):
         return by_pairs()
     first, *more = statistics.blocks
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
@@ -679,8 +695,10 @@ def _channel_kernel_target(statistics: StatisticPairs, kernel: str, threads: int
 
 def builds_channels_natively(statistics: StatisticPairs, X_binned_T: jax.Array, max_bin: int) -> bool:
     """Whether ``build_statistics_histogram`` of ``statistics`` (more than one pair) runs the
-    native kernel of many channels when lowered for a CPU."""
-    return len(statistics.pairs) > 1 and _channel_kernel_target(statistics, "auto", 1, X_binned_T, max_bin) is not None
+    native kernel of many channels for several nodes (a level's children) when lowered for a
+    CPU: not for cells of at most ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` channels."""
+    return (len(statistics.pairs) > 1 and not _by_pair_passes(2, statistics.width)
+            and _channel_kernel_target(statistics, "auto", 1, X_binned_T, max_bin) is not None)
 
 
 def route_to_children(X_binned_T: jax.Array, node_of_row: jax.Array, statistics: StatisticPairs,

@@ -1107,12 +1107,14 @@ def test_compact_histograms_hold_the_features_used_in_feature_order(kernel, max_
 
 @pytest.mark.skipif(not (NATIVE_AVAILABLE and jax.default_backend() == "cpu"),
                     reason="native kernels not built here, or JAX's default backend is not the CPU")
-@pytest.mark.parametrize("channels, num_nodes, narrow", [(5, 1, True), (6, 1, True), (20, 1, False), (6, 4, False)])
-def test_a_narrow_roots_channels_take_the_pair_kernel(channels, num_nodes, narrow):
-    """A root's histogram (one node) of at most ``ROOT_PAIR_PASSES_MAX_WIDTH`` (8) channels is built
-    a pair of channels per pass of the pair kernel on CPU, wider ones and several nodes' by the
-    channel kernel: the same sums bit for bit as the channel kernel's, rows in the same order (a
-    row mask, a column sample, two threads), and NumPy's."""
+@pytest.mark.parametrize("channels, num_nodes, narrow",
+                         [(5, 1, True), (6, 1, True), (8, 1, True), (20, 1, False), (6, 4, True), (8, 4, False)])
+def test_narrow_cells_channels_take_the_pair_kernel(channels, num_nodes, narrow):
+    """A root's histogram (one node) of at most ``ROOT_PAIR_PASSES_MAX_WIDTH`` (8) channels, and
+    several nodes' of at most ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` (6), is built a pair of channels
+    per pass of the pair kernel on CPU, wider ones by the channel kernel: the same sums bit for
+    bit as the channel kernel's, rows in the same order (a row mask, a column sample, two
+    threads), and NumPy's."""
     from jaxboost.histogram import CHANNEL_HISTOGRAM_TARGET, build_channels_histogram, statistic_pairs
     n_rows, n_features, max_bin = 9_000, 7, 256
     rng = np.random.default_rng(channels)

@@ -490,6 +490,49 @@ def test_grown_vector_tree_leaves_are_the_per_leaf_solves():
     np.testing.assert_allclose(tree.loss_change[0], scores[0] + scores[1] - scores[2], rtol=1e-3)
 
 
+@pytest.mark.skipif(jb.native.native_target(jb.native.CHANNEL_HISTOGRAM_TARGET) is None,
+                    reason="the native kernels are not built here")
+@pytest.mark.parametrize("K, full_hessian, by_pairs", [(3, False, True), (2, True, True), (4, False, False)])
+def test_narrow_childrens_histograms_are_routed_and_built_by_pairs(K, full_hessian, by_pairs, monkeypatch):
+    """On CPU a level's children of at most ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` (6) channels (3
+    classes' diagonal, 2 outputs' full Hessian: 5 channels and a zero one) get their first pair
+    while the rows are routed and the others by pair passes, no channel kernel in the tree's
+    program; wider ones (4 classes' diagonal, 8 channels) by the channel kernel. Either way the
+    tree is the one the channel kernel grows, bit for bit."""
+    from jaxboost import grower, histogram
+    routed_first = []  # routed by a pass of its own, the channels summed after it
+
+    def route_to_children(*args, **kwargs):
+        routed_first.append(True)
+        return histogram.route_to_children(*args, **kwargs)
+
+    monkeypatch.setattr(grower, "route_to_children", route_to_children)
+    rng = np.random.default_rng(K)
+    n, d, max_bin = 4000, 5, 64
+    X_binned_T = jnp.asarray(rng.integers(0, max_bin - 1, size=(d, n)).astype(np.uint8))
+    g = rng.normal(size=(n, K)) + (np.asarray(X_binned_T[:2]).T > 30) @ rng.normal(size=(2, K))
+    leaves = VectorLeaves(K, full_hessian=full_hessian)
+    hessians = leaves.pack_hessian(jnp.asarray(_random_psd(rng, n, K) / K + 0.1 * np.eye(K), F32))
+    params = GrowthParams(jb.regularizers.l2(1.0), F32(0.3), F32(0), F32(1.0), F32(1), F32(1))
+
+    def grown():
+        grow = jax.jit(lambda X, g, h: grow_tree(X, g, h, jnp.ones(d, bool), jax.random.PRNGKey(0), params, 4,
+                                                 max_bin, None, False, leaves)[0])
+        arguments = (X_binned_T, jnp.asarray(g, F32), hessians)
+        return grow.lower(*arguments).as_text(), grow(*arguments)
+
+    lowered, tree = grown()
+    channel_kernel = re.search(rf"@{histogram.CHANNEL_HISTOGRAM_TARGET}\b", lowered) is not None
+    assert channel_kernel != by_pairs and any(routed_first) != by_pairs
+    monkeypatch.setattr(histogram, "CHILDREN_PAIR_PASSES_MAX_WIDTH", 0)
+    monkeypatch.setattr(histogram, "ROOT_PAIR_PASSES_MAX_WIDTH", 0)
+    lowered, by_channel_kernel = grown()
+    assert re.search(rf"@{histogram.CHANNEL_HISTOGRAM_TARGET}\b", lowered) is not None
+    assert np.asarray(tree.is_leaf).sum() >= 6
+    for field, expected in zip(tree, by_channel_kernel):
+        np.testing.assert_array_equal(np.asarray(field), np.asarray(expected))
+
+
 def _integer_data(n=3000, seed=0):
     # Few distinct values per feature: each value is its own bin in jaxboost and XGBoost.
     rng = np.random.default_rng(seed)
