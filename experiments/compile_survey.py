@@ -1,7 +1,7 @@
 """Compile time of a new shape, configuration by configuration, each in a fresh process.
 
 Usage: ``python experiments/compile_survey.py [--configs a,b,...] [--rows N] [--repeats R]
-[--baseline PATH] [--output FILE]``
+[--rounds N] [--baseline PATH] [--output FILE]``
 
 For each configuration a fresh process (JAX's persistent cache and jaxboost's program store
 off) generates its data, builds a ``jb.Dataset`` and trains 1 round twice: the compile column is
@@ -11,7 +11,10 @@ its starting value included (a change can move cost from the compile into every 
 ``--baseline PATH`` (a checkout of another jaxboost, e.g. a git worktree of an earlier commit)
 every repeat runs that checkout and this one in turn, the order alternating, and the table adds
 the baseline's medians and the median of the run-by-run differences: on a noisy machine two runs
-minutes apart differ by more than most changes.
+minutes apart differ by more than most changes. With ``--rounds N`` each process then trains N
+rounds too, and the table adds the time a round (the N-round fit's time minus the second 1-round
+fit's, over N - 1) and a checksum of the N-round model's predictions on 2,000 rows, equal
+between checkouts that grow the same trees.
 
 The data: 100k rows by default (the shapes a program is compiled for depend on the padded row
 count, the compile time little), the benchmark's generators (``make_classification`` with 28
@@ -42,6 +45,9 @@ CONFIGS = {
     "wide-500-features": ("wide", dict(loss="logistic")),
     "softmax-10-classes": ("multiclass", dict(loss="softmax")),
     "softmax-vector-leaves": ("multiclass", dict(loss="softmax", multi_strategy="multi_output_tree")),
+    "softmax-3-classes": ("multiclass-3", dict(loss="softmax")),
+    "softmax-3-classes-vector-leaves-diagonal": ("multiclass-3", dict(loss="softmax", multi_strategy="multi_output_tree",
+                                                                      multi_output_hessian="diagonal")),
     "absolute-error-refit": ("regression", dict(loss="absolute_error")),
     "eval-set-early-stopping": ("classification", dict(loss="logistic", eval_set=True, early_stopping_rounds=5)),
     "monotone": ("classification", dict(loss="logistic", monotone_constraints=[1, -1] + [0] * 26)),
@@ -54,6 +60,13 @@ CONFIGS = {
     "student-t-vector-leaves": ("regression", dict(loss="student_t_nll", multi_strategy="multi_output_tree")),
     "custom-gaussian-vector-leaves": ("regression", dict(loss="gaussian", num_outputs=2,
                                                          multi_strategy="multi_output_tree")),
+    # The labels scaled to unit variance, as a distributional model's usually are: the trees grow
+    # fuller than on the raw labels (a standard deviation of 200), so a round's children weigh more.
+    "student-t-vector-leaves-unit-labels": ("regression", dict(loss="student_t_nll", multi_strategy="multi_output_tree",
+                                                               unit_labels=True)),
+    "custom-gaussian-vector-leaves-unit-labels": ("regression", dict(loss="gaussian", num_outputs=2,
+                                                                     multi_strategy="multi_output_tree",
+                                                                     unit_labels=True)),
     "custom-softmax-10-classes": ("multiclass", dict(loss="softmax", num_outputs=10, custom=True)),
 }
 
@@ -85,7 +98,7 @@ def _custom_loss(name: str):
     return lambda raw_prediction, y: jnp.maximum(0.0, 1.0 - (2 * y - 1) * raw_prediction)
 
 
-def worker(config: str, rows: int) -> dict:
+def worker(config: str, rows: int, rounds: int) -> dict:
     import numpy as np
     from sklearn.datasets import make_classification, make_regression
 
@@ -95,12 +108,16 @@ def worker(config: str, rows: int) -> dict:
     settings = dict(settings, max_depth=settings.get("max_depth", 6), learning_rate=0.1)
     if task == "regression":
         X, y = make_regression(rows, 50, n_informative=20, noise=10, random_state=0)
-    elif task == "multiclass":
-        X, y = make_classification(rows, 28, n_informative=14, n_classes=10, n_clusters_per_class=1, random_state=0)
+    elif task.startswith("multiclass"):
+        classes = int(task.partition("-")[2] or 10)
+        X, y = make_classification(rows, 28, n_informative=14, n_classes=classes, n_clusters_per_class=1,
+                                   random_state=0)
     elif task == "wide":
         X, y = make_classification(rows // 4, 500, n_informative=50, random_state=0)
     else:
         X, y = make_classification(rows, 28, n_informative=14, n_redundant=4, random_state=0)
+    if settings.pop("unit_labels", False):
+        y = (y - y.mean()) / y.std()
     X, y = X.astype(np.float32), y.astype(np.float32)
     if settings.pop("custom", False) or settings["loss"] in ("focal", "hinge", "quantiles", "gaussian"):
         settings["loss"] = _custom_loss(settings["loss"])
@@ -118,15 +135,24 @@ def worker(config: str, rows: int) -> dict:
     started = time.perf_counter()
     jb.train(dataset, num_rounds=1, **settings)
     second_s = time.perf_counter() - started
+    timed_rounds = {}
+    if rounds > 1:
+        started = time.perf_counter()
+        model = jb.train(dataset, num_rounds=rounds, **settings)
+        predictions = np.asarray(model.predict(X[:2000]), np.float64).ravel()
+        timed_rounds = dict(ms_a_round=1000 * (time.perf_counter() - started - second_s) / (rounds - 1),
+                            checksum=float(predictions @ np.linspace(1.0, 2.0, predictions.size)))
     return dict(compile_s=first_s - second_s, first_fit_s=first_s, second_fit_s=second_s, first_fit_cpu_s=cpu,
+                **timed_rounds,
                 jaxboost=os.path.dirname(os.path.dirname(os.path.abspath(jb.__file__))),
                 losses=os.path.dirname(os.path.dirname(os.path.abspath(jb.losses.__file__))))
 
 
-def run_once(checkout: str, config: str, rows: int) -> dict | None:
+def run_once(checkout: str, config: str, rows: int, rounds: int) -> dict | None:
     env = dict(os.environ, JAXBOOST_CACHE_DIR="", PYTHONPATH=checkout)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    completed = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", config, "--rows", str(rows)],
+    completed = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", config, "--rows", str(rows),
+                                "--rounds", str(rounds)],
                                capture_output=True, text=True, env=env, cwd=checkout)
     for line in completed.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
@@ -144,12 +170,14 @@ def main(argv=None):
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="also train this many rounds: the time a round and the model's checksum")
     parser.add_argument("--baseline", help="another jaxboost checkout to compare with, run by run")
     parser.add_argument("--output", default=os.path.join(REPO_ROOT, "experiments", "results", "compile_survey.md"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(RESULT_PREFIX + json.dumps(worker(args.worker, args.rows)), flush=True)
+        print(RESULT_PREFIX + json.dumps(worker(args.worker, args.rows, args.rounds)), flush=True)
         return
     configs = [name.strip() for name in args.configs.split(",")]
     unknown = [name for name in configs if name not in CONFIGS]
@@ -164,7 +192,7 @@ def main(argv=None):
         for name in configs:
             order = list(checkouts) if repeat % 2 == 0 else list(reversed(checkouts))
             for which in order:
-                results[name][which].append(run_once(checkouts[which], name, args.rows))
+                results[name][which].append(run_once(checkouts[which], name, args.rows, args.rounds))
             print(f"  repeat {repeat + 1}/{args.repeats} {name}: "
                   + ", ".join(f"{which} {run['compile_s']:.2f} s" for which in order
                               if (run := results[name][which][-1]) is not None), file=sys.stderr)
@@ -179,6 +207,7 @@ def _median(runs: list, field: str) -> float | None:
 def write_report(args, configs, checkouts, results, took_s: float) -> None:
     command = "python experiments/compile_survey.py " + " ".join(
         part for part in (f"--rows {args.rows}", f"--repeats {args.repeats}",
+                          f"--rounds {args.rounds}" if args.rounds > 1 else "",
                           "--baseline PATH" if args.baseline else "",
                           f"--configs '{args.configs}'" if args.configs != ",".join(CONFIGS) else "") if part)
     lines = ["# Compile time of a new shape, by configuration", "",
@@ -190,21 +219,27 @@ def write_report(args, configs, checkouts, results, took_s: float) -> None:
              "depth 6 unless named, caches off; compile s = first 1-round fit - second; CPU s: the first fit's, "
              "all threads; later fit s: the second 1-round fit (what every fit of those shapes pays, its starting "
              "value included)", ""]
-    header = "| configuration | compile s | first fit CPU s | later fit s |"
-    rule = "|---|---|---|---|"
+    fields = {"compile_s": "compile s", "first_fit_cpu_s": "first fit CPU s", "second_fit_s": "later fit s"}
+    compared = {"compile_s": "compile", "first_fit_cpu_s": "CPU"}
+    if args.rounds > 1:
+        fields["ms_a_round"] = "ms a round"
+        compared["ms_a_round"] = "ms a round"
+    header = "| configuration | " + " | ".join(fields.values()) + " |"
+    if args.rounds > 1:
+        header += " checksums |"
     if "baseline" in checkouts:
-        header += " baseline compile s | baseline CPU s | baseline later fit s | compile, run by run | CPU, run by run |"
-        rule += "---|---|---|---|---|"
-    lines += [header, rule]
+        header += "".join(f" baseline {label} |" for label in fields.values())
+        header += "".join(f" {label}, run by run |" for label in compared.values())
+    lines += [header, "|---" * header.count(" |") + "|"]
     for name in configs:
         this = results[name]["this"]
-        row = (f"| {name} | {_cell(_median(this, 'compile_s'))} | {_cell(_median(this, 'first_fit_cpu_s'))} | "
-               f"{_cell(_median(this, 'second_fit_s'))} |")
+        row = f"| {name} |" + "".join(f" {_cell(_median(this, field))} |" for field in fields)
+        if args.rounds > 1:
+            row += " " + _checksums(results[name]) + " |"
         if "baseline" in checkouts:
             base = results[name]["baseline"]
-            row += (f" {_cell(_median(base, 'compile_s'))} | {_cell(_median(base, 'first_fit_cpu_s'))} | "
-                    f"{_cell(_median(base, 'second_fit_s'))} |")
-            for field in ("compile_s", "first_fit_cpu_s"):
+            row += "".join(f" {_cell(_median(base, field))} |" for field in fields)
+            for field in compared:
                 differences = [new[field] - old[field] for new, old in zip(this, base) if new and old]
                 row += (f" {statistics.median(differences):+.2f} ({sum(d < 0 for d in differences)} of "
                         f"{len(differences)} lower) |" if differences else " n/a |")
@@ -218,6 +253,13 @@ def write_report(args, configs, checkouts, results, took_s: float) -> None:
     with open(args.output, "w") as report:
         report.write("\n".join(lines))
     print(f"results written to {args.output}", file=sys.stderr)
+
+
+def _checksums(runs_by_checkout: dict) -> str:
+    """The distinct model checksums of each checkout's runs: one value each where every run
+    grew the same trees."""
+    return "; ".join(f"{which} " + ", ".join(sorted({f"{run['checksum']:.10g}" for run in runs if run}))
+                     for which, runs in runs_by_checkout.items())
 
 
 def _cell(value: float | None) -> str:
