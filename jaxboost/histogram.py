@@ -617,14 +617,14 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
 # round in 2 alternating profiles; 3 classes, full Hessian, width 10: 26-29 against 19-28; 10
 # classes, diagonal, width 20: 32-39 against 43-53, slower).
 ROOT_PAIR_PASSES_MAX_WIDTH = 8
-# Widest cells whose children's histograms (several nodes: the smaller children of a level) the
-# CPU builds by pair passes too, the first pair while the rows are routed and the others over
-# the smaller children's rows, rather than routing first and adding every channel in the
-# channel kernel's passes, parents a step at a time. Measured in whole rounds, the same trees
-# bit for bit: the Student t with vector leaves (2 outputs, full Hessian: width 6), 800k x 50
-# rows, 245-263 against 287-298 ms a round; 3 classes, diagonal (width 6), 160k rows, 30.6-39.8
-# against 32.5-43.9 (medians of 3 fits in each of 2-3 alternating processes); 4 classes, diagonal
-# (width 8), slower: 45-60 against 38-52.
+# Widest cells whose histograms of several nodes (a level's smaller children, some parents at a
+# time) the CPU builds by pair passes over those children's rows too, rather than in the channel
+# kernel's passes. Measured in whole rounds, the same trees bit for bit (`bench_vector_leaves.md`):
+# the Student t with vector leaves (2 outputs, full Hessian: width 6) on 800k x 50 rows, 221-258
+# against 274-325 ms a round; 4 classes' diagonal (width 8) slower, 45-60 against 38-52. Taking
+# the first pair from the route kernel as well, all of a level's parents at once as a scalar
+# tree does, gained as much at depth 6 but lost at depth 10, where a level's buffer of every
+# parent's cells is wide: 543-759 against 419-503 ms a round (the Student t, 200k rows).
 CHILDREN_PAIR_PASSES_MAX_WIDTH = 6
 
 
@@ -694,11 +694,10 @@ def _channel_kernel_target(statistics: StatisticPairs, kernel: str, threads: int
 
 
 def builds_channels_natively(statistics: StatisticPairs, X_binned_T: jax.Array, max_bin: int) -> bool:
-    """Whether ``build_statistics_histogram`` of ``statistics`` (more than one pair) runs the
-    native kernel of many channels for several nodes (a level's children) when lowered for a
-    CPU: not for cells of at most ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` channels."""
-    return (len(statistics.pairs) > 1 and not _by_pair_passes(2, statistics.width)
-            and _channel_kernel_target(statistics, "auto", 1, X_binned_T, max_bin) is not None)
+    """Whether ``build_statistics_histogram`` of ``statistics`` (more than one pair) runs a
+    native kernel of its own when lowered for a CPU (the channel kernel, or for narrow cells
+    pair passes), rather than taking its first pair from the route kernel."""
+    return len(statistics.pairs) > 1 and _channel_kernel_target(statistics, "auto", 1, X_binned_T, max_bin) is not None
 
 
 def route_to_children(X_binned_T: jax.Array, node_of_row: jax.Array, statistics: StatisticPairs,

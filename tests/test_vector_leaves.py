@@ -493,20 +493,13 @@ def test_grown_vector_tree_leaves_are_the_per_leaf_solves():
 @pytest.mark.skipif(jb.native.native_target(jb.native.CHANNEL_HISTOGRAM_TARGET) is None,
                     reason="the native kernels are not built here")
 @pytest.mark.parametrize("K, full_hessian, by_pairs", [(3, False, True), (2, True, True), (4, False, False)])
-def test_narrow_childrens_histograms_are_routed_and_built_by_pairs(K, full_hessian, by_pairs, monkeypatch):
+def test_narrow_childrens_histograms_are_built_by_pairs(K, full_hessian, by_pairs, monkeypatch):
     """On CPU a level's children of at most ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` (6) channels (3
-    classes' diagonal, 2 outputs' full Hessian: 5 channels and a zero one) get their first pair
-    while the rows are routed and the others by pair passes, no channel kernel in the tree's
-    program; wider ones (4 classes' diagonal, 8 channels) by the channel kernel. Either way the
-    tree is the one the channel kernel grows, bit for bit."""
-    from jaxboost import grower, histogram
-    routed_first = []  # routed by a pass of its own, the channels summed after it
-
-    def route_to_children(*args, **kwargs):
-        routed_first.append(True)
-        return histogram.route_to_children(*args, **kwargs)
-
-    monkeypatch.setattr(grower, "route_to_children", route_to_children)
+    classes' diagonal, 2 outputs' full Hessian: 5 channels and a zero one) are built by pair
+    passes, no channel kernel in the tree's program; wider ones (4 classes' diagonal, 8
+    channels) by the channel kernel. Either way the tree is the one the channel kernel grows,
+    bit for bit."""
+    from jaxboost import histogram
     rng = np.random.default_rng(K)
     n, d, max_bin = 4000, 5, 64
     X_binned_T = jnp.asarray(rng.integers(0, max_bin - 1, size=(d, n)).astype(np.uint8))
@@ -523,7 +516,7 @@ def test_narrow_childrens_histograms_are_routed_and_built_by_pairs(K, full_hessi
 
     lowered, tree = grown()
     channel_kernel = re.search(rf"@{histogram.CHANNEL_HISTOGRAM_TARGET}\b", lowered) is not None
-    assert channel_kernel != by_pairs and any(routed_first) != by_pairs
+    assert channel_kernel != by_pairs
     monkeypatch.setattr(histogram, "CHILDREN_PAIR_PASSES_MAX_WIDTH", 0)
     monkeypatch.setattr(histogram, "ROOT_PAIR_PASSES_MAX_WIDTH", 0)
     lowered, by_channel_kernel = grown()
