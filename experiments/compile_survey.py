@@ -1,7 +1,7 @@
 """Compile time of a new shape, configuration by configuration, each in a fresh process.
 
 Usage: ``python experiments/compile_survey.py [--configs a,b,...] [--rows N] [--repeats R]
-[--rounds N] [--baseline PATH] [--output FILE]``
+[--rounds N] [--depth D] [--baseline PATH] [--output FILE]``
 
 For each configuration a fresh process (JAX's persistent cache and jaxboost's program store
 off) generates its data, builds a ``jb.Dataset`` and trains 1 round twice: the compile column is
@@ -98,14 +98,14 @@ def _custom_loss(name: str):
     return lambda raw_prediction, y: jnp.maximum(0.0, 1.0 - (2 * y - 1) * raw_prediction)
 
 
-def worker(config: str, rows: int, rounds: int) -> dict:
+def worker(config: str, rows: int, rounds: int, depth: int | None) -> dict:
     import numpy as np
     from sklearn.datasets import make_classification, make_regression
 
     import jaxboost as jb
 
     task, settings = CONFIGS[config]
-    settings = dict(settings, max_depth=settings.get("max_depth", 6), learning_rate=0.1)
+    settings = dict(settings, max_depth=depth or settings.get("max_depth", 6), learning_rate=0.1)
     if task == "regression":
         X, y = make_regression(rows, 50, n_informative=20, noise=10, random_state=0)
     elif task.startswith("multiclass"):
@@ -148,11 +148,11 @@ def worker(config: str, rows: int, rounds: int) -> dict:
                 losses=os.path.dirname(os.path.dirname(os.path.abspath(jb.losses.__file__))))
 
 
-def run_once(checkout: str, config: str, rows: int, rounds: int) -> dict | None:
+def run_once(checkout: str, config: str, rows: int, rounds: int, depth: int | None) -> dict | None:
     env = dict(os.environ, JAXBOOST_CACHE_DIR="", PYTHONPATH=checkout)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     completed = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", config, "--rows", str(rows),
-                                "--rounds", str(rounds)],
+                                "--rounds", str(rounds)] + (["--depth", str(depth)] if depth else []),
                                capture_output=True, text=True, env=env, cwd=checkout)
     for line in completed.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
@@ -172,12 +172,13 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1,
                         help="also train this many rounds: the time a round and the model's checksum")
+    parser.add_argument("--depth", type=int, help="every configuration at this depth (default: its own, 6 unless named)")
     parser.add_argument("--baseline", help="another jaxboost checkout to compare with, run by run")
     parser.add_argument("--output", default=os.path.join(REPO_ROOT, "experiments", "results", "compile_survey.md"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(RESULT_PREFIX + json.dumps(worker(args.worker, args.rows, args.rounds)), flush=True)
+        print(RESULT_PREFIX + json.dumps(worker(args.worker, args.rows, args.rounds, args.depth)), flush=True)
         return
     configs = [name.strip() for name in args.configs.split(",")]
     unknown = [name for name in configs if name not in CONFIGS]
@@ -192,7 +193,7 @@ def main(argv=None):
         for name in configs:
             order = list(checkouts) if repeat % 2 == 0 else list(reversed(checkouts))
             for which in order:
-                results[name][which].append(run_once(checkouts[which], name, args.rows, args.rounds))
+                results[name][which].append(run_once(checkouts[which], name, args.rows, args.rounds, args.depth))
             print(f"  repeat {repeat + 1}/{args.repeats} {name}: "
                   + ", ".join(f"{which} {run['compile_s']:.2f} s" for which in order
                               if (run := results[name][which][-1]) is not None), file=sys.stderr)
@@ -208,6 +209,7 @@ def write_report(args, configs, checkouts, results, took_s: float) -> None:
     command = "python experiments/compile_survey.py " + " ".join(
         part for part in (f"--rows {args.rows}", f"--repeats {args.repeats}",
                           f"--rounds {args.rounds}" if args.rounds > 1 else "",
+                          f"--depth {args.depth}" if args.depth else "",
                           "--baseline PATH" if args.baseline else "",
                           f"--configs '{args.configs}'" if args.configs != ",".join(CONFIGS) else "") if part)
     lines = ["# Compile time of a new shape, by configuration", "",
@@ -216,9 +218,9 @@ def write_report(args, configs, checkouts, results, took_s: float) -> None:
              f"(took {took_s / 60:.1f} min); machine: {os.cpu_count()} CPUs, {platform.machine()}, "
              f"Python {platform.python_version()}",
              f"- each cell: the median of {args.repeats} fresh processes, {args.rows:,} rows (wide: a quarter), "
-             "depth 6 unless named, caches off; compile s = first 1-round fit - second; CPU s: the first fit's, "
-             "all threads; later fit s: the second 1-round fit (what every fit of those shapes pays, its starting "
-             "value included)", ""]
+             f"depth {args.depth or '6 unless named'}, caches off; compile s = first 1-round fit - second; "
+             "CPU s: the first fit's, all threads; later fit s: the second 1-round fit (what every fit of those "
+             "shapes pays, its starting value included)", ""]
     fields = {"compile_s": "compile s", "first_fit_cpu_s": "first fit CPU s", "second_fit_s": "later fit s"}
     compared = {"compile_s": "compile", "first_fit_cpu_s": "CPU"}
     if args.rounds > 1:

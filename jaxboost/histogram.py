@@ -620,8 +620,9 @@ ROOT_PAIR_PASSES_MAX_WIDTH = 8
 # Widest cells whose histograms of several nodes (a level's smaller children, some parents at a
 # time) the CPU builds by pair passes over those children's rows too, rather than in the channel
 # kernel's passes. Measured in whole rounds, the same trees bit for bit (`bench_vector_leaves.md`):
-# the Student t with vector leaves (2 outputs, full Hessian: width 6) on 800k x 50 rows, 221-258
-# against 274-325 ms a round; 4 classes' diagonal (width 8) slower, 45-60 against 38-52. Taking
+# the Student t with vector leaves (2 outputs, full Hessian: width 6) on 800k x 50 rows 271
+# against 322 ms a round at depth 6, and as fast at depth 10; 3 classes' diagonal (width 6) on
+# 200k rows 58 against 62; 4 classes' diagonal (width 8) slower, 45-60 against 38-52. Taking
 # the first pair from the route kernel as well, all of a level's parents at once as a scalar
 # tree does, gained as much at depth 6 but lost at depth 10, where a level's buffer of every
 # parent's cells is wide: 543-759 against 419-503 ms a round (the Student t, 200k rows).
