@@ -576,7 +576,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
             return child_of_row, children_histograms_over_parents(state.histograms, smaller, left_is_smaller,
                                                                   histogram_splits, summed_nodes, axis_name)
 
-        if builds_channels_natively(statistics, X_binned_T, max_bin):
+        if builds_channels_natively(statistics, X_binned_T, max_bin, parent_slots):
             child_of_row, histograms = per_platform(cpu=in_parent_chunks, default=with_the_route)
         else:
             child_of_row, histograms = with_the_route()

@@ -617,16 +617,20 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
 # round in 2 alternating profiles; 3 classes, full Hessian, width 10: 26-29 against 19-28; 10
 # classes, diagonal, width 20: 32-39 against 43-53, slower).
 ROOT_PAIR_PASSES_MAX_WIDTH = 8
-# Widest cells whose histograms of several nodes (a level's smaller children, some parents at a
-# time) the CPU builds by pair passes over those children's rows too, rather than in the channel
-# kernel's passes. Measured in whole rounds, the same trees bit for bit (`bench_vector_leaves.md`):
-# the Student t with vector leaves (2 outputs, full Hessian: width 6) on 800k x 50 rows 271
-# against 322 ms a round at depth 6, and as fast at depth 10; 3 classes' diagonal (width 6) on
-# 200k rows 58 against 62; 4 classes' diagonal (width 8) slower, 45-60 against 38-52. Taking
-# the first pair from the route kernel as well, all of a level's parents at once as a scalar
-# tree does, gained as much at depth 6 but lost at depth 10, where a level's buffer of every
-# parent's cells is wide: 543-759 against 419-503 ms a round (the Student t, 200k rows).
+# Widest cells whose histograms of several nodes (a level's smaller children) the CPU builds by
+# pair passes over those children's rows too, rather than in the channel kernel's passes, the
+# same sums bit for bit. With at most ``ROUTED_NARROW_PARENTS_MAX`` parents a level (a tree's
+# first 6 levels) the route kernel sums the first pair while it routes the rows, every parent at
+# once, as for a scalar tree; with more (the deep levels' wide buffers) the rows are routed by a
+# pass of their own and the children summed a parent chunk at a time. Measured in whole rounds
+# (`bench_vector_leaves.md`): the Student t with vector leaves (2 outputs, full Hessian: width 6)
+# on 800k x 50 rows at depth 6, 271 against 322 ms a round with the chunked pair passes
+# everywhere, 248 against 268 with the route kernel's first pair; at depth 10 the route kernel's
+# first pair on every level was slower than the channel kernel (543-759 against 419-503 ms on
+# 200k rows), the chunked passes as fast; 4 classes' diagonal (width 8) slower by pair passes,
+# 45-60 against 38-52.
 CHILDREN_PAIR_PASSES_MAX_WIDTH = 6
+ROUTED_NARROW_PARENTS_MAX = 16
 
 
 def _by_pair_passes(num_nodes: int, width: int) -> bool:
@@ -694,11 +698,17 @@ def _channel_kernel_target(statistics: StatisticPairs, kernel: str, threads: int
     return _choose_native_target(CHANNEL_HISTOGRAM_TARGET, "channel histogram", kernel, threads, X_binned_T, max_bin)
 
 
-def builds_channels_natively(statistics: StatisticPairs, X_binned_T: jax.Array, max_bin: int) -> bool:
-    """Whether ``build_statistics_histogram`` of ``statistics`` (more than one pair) runs a
-    native kernel of its own when lowered for a CPU (the channel kernel, or for narrow cells
-    pair passes), rather than taking its first pair from the route kernel."""
-    return len(statistics.pairs) > 1 and _channel_kernel_target(statistics, "auto", 1, X_binned_T, max_bin) is not None
+def builds_channels_natively(statistics: StatisticPairs, X_binned_T: jax.Array, max_bin: int,
+                             parents: int | None = None) -> bool:
+    """Whether a level of ``parents`` parents (None: one) builds its children's histograms of
+    ``statistics`` (more than one pair) by native kernels of their own when lowered for a CPU, a
+    parent chunk at a time (the channel kernel, or for narrow cells pair passes), rather than
+    taking the first pair from the route kernel: not for cells of at most
+    ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` channels and at most ``ROUTED_NARROW_PARENTS_MAX``
+    parents."""
+    if len(statistics.pairs) < 2 or _channel_kernel_target(statistics, "auto", 1, X_binned_T, max_bin) is None:
+        return False
+    return not (statistics.width <= CHILDREN_PAIR_PASSES_MAX_WIDTH and (parents or 1) <= ROUTED_NARROW_PARENTS_MAX)
 
 
 def route_to_children(X_binned_T: jax.Array, node_of_row: jax.Array, statistics: StatisticPairs,

@@ -492,14 +492,25 @@ def test_grown_vector_tree_leaves_are_the_per_leaf_solves():
 
 @pytest.mark.skipif(jb.native.native_target(jb.native.CHANNEL_HISTOGRAM_TARGET) is None,
                     reason="the native kernels are not built here")
-@pytest.mark.parametrize("K, full_hessian, by_pairs", [(3, False, True), (2, True, True), (4, False, False)])
-def test_narrow_childrens_histograms_are_built_by_pairs(K, full_hessian, by_pairs, monkeypatch):
+@pytest.mark.parametrize("K, full_hessian, depth, by_pairs, routed_apart",
+                         [(3, False, 4, True, False), (2, True, 4, True, False), (4, False, 4, False, True),
+                          (2, True, 8, True, True)])
+def test_narrow_childrens_histograms_are_built_by_pairs(K, full_hessian, depth, by_pairs, routed_apart, monkeypatch):
     """On CPU a level's children of at most ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` (6) channels (3
     classes' diagonal, 2 outputs' full Hessian: 5 channels and a zero one) are built by pair
-    passes, no channel kernel in the tree's program; wider ones (4 classes' diagonal, 8
-    channels) by the channel kernel. Either way the tree is the one the channel kernel grows,
-    bit for bit."""
-    from jaxboost import histogram
+    passes, no channel kernel in the tree's program: in a tree's first levels (at most
+    ``ROUTED_NARROW_PARENTS_MAX`` parents) with the first pair summed while the rows are routed,
+    in the deep levels (depth 8) after a routing pass of their own. Wider cells (4 classes'
+    diagonal, 8 channels) take the channel kernel, after a routing pass. Either way the tree is
+    the one the channel kernel grows, bit for bit."""
+    from jaxboost import grower, histogram
+    routed_first = []  # a routing pass of its own, the children summed after it
+
+    def route_to_children(*args, **kwargs):
+        routed_first.append(True)
+        return histogram.route_to_children(*args, **kwargs)
+
+    monkeypatch.setattr(grower, "route_to_children", route_to_children)
     rng = np.random.default_rng(K)
     n, d, max_bin = 4000, 5, 64
     X_binned_T = jnp.asarray(rng.integers(0, max_bin - 1, size=(d, n)).astype(np.uint8))
@@ -509,14 +520,14 @@ def test_narrow_childrens_histograms_are_built_by_pairs(K, full_hessian, by_pair
     params = GrowthParams(jb.regularizers.l2(1.0), F32(0.3), F32(0), F32(1.0), F32(1), F32(1))
 
     def grown():
-        grow = jax.jit(lambda X, g, h: grow_tree(X, g, h, jnp.ones(d, bool), jax.random.PRNGKey(0), params, 4,
+        grow = jax.jit(lambda X, g, h: grow_tree(X, g, h, jnp.ones(d, bool), jax.random.PRNGKey(0), params, depth,
                                                  max_bin, None, False, leaves)[0])
         arguments = (X_binned_T, jnp.asarray(g, F32), hessians)
         return grow.lower(*arguments).as_text(), grow(*arguments)
 
     lowered, tree = grown()
     channel_kernel = re.search(rf"@{histogram.CHANNEL_HISTOGRAM_TARGET}\b", lowered) is not None
-    assert channel_kernel != by_pairs
+    assert channel_kernel != by_pairs and any(routed_first) == routed_apart
     monkeypatch.setattr(histogram, "CHILDREN_PAIR_PASSES_MAX_WIDTH", 0)
     monkeypatch.setattr(histogram, "ROOT_PAIR_PASSES_MAX_WIDTH", 0)
     lowered, by_channel_kernel = grown()
