@@ -627,8 +627,8 @@ ROOT_PAIR_PASSES_MAX_WIDTH = 8
 # on 800k x 50 rows at depth 6, 271 against 322 ms a round with the chunked pair passes
 # everywhere, 248 against 268 with the route kernel's first pair; at depth 10 the route kernel's
 # first pair on every level was slower than the channel kernel (543-759 against 419-503 ms on
-# 200k rows), the chunked passes as fast; 4 classes' diagonal (width 8) slower by pair passes,
-# 45-60 against 38-52.
+# 200k rows), the chunked passes as fast, and the two as above 375 against 412; 4 classes'
+# diagonal (width 8) slower by pair passes, 45-60 against 38-52.
 CHILDREN_PAIR_PASSES_MAX_WIDTH = 6
 ROUTED_NARROW_PARENTS_MAX = 16
 
