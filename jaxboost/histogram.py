@@ -619,10 +619,10 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
 ROOT_PAIR_PASSES_MAX_WIDTH = 8
 # Widest cells whose histograms of several nodes (a level's smaller children) the CPU builds by
 # pair passes over those children's rows too, rather than in the channel kernel's passes, the
-# same sums bit for bit. With at most ``ROUTED_NARROW_PARENTS_MAX`` parents a level (a tree's
-# first 6 levels) the route kernel sums the first pair while it routes the rows, every parent at
-# once, as for a scalar tree; with more (the deep levels' wide buffers) the rows are routed by a
-# pass of their own and the children summed a parent chunk at a time. Measured in whole rounds
+# same sums bit for bit. In a tree's first 6 levels (at most ``ROUTED_NARROW_PARENTS_MAX`` parent
+# slots, or a deep tree's first loop) the route kernel sums the first pair while it routes the
+# rows, every parent at once, as for a scalar tree; in the deep levels' wide buffers the rows are
+# routed by a pass of their own and the children summed a parent chunk at a time. Measured in whole rounds
 # (`bench_vector_leaves.md`): the Student t with vector leaves (2 outputs, full Hessian: width 6)
 # on 800k x 50 rows at depth 6, 271 against 322 ms a round with the chunked pair passes
 # everywhere, 248 against 268 with the route kernel's first pair; at depth 10 the route kernel's
@@ -700,15 +700,16 @@ def _channel_kernel_target(statistics: StatisticPairs, kernel: str, threads: int
 
 def builds_channels_natively(statistics: StatisticPairs, X_binned_T: jax.Array, max_bin: int,
                              parents: int | None = None) -> bool:
-    """Whether a level of ``parents`` parents (None: one) builds its children's histograms of
-    ``statistics`` (more than one pair) by native kernels of their own when lowered for a CPU, a
-    parent chunk at a time (the channel kernel, or for narrow cells pair passes), rather than
-    taking the first pair from the route kernel: not for cells of at most
-    ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` channels and at most ``ROUTED_NARROW_PARENTS_MAX``
-    parents."""
+    """Whether a level whose children's histograms are built for ``parents`` parent slots
+    builds them from ``statistics`` (more than one pair) by native kernels of their own when
+    lowered for a CPU, a parent chunk at a time (the channel kernel, or for narrow cells pair
+    passes), rather than taking the first pair from the route kernel: not for cells of at most
+    ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` channels in a tree's first levels, ``parents`` at most
+    ``ROUTED_NARROW_PARENTS_MAX`` or None (every slot of a deep tree's first loop, 32)."""
     if len(statistics.pairs) < 2 or _channel_kernel_target(statistics, "auto", 1, X_binned_T, max_bin) is None:
         return False
-    return not (statistics.width <= CHILDREN_PAIR_PASSES_MAX_WIDTH and (parents or 1) <= ROUTED_NARROW_PARENTS_MAX)
+    first_levels = parents is None or parents <= ROUTED_NARROW_PARENTS_MAX
+    return not (statistics.width <= CHILDREN_PAIR_PASSES_MAX_WIDTH and first_levels)
 
 
 def route_to_children(X_binned_T: jax.Array, node_of_row: jax.Array, statistics: StatisticPairs,
