@@ -261,6 +261,48 @@ def test_native_vector_split_scan_finds_a_split_at_every_lane_of_its_blocks():
     np.testing.assert_allclose(native.loss_change, xla.loss_change, rtol=2e-6)
 
 
+@pytest.mark.skipif(jb.native.native_target(jb.native.VECTOR_SPLIT_SCAN_TARGET) is None or jax.default_backend() != "cpu",
+                    reason="native kernels not built here, or JAX's default backend is not the CPU")
+def test_native_vector_split_scan_over_bins_without_rows_is_the_xla_scan():
+    """The native scan solves only the candidates at bins that hold rows (and bin 0): one at a
+    bin without rows has its predecessor's sides bit for bit. On nodes whose rows fill few bins,
+    in runs that cross its blocks of 16, it chooses what the XLA scan (every candidate solved)
+    chooses, the first bin of a run of equal gains: a node of two occupied bins, one of a single
+    bin, a dense one, and bins whose rows' first gradient sums to exactly zero while their
+    other channels do not (they hold rows: a test of the first channel alone would skip them)."""
+    from jaxboost.split import find_best_splits_of_live_nodes
+
+    K, max_bin = 2, 64  # 63 bins of values: blocks of 16, 16, 16 and 15 candidates
+    leaves = VectorLeaves(K)
+    width = K + leaves.hessian_channels
+    rng = np.random.default_rng(5)
+    hessian = np.asarray(leaves.pack_hessian(jnp.asarray(np.array([[1.0, 0.3], [0.3, 0.5]], np.float32))))
+    occupied = {0: [0, 20, 21, 50, 63], 1: [40], 2: list(range(64)), 3: [5, 60], 4: [3, 17, 18, 33, 47, 63]}
+    histograms = np.zeros((len(occupied), 1, max_bin, width + width % 2), np.float32)
+    for node, bins in occupied.items():
+        for code in bins:
+            rows = int(rng.integers(2, 9))
+            gradient = rng.normal(size=K).astype(np.float32) + (2.0 if code < 30 else -2.0)
+            histograms[node, 0, code, :width] = rows * np.concatenate([gradient, hessian])
+    histograms[4, 0, [17, 18], 0] = 0.0  # rows there, their first gradient summing to zero
+    reg = jb.regularizers.l2(1.0)
+
+    def scan(kernel, histograms):
+        return find_best_splits_of_live_nodes(histograms, jnp.ones((len(occupied), 1), bool), reg, F32(1.0), None,
+                                              leaves, None, True, None, kernel=kernel)
+
+    native, xla = (jax.tree_util.tree_map(np.asarray, jax.jit(partial(scan, kernel))(jnp.asarray(histograms)))
+                   for kernel in ("native", "xla"))
+    for field in ("threshold_bin", "default_left", "left_gradients", "left_hessians", "right_gradients",
+                  "right_hessians"):
+        np.testing.assert_array_equal(getattr(native, field), getattr(xla, field), err_msg=field)
+    np.testing.assert_allclose(native.loss_change, xla.loss_change, rtol=2e-6)
+    # Each split at an occupied bin (the first of its run), node 1's none (one bin of rows).
+    assert all(int(native.threshold_bin[node]) in bins for node, bins in occupied.items() if node != 1)
+    assert np.isfinite(native.loss_change[[0, 2, 3, 4]]).all() and native.loss_change[1] == -np.inf
+    assert native.threshold_bin[3] == 5
+
+
 @pytest.mark.parametrize("reg", PENALTIES)
 @pytest.mark.parametrize("K", [1, 2, 3, 5])
 def test_full_solve_matches_dense_solve_and_minimises(K, reg):
