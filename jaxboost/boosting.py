@@ -223,20 +223,26 @@ def starting_value(objective: Objective, raw_prediction: jax.Array, y: jax.Array
     return run("sweeps", raw_prediction, y, weights, loss_params, constant)
 
 
+# A starting value over this many rows at most (a loss's distinct labels and their summed
+# weights: ``training.distinct_labels``) is compiled for a quick compile rather than a quick run.
+STARTING_VALUE_FEW_ROWS = 256
+
+
 @lru_cache(maxsize=None)
-def _compiled_starting_value(platform: str, method: str):
+def _compiled_starting_value(platform: str, method: str, few_rows: bool):
     return jax.jit(_STARTING_VALUE_METHODS[method], static_argnames="objective",
-                   compiler_options=compiler_options(platform))
+                   compiler_options=compiler_options(platform, few_rows))
 
 
 def _starting_value_program(platform: str, method: str, objective: Objective, arguments: tuple) -> Callable:
     """``starting_value``'s program ``method`` for ``objective``, called on ``arguments``:
     through the program store where it can hold it, else jitted here."""
-    options = dict(compiler_options=compiler_options(platform))
+    few_rows = arguments[0].shape[-2] <= STARTING_VALUE_FEW_ROWS
+    options = dict(compiler_options=compiler_options(platform, few_rows))
     stored = stored_program(f"starting_value_{method}", lambda: partial(_STARTING_VALUE_METHODS[method], objective),
                             (objective, method), arguments, platform, options)
     if stored is None:
-        return partial(_compiled_starting_value(platform, method), objective)
+        return partial(_compiled_starting_value(platform, method, few_rows), objective)
     return ready(stored)
 
 

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .boosting import (HESSIAN_MODES, SWEEP_TOLERANCE, RoundHealth, RoundParams, RoundShape, compiled_round,
-                       compiled_zero_hessian_count, histogram_buffer, round_tree_template, seed_key_data,
-                       starting_value, stored_round)
+from .boosting import (HESSIAN_MODES, STARTING_VALUE_FEW_ROWS, SWEEP_TOLERANCE, RoundHealth, RoundParams,
+                       RoundShape, compiled_round, compiled_zero_hessian_count, histogram_buffer, round_tree_template,
+                       seed_key_data, starting_value, stored_round)
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .derivatives import hessian_vanishes
@@ -226,19 +226,57 @@ def found_while_compiling(compiled_round, arguments: tuple, find: Callable):
     return found
 
 
+def distinct_labels(y: np.ndarray, weights: np.ndarray, rows: int = STARTING_VALUE_FEW_ROWS) -> tuple | None:
+    """The labels of ``y`` (n, ...) that some row of positive weight holds, each once, and the
+    weights ``weights`` (n,) or (models, n) of their rows summed (float64 sums, as float32):
+    ``(labels (rows, ...), summed weights (rows,) or (models, rows))``, padded with weight 0 to
+    ``rows``; None where the labels are more than ``rows``.
+
+    At a constant raw prediction a row's loss depends on its label alone, so the weighted loss
+    of all the rows is that of their distinct labels, each weighted by its rows' weights: a
+    custom loss's starting value is found over those (classes, counts, a few levels) rather than
+    every row, in a program of ``rows`` rows compiled quickly (``boosting.STARTING_VALUE_FEW_ROWS``).
+    A custom 10-class softmax's Newton steps at 100k rows had run 80 ms every fit and compiled in
+    0.49 s (0.59 s at LLVM's default level over its distinct labels, 0.17 at level 0, run in 1.5
+    ms). Continuous labels are told apart by their first rows, before any sort of them all."""
+    counted = np.any(weights > 0, axis=0) if weights.ndim > 1 else weights > 0
+    labels = y[counted]
+    axis = 0 if labels.ndim > 1 else None
+    if labels.shape[0] == 0 or np.unique(labels[:8 * rows], axis=axis).shape[0] > rows:
+        return None
+    if axis is None:
+        # A sort of the labels alone, then a search of each in the few distinct ones: at 800k
+        # rows 7 + 4 ms, where np.unique's inverse (a sort of their indices) took 45.
+        distinct = np.unique(labels)
+        if distinct.shape[0] > rows:
+            return None
+        inverse = np.searchsorted(distinct, labels)
+    else:
+        distinct, inverse = np.unique(labels, axis=0, return_inverse=True)
+        if distinct.shape[0] > rows:
+            return None
+        inverse = inverse.reshape(-1)
+    counted_weights = weights[..., counted].reshape(-1, labels.shape[0]).astype(np.float64)
+    summed = np.stack([np.bincount(inverse, weights=model_weights, minlength=rows)
+                       for model_weights in counted_weights]).astype(np.float32)
+    padded = np.concatenate([distinct, np.broadcast_to(distinct[:1], (rows - distinct.shape[0],) + distinct.shape[1:])])
+    return padded.astype(y.dtype), summed.reshape(weights.shape[:-1] + (rows,))
+
+
 def _starting_value(resolved: ResolvedLoss, rows: _DeviceRows, mesh, start: np.ndarray | None = None) -> np.ndarray:
     """The constant raw prediction minimising the weighted loss of ``rows``: a built-in's closed
     form where it has one (``closed_form_starting_value``), else found numerically on the mesh's
-    first device, from 0 or from ``start``: each of the minimisation's 25-odd passes over the
-    rows had ended in a sum over the devices, most of a small fit's starting value (40k rows on
-    two CPU devices: 3.7 -> 2.0 ms a fit; 800k: 32.1 -> 30.5)."""
+    first device, from 0 or from ``start``, over the rows' distinct labels where they are few
+    (``distinct_labels``), else over every row: each of the minimisation's 25-odd passes over
+    the rows had ended in a sum over the devices, most of a small fit's starting value (40k
+    rows on two CPU devices: 3.7 -> 2.0 ms a fit; 800k: 32.1 -> 30.5)."""
     if resolved.optimal_constant is not None:
         return closed_form_starting_value(resolved, rows.y, rows.sample_weight)
     K = resolved.objective.num_outputs
     started = np.zeros(K, np.float32) if start is None else start
+    y, weights = distinct_labels(rows.y, rows.sample_weight) or (rows.y, rows.sample_weight)
     raw_prediction, y_one, weight_one = jax.device_put(
-        [np.broadcast_to(started, (rows.y.shape[0], K)).astype(np.float32), rows.y, rows.sample_weight],
-        mesh.devices.flat[0])
+        [np.broadcast_to(started, (y.shape[0], K)).astype(np.float32), y, weights], mesh.devices.flat[0])
     offsets = np.asarray(starting_value(resolved.objective, raw_prediction, y_one, weight_one, resolved.loss_params,
                                         _without_curvature(resolved, rows)))
     return offsets if start is None else start + offsets

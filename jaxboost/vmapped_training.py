@@ -33,9 +33,9 @@ from .objective import _check_loss_parameters, resolve_loss, resolve_metrics
 from .program_store import ready
 from .regularizer import Regularization, check_regularization
 from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
-                       _without_curvature, check_flag, closed_form_starting_value, found_while_compiling,
-                       interaction_groups, monotone_array, positives_weighted, release_memory_now_and_then,
-                       vector_leaves)
+                       _without_curvature, check_flag, closed_form_starting_value, distinct_labels,
+                       found_while_compiling, interaction_groups, monotone_array, positives_weighted,
+                       release_memory_now_and_then, vector_leaves)
 
 # Hyperparameters that may differ between the models, with jb.train's defaults.
 BATCHABLE = dict(learning_rate=0.1, reg_lambda=1.0, reg_alpha=0.0, gamma=0.0, min_child_weight=1.0, subsample=1.0,
@@ -158,7 +158,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         # compiled round instead, train_many's round being one program): train's up to the float32
         # rounding of the sums over the rows (a mean of labels near 0: 1e-8 apart on labels of
         # scale 1), bit for bit where the minimiser is a label (a pinball loss's).
-        zeros, y_one, weights_one = jax.device_put([np.zeros((padded, K), np.float32), rows.y, padded_weights],
+        y, weights = distinct_labels(rows.y, padded_weights) or (rows.y, padded_weights)
+        zeros, y_one, weights_one = jax.device_put([np.zeros((y.shape[0], K), np.float32), y, weights],
                                                    mesh.devices.flat[0])
         no_curvature = _without_curvature(resolved, rows)
         return np.asarray(jax.vmap(lambda w, params: starting_value(objective, zeros, y_one, w, params,

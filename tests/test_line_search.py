@@ -311,6 +311,120 @@ def test_softmax_starting_value_is_solved_by_newton_steps_to_float32_resolution(
     np.testing.assert_allclose(start, np.asarray(constant), atol=1e-6)
 
 
+def _distinct_labels_naively(y, weights):
+    """Each label some row of positive weight (in some model) holds, with each model's weights
+    of its rows summed, by a walk over the rows."""
+    weights = np.atleast_2d(weights)
+    summed = {}
+    for row in range(y.shape[0]):
+        if np.any(weights[:, row] > 0):
+            key = tuple(np.atleast_1d(y[row]).tolist())
+            summed[key] = summed.get(key, 0.0) + weights[:, row].astype(np.float64)
+    return summed
+
+
+@pytest.mark.parametrize("case", ["classes", "models", "label-vectors"])
+def test_distinct_labels_hold_each_weighted_label_once_with_its_rows_weights_summed(case):
+    """Against a walk over the rows: rows of weight 0 (a device's padding, a fold left out) bring
+    no label of their own, the padding up to the program's rows weighs 0 and repeats a real label,
+    and each model's weights are summed apart."""
+    rng = np.random.default_rng(11)
+    n, rows = 3000, training.STARTING_VALUE_FEW_ROWS
+    y = rng.choice([0.0, 1.0, 2.0, 7.5, -3.0], size=n).astype(np.float32)
+    weights = rng.uniform(0.1, 3.0, size=n).astype(np.float32)
+    y[:40], weights[:40] = 99.0, 0.0  # a label held only by rows of weight 0
+    if case == "models":
+        weights = np.stack([weights, weights * rng.integers(0, 2, size=n), 2.5 * weights]).astype(np.float32)
+    elif case == "label-vectors":
+        y = np.stack([y, rng.choice([0.0, 1.0], size=n).astype(np.float32)], axis=1)
+    labels, summed = training.distinct_labels(y, weights)
+    assert labels.shape == (rows,) + y.shape[1:] and labels.dtype == y.dtype
+    assert summed.shape == weights.shape[:-1] + (rows,) and summed.dtype == np.float32
+    expected = _distinct_labels_naively(y, weights)
+    found = {}
+    for label, weight in zip(labels, np.moveaxis(np.atleast_2d(summed), -1, 0)):
+        key = tuple(np.atleast_1d(label).tolist())
+        assert key in expected, f"label {key} is held by no row of positive weight"
+        found[key] = found.get(key, 0.0) + weight.astype(np.float64)
+    assert found.keys() == expected.keys()
+    for key, weight in expected.items():
+        np.testing.assert_allclose(found[key], weight, rtol=1e-6, err_msg=str(key))
+    assert np.count_nonzero(np.atleast_2d(summed).sum(axis=0)) == len(expected)
+
+
+def test_distinct_labels_are_none_where_the_labels_are_many():
+    rng = np.random.default_rng(12)
+    rows = training.STARTING_VALUE_FEW_ROWS
+    continuous = rng.normal(size=5000).astype(np.float32)
+    assert training.distinct_labels(continuous, np.ones(5000, np.float32)) is None
+    # One more than the program holds, the last of them first met after the first rows.
+    counts = np.concatenate([np.tile(np.arange(rows, dtype=np.float32), 20), [float(rows)]])
+    assert training.distinct_labels(counts, np.ones(counts.shape[0], np.float32)) is None
+    assert training.distinct_labels(counts[:-1], np.ones(counts.shape[0] - 1, np.float32)) is not None
+
+
+def _record_rows_taken(monkeypatch, module) -> list:
+    """The rows of each call of ``module``'s ``starting_value``, recorded as it runs."""
+    rows_taken = []
+    original = module.starting_value
+
+    def recording(objective, raw_prediction, *args, **kwargs):
+        rows_taken.append(raw_prediction.shape[0])
+        return original(objective, raw_prediction, *args, **kwargs)
+
+    monkeypatch.setattr(module, "starting_value", recording)
+    return rows_taken
+
+
+def test_a_custom_softmax_finds_its_starting_value_over_its_distinct_labels(monkeypatch):
+    """A fit of a custom 3-class softmax: its starting value's program runs over the classes
+    (``STARTING_VALUE_FEW_ROWS`` rows), not every row, and finds the centred log of the weighted
+    class frequencies, as the same program over every row does; a custom Gaussian's continuous
+    labels are taken row by row."""
+    rng = np.random.default_rng(13)
+    n = 6000
+    X = rng.normal(size=(n, 3)).astype(np.float32)
+    y = rng.choice(3, size=n, p=[0.6, 0.3, 0.1]).astype(np.float32)
+    weights = rng.uniform(0.1, 3.0, size=n).astype(np.float32)
+    original = training.starting_value
+    rows_taken = _record_rows_taken(monkeypatch, training)
+    model = jb.train(X, y, sample_weight=weights, loss=lambda f, label: softmax_loss(f, label.astype(jnp.int32)),
+                     num_outputs=3, num_rounds=1, max_depth=2)
+    assert rows_taken == [training.STARTING_VALUE_FEW_ROWS]
+    expected = np.log(np.bincount(y.astype(np.int64), weights=weights.astype(np.float64)))
+    start = np.asarray(model.base_score, np.float64)
+    np.testing.assert_allclose(start - start.mean(), expected - expected.mean(), atol=2e-6)
+    every_row = np.asarray(original(_vector_objective(softmax_loss, 3), jnp.zeros((n, 3)), jnp.asarray(y, jnp.int32),
+                                    jnp.asarray(weights)), np.float64)
+    np.testing.assert_allclose(start - start.mean(), every_row - every_row.mean(), atol=2e-6)
+
+    rows_taken.clear()
+    labels = (40.0 + 3.0 * rng.normal(size=n)).astype(np.float32)
+    jb.train(X, labels, loss=gaussian_loss, num_outputs=2, multi_strategy="multi_output_tree", num_rounds=1,
+             max_depth=2)
+    assert rows_taken and all(taken >= n for taken in rows_taken), rows_taken
+
+
+def test_train_many_finds_each_custom_softmax_starting_value_over_the_distinct_labels(monkeypatch):
+    """train_many's models, each with its own row weights (one of them leaving a class out),
+    find their starting values over the labels once, each weighted by its own sums."""
+    from jaxboost import vmapped_training
+    rows_taken = _record_rows_taken(monkeypatch, vmapped_training)
+    rng = np.random.default_rng(16)
+    n = 300
+    X = rng.normal(size=(n, 3)).astype(np.float32)
+    y = rng.choice(3, size=n, p=[0.5, 0.3, 0.2]).astype(np.float32)
+    weights = np.stack([_weights(17, n), _weights(18, n) * (y != 2)])
+    models = jb.train_many(X, y, sample_weights=weights, num_outputs=3, num_rounds=1, max_depth=2,
+                           loss=lambda f, label: softmax_loss(f, label.astype(jnp.int32)))
+    assert rows_taken == [training.STARTING_VALUE_FEW_ROWS]
+    for model, w in zip(models, weights):
+        frequencies = np.bincount(y.astype(np.int64), weights=w.astype(np.float64), minlength=3)
+        start = np.asarray(model.base_score, np.float64)
+        probabilities = np.exp(start - start.max()) / np.exp(start - start.max()).sum()
+        np.testing.assert_allclose(probabilities, frequencies / frequencies.sum(), atol=1e-5)
+
+
 def gaussian_loss(f, y):
     return f[1] + 0.5 * jnp.square((y - f[0]) * jnp.exp(-f[1]))
 
