@@ -639,39 +639,66 @@ def _by_pair_passes(num_nodes: int, width: int) -> bool:
     return width <= (ROOT_PAIR_PASSES_MAX_WIDTH if num_nodes == 1 else CHILDREN_PAIR_PASSES_MAX_WIDTH)
 
 
+def builds_by_pair_passes(statistics: StatisticPairs, num_nodes: int, X_binned_T: jax.Array, max_bin: int,
+                          kernel: str = "auto", threads: int = 1) -> bool:
+    """Whether ``build_channels_histogram`` sums the statistics' pairs apart, each in cells of
+    its own (no native channel kernel for them, or cells narrow enough for pair passes), rather
+    than every channel of a row in one pass into cells of them all."""
+    return (_channel_kernel_target(statistics, kernel, threads, X_binned_T, max_bin) is None
+            or (kernel == "auto" and _by_pair_passes(num_nodes, statistics.width)))
+
+
 def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, statistics: StatisticPairs,
                              num_nodes: int, max_bin: int, row_mask: jax.Array | None = None, kernel: str = "auto",
                              threads: int = 1, feature_major: bool = False, result_features: int | None = None,
                              row_offset: jax.Array | None = None, channel: int = 0,
                              into: jax.Array | None = None, features_used: jax.Array | None = None,
                              deterministic: bool = False) -> jax.Array:
-    """The histogram of the statistics' channels from ``channel`` on, into ``into`` (the histogram
-    of the channels before it; None for channel 0, the others then start at zero). Arguments as
-    for ``build_histogram``.
+    """The histogram of the statistics' channels from ``channel`` on, after ``into`` (the
+    histogram of the channels before it; None for channel 0). Arguments as for
+    ``build_histogram``.
 
     Returns float32 ``(num_nodes, result_features, max_bin, statistics.width)`` (an odd number
     of channels padded with a zero one). On CPU one native pass adds all of a row's
-    channels to its cell (a root's cells of at most ``ROOT_PAIR_PASSES_MAX_WIDTH`` channels, and
-    several nodes' of at most ``CHILDREN_PAIR_PASSES_MAX_WIDTH``: the pair kernel, a pair per
-    pass); elsewhere, and with ``kernel="xla"``, a pair of channels per
-    ``build_histogram``, each into the last one's result.
+    channels to its cell (the channel kernel: ``into`` then holds every channel, the later ones
+    to be written in place). Where pairs are built apart (``builds_by_pair_passes``: a root's
+    cells of at most ``ROOT_PAIR_PASSES_MAX_WIDTH`` channels and several nodes' of at most
+    ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` on a CPU, the pair kernel; elsewhere, and with
+    ``kernel="xla"``, ``build_histogram``), each pair is summed into cells of its own, and the
+    pairs are laid side by side after ``into``'s first ``channel`` channels (``into`` may hold
+    just those).
     """
     result_features = X_binned_T.shape[0] if result_features is None else result_features
     width = statistics.width
 
     def by_pairs(*_):
-        histogram = into
-        for index in range(channel // 2, len(statistics.pairs)):
-            histogram = build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
-                                        kernel=kernel, threads=threads, feature_major=feature_major,
-                                        result_features=result_features, row_offset=row_offset, channels=width,
-                                        channel=2 * index, into=histogram, features_used=features_used,
-                                        deterministic=deterministic)
-        return histogram
+        # Each pair in cells of its own, two channels wide, joined once all are summed: a pair's
+        # adds into cells of every channel spread over that many more cache lines (16 nodes x 50
+        # features of 6 channels: 4.9 MB a device, against 1.6 MB a pair), and the passes ran
+        # slower than a one-output tree's. Device time a round (2 devices, profiles alternating
+        # with the passes into shared cells; the same trees): the Student t at 400k x 50 rows, the
+        # children's three passes 63-68 against 81-100 ms, plus 11 to join them; 3 classes'
+        # diagonal at 160k rows 33.5-36.7 against 44.9-46.4, plus 3.1-3.4, the round's 73-76
+        # against 86-87.
+        built = [build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
+                                 kernel=kernel, threads=threads, feature_major=feature_major,
+                                 result_features=result_features, row_offset=row_offset,
+                                 features_used=features_used, deterministic=deterministic)
+                 for index in range(channel // 2, len(statistics.pairs))]
+        earlier = [] if into is None else [into if into.shape[-1] == channel else into[..., :channel]]
+        if not feature_major:
+            return jnp.concatenate(earlier + built, axis=-1)
+        # Joined features first, as the kernels lay the cells out: joined nodes first, XLA wrote
+        # the cells node by node and then copied them feature by feature (a pass over them more).
+        joined = jnp.concatenate([jnp.swapaxes(part, 0, 1) for part in earlier + built], axis=-1)
+        return jnp.swapaxes(joined, 0, 1)
 
-    target = _channel_kernel_target(statistics, kernel, threads, X_binned_T, max_bin)
-    if target is None or (kernel == "auto" and _by_pair_passes(num_nodes, width)):
+    if builds_by_pair_passes(statistics, num_nodes, X_binned_T, max_bin, kernel, threads):
         return by_pairs()
+    target = _channel_kernel_target(statistics, kernel, threads, X_binned_T, max_bin)
+    if into is not None and into.shape[-1] != width:
+        # Earlier pairs built apart (a caller that chose pair passes where this kernel was asked for).
+        into = jnp.pad(into, ((0, 0),) * (into.ndim - 1) + ((0, width - into.shape[-1]),))
     first, *more = statistics.blocks
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
             first, more[0] if more else jnp.zeros((0, 0), jnp.float32),
@@ -747,12 +774,14 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
     ``keep_padding`` as for ``build_statistics_histogram``."""
     statistics = statistic_pairs(statistics)
     pairs = statistics.pairs
-    width = statistics.width
+    nodes = jnp.shape(splits)[0] if histogram_nodes is None else histogram_nodes
+    # The first pair in cells of its own where the others are summed apart too.
+    apart = len(pairs) > 1 and builds_by_pair_passes(statistics, nodes, X_binned_T, max_bin, threads=threads)
     child_of_row, histogram = route_and_build_histogram(
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
         left_is_smaller, max_bin, threads=threads, feature_major=feature_major, result_features=result_features,
-        row_offset=row_offset, histogram_nodes=histogram_nodes, live_nodes=live_nodes, channels=width,
-        features_used=features_used, deterministic=deterministic)
+        row_offset=row_offset, histogram_nodes=histogram_nodes, live_nodes=live_nodes,
+        channels=2 if apart else statistics.width, features_used=features_used, deterministic=deterministic)
     if len(pairs) > 1:
         in_smaller_child = _routed_to_smaller_child(node_of_row, child_of_row, splits, left_is_smaller,
                                                     histogram.shape[0])
