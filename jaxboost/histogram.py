@@ -663,15 +663,32 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
     channels to its cell (the channel kernel: ``into`` then holds every channel, the later ones
     to be written in place). Where pairs are built apart (``builds_by_pair_passes``: a root's
     cells of at most ``ROOT_PAIR_PASSES_MAX_WIDTH`` channels and several nodes' of at most
-    ``CHILDREN_PAIR_PASSES_MAX_WIDTH`` on a CPU, the pair kernel; elsewhere, and with
-    ``kernel="xla"``, ``build_histogram``), each pair is summed into cells of its own, and the
-    pairs are laid side by side after ``into``'s first ``channel`` channels (``into`` may hold
-    just those).
+    ``CHILDREN_PAIR_PASSES_MAX_WIDTH``, the pair kernel; or without the channel kernel, and with
+    ``kernel="xla"``, ``build_histogram``), on a CPU each pair is summed into cells of its own
+    and the pairs are laid side by side after ``into``'s first ``channel`` channels; elsewhere
+    each pair goes into the cells of all the channels, after the last. ``into`` may hold just
+    the channels before ``channel`` (the route kernel's first pair, built apart).
     """
     result_features = X_binned_T.shape[0] if result_features is None else result_features
     width = statistics.width
 
-    def by_pairs(*_):
+    def full_width(earlier):
+        # Earlier pairs built apart (a caller that chose pair passes where this path was taken).
+        if earlier is None or earlier.shape[-1] == width:
+            return earlier
+        return jnp.pad(earlier, ((0, 0),) * (earlier.ndim - 1) + ((0, width - earlier.shape[-1]),))
+
+    def each_into_the_last(*_):
+        histogram = full_width(into)
+        for index in range(channel // 2, len(statistics.pairs)):
+            histogram = build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
+                                        kernel=kernel, threads=threads, feature_major=feature_major,
+                                        result_features=result_features, row_offset=row_offset, channels=width,
+                                        channel=2 * index, into=histogram, features_used=features_used,
+                                        deterministic=deterministic)
+        return histogram
+
+    def apart_then_joined(*_):
         # Each pair in cells of its own, two channels wide, joined once all are summed: a pair's
         # adds into cells of every channel spread over that many more cache lines (16 nodes x 50
         # features of 6 channels: 4.9 MB a device, against 1.6 MB a pair), and the passes ran
@@ -679,7 +696,7 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
         # with the passes into shared cells; the same trees): the Student t at 400k x 50 rows, the
         # children's three passes 63-68 against 81-100 ms, plus 11 to join them; 3 classes'
         # diagonal at 160k rows 33.5-36.7 against 44.9-46.4, plus 3.1-3.4, the round's 73-76
-        # against 86-87.
+        # against 86-87. On CPU only: an accelerator's scattered adds have not been measured so.
         built = [build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
                                  kernel=kernel, threads=threads, feature_major=feature_major,
                                  result_features=result_features, row_offset=row_offset,
@@ -694,21 +711,18 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
         return jnp.swapaxes(joined, 0, 1)
 
     if builds_by_pair_passes(statistics, num_nodes, X_binned_T, max_bin, kernel, threads):
-        return by_pairs()
+        return per_platform(cpu=apart_then_joined, default=each_into_the_last)
     target = _channel_kernel_target(statistics, kernel, threads, X_binned_T, max_bin)
-    if into is not None and into.shape[-1] != width:
-        # Earlier pairs built apart (a caller that chose pair passes where this kernel was asked for).
-        into = jnp.pad(into, ((0, 0),) * (into.ndim - 1) + ((0, width - into.shape[-1]),))
     first, *more = statistics.blocks
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
             first, more[0] if more else jnp.zeros((0, 0), jnp.float32),
             jnp.zeros((0,), bool) if row_mask is None else row_mask.astype(bool),
-            _earlier_channels(into, (num_nodes, result_features, max_bin), width, channel),
+            _earlier_channels(full_width(into), (num_nodes, result_features, max_bin), width, channel),
             _features_used_operand(features_used, X_binned_T, result_features))
     native = partial(_native_channel_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
                      feature_major=feature_major, result_features=result_features, width=width, channel=channel)
     # Chosen when lowering: the FFI target exists only on CPU.
-    return per_platform(*args, cpu=native, default=by_pairs)
+    return per_platform(*args, cpu=native, default=each_into_the_last)
 
 
 def _without_padding(histogram: jax.Array, channels: int) -> jax.Array:

@@ -994,6 +994,43 @@ def test_histograms_of_many_channels_are_built_into_one_buffer(monkeypatch, kern
                                  rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("feature_major", [False, True])
+def test_pairs_built_apart_on_a_cpu_are_the_pairs_built_into_shared_cells_elsewhere(feature_major):
+    """Narrow cells built a pair at a time: on a CPU each pair in cells of its own, joined after
+    (the route's first pair too); lowered for an accelerator, each pair into the cells of every
+    channel. The same sums, for the root, a masked build and a routed level's smaller children,
+    laid out node- or feature-major, an odd number of channels padded."""
+    from jaxboost.histogram import build_statistics_histogram, route_and_build_statistics_histogram, statistic_pairs
+
+    n_rows, n_features, num_nodes, channels = 3000, 5, 4, 5
+    X_binned, node_index, _, _, level = route_case(43, n_rows, n_features, num_nodes, 64)
+    statistics = jnp.asarray(np.random.default_rng(44).normal(size=(n_rows, channels)), jnp.float32)
+    row_mask = jnp.asarray(np.random.default_rng(45).uniform(size=n_rows) < 0.6)
+    options = dict(max_bin=64, feature_major=feature_major, result_features=6, keep_padding=True)
+    X_T, nodes = jnp.asarray(X_binned.T), jnp.asarray(node_index)
+    split_level = [jnp.asarray(level[k]) for k in ("split_feature", "split_threshold_bin", "split_default_left",
+                                                   "splits", "left_is_smaller")]
+
+    def histograms(X_T, nodes, statistics, row_mask, *split_level):
+        statistics = statistic_pairs(statistics)
+        return (build_statistics_histogram(X_T, jnp.zeros_like(nodes), statistics, 1, **options),
+                build_statistics_histogram(X_T, nodes, statistics, num_nodes, row_mask=row_mask, **options),
+                route_and_build_statistics_histogram(X_T, nodes, statistics, *split_level, **options)[1])
+
+    arguments = (X_T, nodes, statistics, row_mask, *split_level)
+    # A program of its own for each (a jitted function's trace is cached whatever is lowered for).
+    with native.lowering_for("cpu"):
+        apart = jax.jit(lambda *a: histograms(*a))(*arguments)
+    with native.lowering_for("gpu"):
+        shared = jax.jit(lambda *a: histograms(*a))(*arguments)
+    splits = np.asarray(level["splits"])
+    for on_cpu, elsewhere in zip(apart[:2], shared[:2]):
+        assert on_cpu.shape == elsewhere.shape and on_cpu.shape[-1] == channels + 1
+        np.testing.assert_allclose(on_cpu, elsewhere, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(apart[2])[splits], np.asarray(shared[2])[splits], rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(apart[1])[..., -1] == 0)  # the padding channel
+
+
 @needs_native
 @pytest.mark.parametrize("max_bin,threads,feature_major,channels", [
     (256, 1, False, 2), (256, 2, True, 2), (64, 1, True, 2),  # 64 bins: the scratch buffer's copy
