@@ -678,14 +678,17 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
             return earlier
         return jnp.pad(earlier, ((0, 0),) * (earlier.ndim - 1) + ((0, width - earlier.shape[-1]),))
 
+    def pair_histogram(index: int, **cells):
+        """Pair ``index``'s histogram (``cells``: its place in wider cells, as ``build_histogram``'s)."""
+        return build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
+                               kernel=kernel, threads=threads, feature_major=feature_major,
+                               result_features=result_features, row_offset=row_offset, features_used=features_used,
+                               deterministic=deterministic, **cells)
+
     def each_into_the_last(*_):
         histogram = full_width(into)
         for index in range(channel // 2, len(statistics.pairs)):
-            histogram = build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
-                                        kernel=kernel, threads=threads, feature_major=feature_major,
-                                        result_features=result_features, row_offset=row_offset, channels=width,
-                                        channel=2 * index, into=histogram, features_used=features_used,
-                                        deterministic=deterministic)
+            histogram = pair_histogram(index, channels=width, channel=2 * index, into=histogram)
         return histogram
 
     def apart_then_joined(*_):
@@ -697,11 +700,7 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
         # children's three passes 63-68 against 81-100 ms, plus 11 to join them; 3 classes'
         # diagonal at 160k rows 33.5-36.7 against 44.9-46.4, plus 3.1-3.4, the round's 73-76
         # against 86-87. On CPU only: an accelerator's scattered adds have not been measured so.
-        built = [build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
-                                 kernel=kernel, threads=threads, feature_major=feature_major,
-                                 result_features=result_features, row_offset=row_offset,
-                                 features_used=features_used, deterministic=deterministic)
-                 for index in range(channel // 2, len(statistics.pairs))]
+        built = [pair_histogram(index) for index in range(channel // 2, len(statistics.pairs))]
         earlier = [] if into is None else [into if into.shape[-1] == channel else into[..., :channel]]
         if not feature_major:
             return jnp.concatenate(earlier + built, axis=-1)
