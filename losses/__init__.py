@@ -10,6 +10,11 @@ The distributional losses (``gaussian_nll``, ``student_t_nll``, ``lognormal_nll`
 raw outputs, ``(mu, log_sigma)``; their models predict ``(mu, sigma)`` per row, and
 ``predictive_interval`` / ``predictive_quantile`` turn those into intervals and quantiles.
 
+``softplus`` is ``log(1 + e^x)`` composed so that autodiff's derivatives of it take one
+exponential a row and its second derivative is exact to float32 rounding (those of
+``jax.nn.softplus`` take three, and lose precision for large ``x``); the logistic and negative
+binomial losses use it, and so can a custom loss.
+
 This package imports nothing from ``jaxboost`` so that it stands alone.
 """
 
@@ -33,6 +38,7 @@ from ._distributional import (
     student_t_nll,
     student_t_quantile,
 )
+from ._elementary import softplus
 from ._record import BuiltinLoss
 from ._regression import absolute_error, pseudo_huber, quantile, squared_error
 
@@ -56,6 +62,7 @@ __all__ = [
     "pseudo_huber",
     "quantile",
     "softmax",
+    "softplus",
     "squared_error",
     "student_t_nll",
     "student_t_quantile",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ._elementary import softplus
+
 
 def _signed_label(y: jax.typing.ArrayLike) -> jax.Array:
     """Maps labels 0/1 to -1/+1."""
@@ -23,7 +25,7 @@ def logistic(raw_prediction: jax.typing.ArrayLike, y: jax.typing.ArrayLike) -> j
     Returns:
       the loss, a scalar.
     """
-    return jax.nn.softplus(raw_prediction) - y * raw_prediction
+    return softplus(raw_prediction) - y * raw_prediction
 
 
 def softmax(raw_prediction: jax.typing.ArrayLike, y: jax.typing.ArrayLike) -> jax.Array:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ._elementary import softplus
 from ._validation import check_parameter
 
 
@@ -80,6 +81,6 @@ def negative_binomial(
     check_parameter("negative_binomial", "alpha", alpha, lambda value: value > 0, "alpha > 0")
     size = 1.0 / alpha
     log_alpha_mu = jnp.log(alpha) + raw_prediction
-    return ((y + size) * jax.nn.softplus(log_alpha_mu) - y * log_alpha_mu
+    return ((y + size) * softplus(log_alpha_mu) - y * log_alpha_mu
             - jax.scipy.special.gammaln(y + size) + jax.scipy.special.gammaln(size)
             + jax.scipy.special.gammaln(y + 1.0))
