@@ -77,17 +77,21 @@ def _log1p_square_over(z, df):
 
 
 def _with_curvature(negative_log_likelihood, raw_prediction, curvature):
-    """``negative_log_likelihood`` whose Hessian diagonal in the raw prediction is replaced by
-    ``curvature`` at the evaluation point. The added term is zero with zero gradient there, so
-    the value and every first derivative (in the raw prediction, the label and the loss's
-    parameters) stay exact, and line searches and leaf refits see the true loss."""
-    exact_curvature = jnp.diagonal(jax.hessian(negative_log_likelihood)(lax.stop_gradient(raw_prediction)))
-    step = raw_prediction - lax.stop_gradient(raw_prediction)
-    correction = lax.stop_gradient(curvature - exact_curvature)
-    # Where the exact curvature overflows, keep the value finite: the reported curvature is then
-    # the exact (non-finite) one, which training reports.
-    correction = jnp.where(jnp.isfinite(correction), correction, 0.0)
-    return negative_log_likelihood(raw_prediction) + 0.5 * jnp.dot(correction, jnp.square(step))
+    """``negative_log_likelihood`` whose Hessian diagonal in the raw prediction is ``curvature``
+    at the evaluation point, its value and every first derivative exact.
+
+    The likelihood enters as its first-order expansion about the point, whose gradient in the
+    raw prediction is held fixed there (no second derivative), and ``curvature`` as a quadratic
+    term that is zero, with a zero gradient, at the point. So the value, the gradient in the raw
+    prediction, the derivatives in the label and the loss's parameters (and those of the
+    gradient: the mixed second derivatives) are the likelihood's, and autodiff's Hessian in the
+    raw prediction is ``curvature``. The exact Hessian is never formed: computing it only to
+    subtract it (nested in the round's own derivatives) had made the Student t's derivatives'
+    program 2.4 times the Gaussian's."""
+    point = lax.stop_gradient(raw_prediction)
+    value, gradient = jax.value_and_grad(negative_log_likelihood)(point)
+    step = raw_prediction - point
+    return value + jnp.dot(gradient, step) + 0.5 * jnp.dot(lax.stop_gradient(curvature), jnp.square(step))
 
 
 def gaussian_nll(raw_prediction: jax.typing.ArrayLike, y: jax.typing.ArrayLike) -> jax.Array:

@@ -574,6 +574,12 @@ def test_student_t_exact_curvature_is_negative_for_outliers_but_reported_curvatu
     with jax.enable_x64(True):
         d_label = jax.grad(losses.student_t_nll, argnums=1)(jnp.asarray(F), jnp.asarray(y))
     assert float(d_label) == pytest.approx(-CLOSED_FORMS["student_t_nll"].gradient(F, y)[0], rel=1e-12)
+    # So is the gradient's derivative in the label (what a derivative of the model in its labels
+    # reads): the exact mixed second derivative, minus the exact curvature in mu, not Fisher's.
+    with jax.enable_x64(True):
+        d_gradient_d_label = jax.grad(lambda label: jax.grad(losses.student_t_nll)(jnp.asarray(F), label)[0])(
+            jnp.asarray(y))
+    assert float(d_gradient_d_label) == pytest.approx(-6 * (5 - 16) / 21**2, rel=1e-12)
 
 
 def test_losses_stay_finite_for_extreme_scales_and_residuals():
