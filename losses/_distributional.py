@@ -87,11 +87,18 @@ def _with_curvature(negative_log_likelihood, raw_prediction, curvature):
     gradient: the mixed second derivatives) are the likelihood's, and autodiff's Hessian in the
     raw prediction is ``curvature``. The exact Hessian is never formed: computing it only to
     subtract it (nested in the round's own derivatives) had made the Student t's derivatives'
-    program 2.4 times the Gaussian's."""
+    program 2.4 times the Gaussian's.
+
+    A curvature that is not finite (the Student t's Fisher information in ``mu`` overflows
+    float32 below a scale of ``e^-44``) would make the term NaN at the point (infinity times a
+    zero step), and the value and gradient with it: there the curvature reported is -1 instead,
+    which training rejects as a negative Hessian, and the value and gradient stay finite."""
     point = lax.stop_gradient(raw_prediction)
     value, gradient = jax.value_and_grad(negative_log_likelihood)(point)
     step = raw_prediction - point
-    return value + jnp.dot(gradient, step) + 0.5 * jnp.dot(lax.stop_gradient(curvature), jnp.square(step))
+    curvature = lax.stop_gradient(curvature)
+    curvature = jnp.where(jnp.isfinite(curvature), curvature, -1.0)
+    return value + jnp.dot(gradient, step) + 0.5 * jnp.dot(curvature, jnp.square(step))
 
 
 def gaussian_nll(raw_prediction: jax.typing.ArrayLike, y: jax.typing.ArrayLike) -> jax.Array:

@@ -597,6 +597,20 @@ def test_losses_stay_finite_for_extreme_scales_and_residuals():
     assert float(value) == pytest.approx(expected, rel=1e-5)
 
 
+def test_student_t_reports_an_overflowing_fisher_curvature_as_negative_its_value_and_gradient_finite():
+    # Below a scale of e^-44 the Fisher information in mu, (df + 1)/(df + 3) e^(-2 s), overflows
+    # float32. Its curvature term would be NaN at the point (infinity times a zero step), and the
+    # value and gradient with it: the curvature is reported as -1 there, which training rejects as
+    # a negative Hessian.
+    F, y = np.array([0.0, -45.0]), 1.0
+    F32, y32 = jnp.asarray(F, jnp.float32), jnp.asarray(y, jnp.float32)
+    value = losses.student_t_nll(F32, y32)
+    gradient, hessian = _gradient_and_hessian_diagonal(losses.student_t_nll, F32, y32)
+    assert float(value) == pytest.approx(-scipy.stats.t(5.0, scale=np.exp(-45.0)).logpdf(y), rel=1e-5)
+    np.testing.assert_allclose(gradient, CLOSED_FORMS["student_t_nll"].gradient(F, y), rtol=1e-5)
+    np.testing.assert_allclose(hessian, [-1.0, 10 / 8], rtol=1e-6)
+
+
 def test_distributional_losses_reject_a_scalar_raw_prediction():
     for name in DISTRIBUTIONAL:
         with pytest.raises(ValueError, match=f"'{name}' takes 2 raw outputs"):
