@@ -154,9 +154,11 @@ def student_t_nll(
 
     The value and the gradient are exact. The exact curvature in ``mu``,
     ``(df + 1) (df - z^2) / (df + z^2)^2 exp(-2 s)``, is negative for ``|z| > sqrt(df)``, which
-    the library does not accept; the Hessian diagonal reported to autodiff is therefore the
-    Fisher information, ``(df + 1)/(df + 3) exp(-2 s)`` in ``mu`` and ``2 df/(df + 3)`` in ``s``
-    (Fisher scoring: the expected curvature, positive everywhere). It tends to the Gaussian's
+    the library does not accept; the Hessian reported to autodiff is therefore the Fisher
+    information, ``(df + 1)/(df + 3) exp(-2 s)`` in ``mu`` and ``2 df/(df + 3)`` in ``s`` on the
+    diagonal and zero off it (Fisher scoring: the expected curvature, positive definite
+    everywhere; the expected cross-derivative vanishes, the likelihood being symmetric in
+    ``y - mu``), which the full Hessian of vector leaves reads too. It tends to the Gaussian's
     as ``df`` grows.
 
     Args:

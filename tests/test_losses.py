@@ -597,6 +597,27 @@ def test_losses_stay_finite_for_extreme_scales_and_residuals():
     assert float(value) == pytest.approx(expected, rel=1e-5)
 
 
+def test_student_t_full_hessian_is_the_fisher_information_matrix():
+    # What vector leaves with the full Hessian read: the Fisher information, diagonal (the
+    # expected cross-derivative in mu and log sigma is zero), not the observed cross-derivative,
+    # which at an outlier is large beside the diagonal.
+    raw = jnp.asarray([[0.0, 0.0], [0.5, -1.0], [-1.0, 0.7]], jnp.float32)
+    y = jnp.asarray([4.0, -2.0, 0.3], jnp.float32)
+    _, _, hessians = derivatives.values_gradients_and_hessian_matrices(losses.student_t_nll, raw, y)
+    for F, matrix in zip(np.asarray(raw, np.float64), np.asarray(hessians)):
+        expected = np.diag(CLOSED_FORMS["student_t_nll"].hessian(F, None))
+        np.testing.assert_allclose(matrix, expected, rtol=1e-6, atol=1e-7)
+    # At (0, 0) and y = 4 the value's own cross-derivative, from central differences of the
+    # exact value, is 2 df (df + 1) z / (df + z^2)^2 = 240/441; the one reported is zero.
+    step = 1e-4
+    with jax.enable_x64(True):
+        value = jax.jit(lambda mu, s: losses.student_t_nll(jnp.stack([mu, s]), 4.0))
+        cross = (value(step, step) - value(step, -step) - value(-step, step) + value(-step, -step)) / (4 * step**2)
+        reported = jax.hessian(lambda F: losses.student_t_nll(F, 4.0))(jnp.zeros(2))
+    assert float(cross) == pytest.approx(240 / 441, rel=1e-5)
+    assert float(reported[0, 1]) == 0.0 and float(reported[1, 0]) == 0.0
+
+
 def test_student_t_reports_an_overflowing_fisher_curvature_as_negative_its_value_and_gradient_finite():
     # Below a scale of e^-44 the Fisher information in mu, (df + 1)/(df + 3) e^(-2 s), overflows
     # float32. Its curvature term would be NaN at the point (infinity times a zero step), and the
