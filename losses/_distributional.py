@@ -77,15 +77,15 @@ def _log1p_square_over(z, df):
 
 
 def _with_curvature(negative_log_likelihood, raw_prediction, curvature):
-    """``negative_log_likelihood`` whose Hessian diagonal in the raw prediction is ``curvature``
-    at the evaluation point, its value and every first derivative exact.
+    """``negative_log_likelihood`` whose Hessian in the raw prediction is ``diag(curvature)`` at
+    the evaluation point (no cross-derivatives), its value and every first derivative exact.
 
     The likelihood enters as its first-order expansion about the point, whose gradient in the
     raw prediction is held fixed there (no second derivative), and ``curvature`` as a quadratic
     term that is zero, with a zero gradient, at the point. So the value, the gradient in the raw
     prediction, the derivatives in the label and the loss's parameters (and those of the
     gradient: the mixed second derivatives) are the likelihood's, and autodiff's Hessian in the
-    raw prediction is ``curvature``. The exact Hessian is never formed: computing it only to
+    raw prediction is ``diag(curvature)``. The exact Hessian is never formed: computing it only to
     subtract it (nested in the round's own derivatives) had made the Student t's derivatives'
     program 2.4 times the Gaussian's.
 
