@@ -1214,6 +1214,59 @@ def test_route_and_build_histogram_matches_numpy(kernel, threads, num_nodes, max
     assert_split_nodes_close(smaller, expected, level["splits"], kernel, rtol=1e-5, atol=1e-4)
 
 
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return " avx512f" in info.read()
+    except OSError:
+        return False
+
+
+@needs_native
+@pytest.mark.skipif(not _cpu_has_avx512(), reason="rows are routed by node passes only on a CPU with AVX-512; "
+                    "elsewhere the route tests above check the one-row-at-a-time routing against NumPy")
+@pytest.mark.parametrize("num_nodes,histogram_nodes,threads", [(1, None, 1), (6, None, 1), (16, 5, 2), (40, None, 1)])
+def test_routing_by_node_passes_matches_routing_a_row_at_a_time(monkeypatch, num_nodes, histogram_nodes, threads):
+    """On AVX-512, a level whose rows are in its first 16 nodes is routed sixteen rows at a time by
+    a pass a node: the children and the smaller children's sums are those of routing one row at a
+    time (JAXBOOST_ROUTE_SIMD=none), bit for bit, and NumPy's. The rows cover what the passes
+    treat apart: nodes out of range (negative, and past the level's nodes), missing codes, rows
+    of zero gradient and Hessian, a row count no multiple of 16, histograms of the first nodes
+    only, two threads, and more selected rows than a gathered block holds (32768); 40 nodes
+    route the blocks whose rows reach node 16 a row at a time."""
+    from jaxboost.histogram import route_and_build_histogram
+
+    n_rows, max_bin = 80_003, 64
+    X_binned, node_index, gradients, hessians, level = route_case(21, n_rows, 5, num_nodes, max_bin)
+    rng = np.random.default_rng(22)
+    X_binned[::7, 2] = max_bin - 1  # missing codes follow the default direction
+    outside = rng.uniform(size=n_rows) < 0.01
+    node_index = np.where(outside, rng.choice([-1, num_nodes, num_nodes + 3], n_rows), node_index).astype(np.int32)
+    empty = rng.uniform(size=n_rows) < 0.05
+    gradients, hessians = np.where(empty, 0.0, gradients).astype(np.float32), np.where(empty, 0.0, hessians).astype(np.float32)
+    level["splits"][:] = True
+    # A row of a node out of range reads node 0's split, and is summed in no child.
+    in_range = (node_index >= 0) & (node_index < num_nodes)
+    expected_child, in_smaller = naive_route(X_binned, np.where(in_range, node_index, 0), level, max_bin)
+    expected_child += np.where(in_range, 0, 2 * node_index)
+    summed = num_nodes if histogram_nodes is None else histogram_nodes
+    in_smaller &= in_range & (node_index < summed)
+    expected = masked_naive_histogram(X_binned, node_index, gradients, hessians, in_smaller, summed, max_bin)
+    arguments = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
+    levels = {k: jnp.asarray(v) for k, v in level.items()}
+    results = {}
+    for choice in ("passes", "none"):
+        monkeypatch.setenv("JAXBOOST_ROUTE_SIMD", choice)
+        route = jax.jit(partial(route_and_build_histogram, max_bin=max_bin, kernel="native", threads=threads,
+                                histogram_nodes=histogram_nodes))
+        child, smaller = route(*arguments, **levels)
+        results[choice] = (np.asarray(child), np.asarray(smaller))
+    np.testing.assert_array_equal(results["passes"][0], expected_child)
+    np.testing.assert_array_equal(results["passes"][0], results["none"][0])
+    np.testing.assert_array_equal(results["passes"][1], results["none"][1])
+    np.testing.assert_allclose(results["passes"][1][:summed], expected[:summed], rtol=1e-5, atol=2e-3)
+
+
 @pytest.mark.parametrize("histogram_nodes", [None, 3])
 def test_route_to_children_routes_and_picks_the_smaller_childrens_rows(histogram_nodes):
     """The routing alone (a grower that builds the smaller children's histograms a few parents
