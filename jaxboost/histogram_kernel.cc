@@ -271,7 +271,7 @@ struct SplitsOfLevel {
   int64_t num_nodes;
   int64_t missing_bin;
   bool prefetch_codes;  // see PrefetchesCodes
-  bool by_passes = false;  // see RoutesByPasses
+  int route_passes = 0;  // RoutePasses: 0 a row at a time, 1 passes on AVX2, 2 on AVX-512
 };
 
 // Nodes that do not split may carry any feature: clamped, reading a code stays in bounds.
@@ -343,16 +343,17 @@ void RouteRows(const uint8_t* codes, int64_t stride, const int32_t* node_of_row,
   }
 }
 
-// Routing by passes over the level's nodes (AVX-512): sixteen rows at a time, each node's split
-// applied to the rows it holds, read from its own column (sixteen codes at once), and the rows
-// in summed smaller children gathered from the bits of a mask. Taken one at a time, a row's node,
-// then its split, then its code were loads that waited on each other, and the tests between
-// them ran to about 30 instructions a row: the pass that routes a level's rows and gathers its
-// smaller children's was a third of a round's CPU (3.9 ns a row on 426k rows; a model of the loop
-// with one node, 0.7 by passes). A pass costs a few vector instructions for sixteen rows, so a
-// block of rows takes passes when its nodes are below kMaxRoutePasses (the levels of a depth-6
-// tree; a deeper level's rows go one at a time). The rows gathered, their order and every result
-// are `RouteRow`'s: the trees are the same bit for bit.
+// Routing by passes over the level's nodes: sixteen rows at a time on AVX-512 (eight on AVX2),
+// each node's split applied to the rows it holds, read from its own column (the block's codes
+// at once), and the rows in summed smaller children gathered from the bits of a mask. Taken one
+// at a time, a row's node, then its split, then its code were loads that waited on each other,
+// and the tests between them ran to about 30 instructions a row: the pass that routes a level's
+// rows and gathers its smaller children's was a third of a round's CPU (3.9 ns a row on 426k
+// rows; a model of the loop with one node, 0.7 by passes). A pass costs a few vector
+// instructions a block, so a block takes passes when its nodes are below kMaxRoutePasses (the
+// levels of a depth-6 tree; at 32, a depth-8 tree's fits were slower than one row at a time
+// for its deeper levels). The rows gathered, their order and every result are `RouteRow`'s:
+// the trees are the same bit for bit.
 constexpr int64_t kMaxRoutePasses = 16;
 
 struct HistogramProblem;
@@ -361,17 +362,25 @@ __attribute__((target("avx512f"))) int64_t GatherRoutedByPasses(const HistogramP
                                                                   int64_t end_row, int64_t block_rows,
                                                                   bool writes_children, GatheredRow* gathered,
                                                                   int64_t* count_out);
+__attribute__((target("avx2"))) int64_t GatherRoutedByPassesAvx2(const HistogramProblem& p, int64_t start,
+                                                                   int64_t end_row, int64_t block_rows,
+                                                                   bool writes_children, GatheredRow* gathered,
+                                                                   int64_t* count_out);
 #endif
 
-// Whether a level's rows are routed by node passes (`GatherRoutedByPasses`): on a CPU with
-// AVX-512, unless JAXBOOST_ROUTE_SIMD=none (one row at a time, to compare the two).
-bool RoutesByPasses() {
+// How a level's rows are routed (`SplitsOfLevel::route_passes`): by node passes with the widest
+// vectors this CPU has (2: AVX-512, sixteen rows at a time; 1: AVX2, eight), else a row at a
+// time (0). JAXBOOST_ROUTE_SIMD=avx2 or =none asks for a narrower one (to compare them, or to
+// test them all on one machine).
+int RoutePasses() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const int widest = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
   const char* choice = std::getenv("JAXBOOST_ROUTE_SIMD");
-  return avx512 && (choice == nullptr || std::strcmp(choice, "none") != 0);
+  if (choice != nullptr && std::strcmp(choice, "none") == 0) return 0;
+  if (choice != nullptr && std::strcmp(choice, "avx2") == 0) return std::min(widest, 1);
+  return widest;
 #else
-  return false;
+  return 0;
 #endif
 }
 
@@ -497,8 +506,10 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
   for (int64_t start = 0; start < end_row;) {
     int64_t count = 0, i = start;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (p.route != nullptr && p.route->by_passes) {
+    if (p.route != nullptr && p.route->route_passes == 2) {
       i = GatherRoutedByPasses(p, i, end_row, block_rows, writes_children, gathered.get(), &count);
+    } else if (p.route != nullptr && p.route->route_passes == 1) {
+      i = GatherRoutedByPassesAvx2(p, i, end_row, block_rows, writes_children, gathered.get(), &count);
     }
 #endif
     for (; i < end_row && count < block_rows; ++i) {
@@ -577,6 +588,61 @@ __attribute__((target("avx512f"))) int64_t GatherRoutedByPasses(const HistogramP
     take = static_cast<__mmask16>(take & (_mm512_cmp_ps_mask(_mm512_loadu_ps(p.gradients + i), zero, _CMP_NEQ_UQ) |
                                           _mm512_cmp_ps_mask(_mm512_loadu_ps(p.hessians + i), zero, _CMP_NEQ_UQ)));
     for (unsigned bits = take; bits != 0; bits &= bits - 1) {
+      const int lane = __builtin_ctz(bits);
+      const int64_t row = i + lane;
+      gathered[count++] = GatheredRow{static_cast<int32_t>(row), nodes[lane], {p.gradients[row], p.hessians[row]}};
+    }
+  }
+  *count_out = count;
+  return i;
+}
+
+// GatherRoutedByPasses on AVX2: eight rows at a time, the masks vectors of 0 / -1 and the rows
+// gathered from their sign bits.
+__attribute__((target("avx2"))) int64_t GatherRoutedByPassesAvx2(const HistogramProblem& p, int64_t start,
+                                                                   int64_t end_row, int64_t block_rows,
+                                                                   bool writes_children, GatheredRow* gathered,
+                                                                   int64_t* count_out) {
+  const SplitsOfLevel& level = *p.route;
+  const __m256i slots = _mm256_set1_epi32(static_cast<int32_t>(level.num_nodes));
+  const __m256i missing = _mm256_set1_epi32(static_cast<int32_t>(level.missing_bin));
+  const __m256i none = _mm256_set1_epi32(-1);
+  const __m256 zero = _mm256_setzero_ps();
+  int64_t count = *count_out, i = start;
+  for (; i + 8 <= end_row && count + 8 <= block_rows; i += 8) {
+    const __m256i node = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.node_of_row + i));
+    alignas(32) int32_t nodes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(nodes), node);
+    const int32_t largest = *std::max_element(nodes, nodes + 8);
+    if (largest >= kMaxRoutePasses) break;  // a deep level's rows: one at a time
+    const int64_t passes = std::max<int64_t>(1, std::min<int64_t>(largest + 1, level.num_nodes));
+    const __m256i in_range = _mm256_and_si256(_mm256_cmpgt_epi32(node, none), _mm256_cmpgt_epi32(slots, node));
+    __m256i right = _mm256_setzero_si256(), take = _mm256_setzero_si256();
+    for (int64_t n = 0; n < passes; ++n) {
+      __m256i here = _mm256_cmpeq_epi32(node, _mm256_set1_epi32(static_cast<int32_t>(n)));
+      if (n == 0) here = _mm256_or_si256(here, _mm256_xor_si256(in_range, none));
+      if (_mm256_testz_si256(here, here)) continue;
+      const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(p.codes + static_cast<int64_t>(level.feature[n]) * p.code_stride + i)));
+      const __m256i is_missing = _mm256_cmpeq_epi32(code, missing);
+      const __m256i greater = _mm256_cmpgt_epi32(code, _mm256_set1_epi32(level.threshold_bin[n]));
+      const __m256i goes_right = _mm256_or_si256(level.default_left[n] ? _mm256_setzero_si256() : is_missing,
+                                                 _mm256_andnot_si256(is_missing, greater));
+      right = _mm256_or_si256(right, _mm256_and_si256(here, goes_right));
+      if (level.splits[n] && n < p.summed_nodes) {
+        const __m256i smaller = level.left_is_smaller[n] ? _mm256_xor_si256(goes_right, none) : goes_right;
+        take = _mm256_or_si256(take, _mm256_and_si256(_mm256_and_si256(here, in_range), smaller));
+      }
+    }
+    if (writes_children) {  // right is -1 where a row goes right: 2 node - (-1)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.child_of_row + i),
+                          _mm256_sub_epi32(_mm256_add_epi32(node, node), right));
+    }
+    if (_mm256_testz_si256(take, take)) continue;
+    const __m256 nonzero = _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(p.gradients + i), zero, _CMP_NEQ_UQ),
+                                        _mm256_cmp_ps(_mm256_loadu_ps(p.hessians + i), zero, _CMP_NEQ_UQ));
+    const unsigned selected = static_cast<unsigned>(_mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(take), nonzero)));
+    for (unsigned bits = selected; bits != 0; bits &= bits - 1) {
       const int lane = __builtin_ctz(bits);
       const int64_t row = i + lane;
       gathered[count++] = GatheredRow{static_cast<int32_t>(row), nodes[lane], {p.gradients[row], p.hessians[row]}};
@@ -825,7 +891,7 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
                             splits.typed_data(), left_is_smaller.typed_data(), num_nodes, missing_bin,
                             PrefetchesCodes(safe_feature.data(), num_nodes, n_features),
-                            RoutesByPasses()};
+                            RoutePasses()};
   if (live_nodes.element_count() != 1) return ffi::Error::InvalidArgument("route kernel: one live node count expected");
   HistogramProblem problem{local.codes, node_of_row.typed_data(), gradients.typed_data(),
                            hessians.typed_data(), nullptr, n_rows, n_features, histogram_nodes, local.stride, nullptr};

@@ -12,9 +12,10 @@ reported absent, a debug message is logged once, and callers use their XLA versi
 The library is built for the baseline of its architecture, so one build runs on every CPU of
 it; the prediction kernel also holds AVX2 and AVX-512 versions, compiled for those instruction
 sets alone and chosen at run time by what the CPU has. ``JAXBOOST_PREDICT_SIMD=avx2`` or
-``=none`` asks for a narrower one (to compare them, or to test them all on one machine). On
-AVX-512 the route kernel routes a level's rows sixteen at a time by node passes;
-``JAXBOOST_ROUTE_SIMD=none`` routes them one at a time (the same results).
+``=none`` asks for a narrower one (to compare them, or to test them all on one machine). The
+route kernel routes a level's rows by node passes, sixteen rows at a time on AVX-512 and eight
+on AVX2; ``JAXBOOST_ROUTE_SIMD=avx2`` or ``=none`` (one row at a time) narrows that choice, the
+same results.
 """
 
 from __future__ import annotations

@@ -1214,22 +1214,22 @@ def test_route_and_build_histogram_matches_numpy(kernel, threads, num_nodes, max
     assert_split_nodes_close(smaller, expected, level["splits"], kernel, rtol=1e-5, atol=1e-4)
 
 
-def _cpu_has_avx512() -> bool:
+def _cpu_has_avx2() -> bool:
     try:
         with open("/proc/cpuinfo") as info:
-            return " avx512f" in info.read()
+            return " avx2" in info.read()
     except OSError:
         return False
 
 
 @needs_native
-@pytest.mark.skipif(not _cpu_has_avx512(), reason="rows are routed by node passes only on a CPU with AVX-512; "
+@pytest.mark.skipif(not _cpu_has_avx2(), reason="rows are routed by node passes only on a CPU with AVX2 or AVX-512; "
                     "elsewhere the route tests above check the one-row-at-a-time routing against NumPy")
 @pytest.mark.parametrize("num_nodes,histogram_nodes,threads", [(1, None, 1), (6, None, 1), (16, 5, 2), (40, None, 1)])
 def test_routing_by_node_passes_matches_routing_a_row_at_a_time(monkeypatch, num_nodes, histogram_nodes, threads):
-    """On AVX-512, a level whose rows are in its first 16 nodes is routed sixteen rows at a time by
-    a pass a node: the children and the smaller children's sums are those of routing one row at a
-    time (JAXBOOST_ROUTE_SIMD=none), bit for bit, and NumPy's. The rows cover what the passes
+    """On AVX-512 (and AVX2), a level whose rows are in its first 16 nodes is routed sixteen (eight)
+    rows at a time by a pass a node: the children and the smaller children's sums are those of
+    routing one row at a time (JAXBOOST_ROUTE_SIMD=none), bit for bit, and NumPy's. The rows cover what the passes
     treat apart: nodes out of range (negative, and past the level's nodes), missing codes, rows
     of zero gradient and Hessian, a row count no multiple of 16, histograms of the first nodes
     only, two threads, and more selected rows than a gathered block holds (32768); 40 nodes
@@ -1255,7 +1255,7 @@ def test_routing_by_node_passes_matches_routing_a_row_at_a_time(monkeypatch, num
     arguments = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
     levels = {k: jnp.asarray(v) for k, v in level.items()}
     results = {}
-    for choice in ("passes", "none"):
+    for choice in ("passes", "avx2", "none"):
         monkeypatch.setenv("JAXBOOST_ROUTE_SIMD", choice)
         route = jax.jit(partial(route_and_build_histogram, max_bin=max_bin, kernel="native", threads=threads,
                                 histogram_nodes=histogram_nodes))
@@ -1264,6 +1264,8 @@ def test_routing_by_node_passes_matches_routing_a_row_at_a_time(monkeypatch, num
     np.testing.assert_array_equal(results["passes"][0], expected_child)
     np.testing.assert_array_equal(results["passes"][0], results["none"][0])
     np.testing.assert_array_equal(results["passes"][1], results["none"][1])
+    np.testing.assert_array_equal(results["avx2"][0], results["none"][0])
+    np.testing.assert_array_equal(results["avx2"][1], results["none"][1])
     np.testing.assert_allclose(results["passes"][1][:summed], expected[:summed], rtol=1e-5, atol=2e-3)
 
 
