@@ -536,6 +536,24 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// A block's selected rows (`bits`: one a row from row `first`, `nodes` theirs) gathered in order.
+inline __attribute__((always_inline)) void GatherSelected(unsigned bits, int64_t first, const int32_t* nodes,
+                                                          const HistogramProblem& p, GatheredRow* gathered,
+                                                          int64_t& count) {
+  for (; bits != 0; bits &= bits - 1) {
+    const int lane = __builtin_ctz(bits);
+    const int64_t row = first + lane;
+    gathered[count++] = GatheredRow{static_cast<int32_t>(row), nodes[lane], {p.gradients[row], p.hessians[row]}};
+  }
+}
+
+// The passes of a block whose largest node is `largest`: its nodes up to that one (node 0's at
+// least, which rows out of range read), or -1 when that is kMaxRoutePasses or more.
+inline int64_t BlockPasses(int32_t largest, int64_t num_nodes) {
+  if (largest >= kMaxRoutePasses) return -1;
+  return std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(largest) + 1, num_nodes));
+}
+
 // From row `start`, sixteen rows at a time while a whole block of them fits before `end_row` and
 // in the `block_rows` gathered, and their nodes are below kMaxRoutePasses (a block's passes
 // take the nodes up to its largest); returns the next row, `count_out` the rows gathered. A
@@ -553,9 +571,8 @@ __attribute__((target("avx512f"))) int64_t GatherRoutedByPasses(const HistogramP
   int64_t count = *count_out, i = start;
   for (; i + 16 <= end_row && count + 16 <= block_rows; i += 16) {
     const __m512i node = _mm512_loadu_si512(p.node_of_row + i);
-    const int32_t largest = _mm512_reduce_max_epi32(node);
-    if (largest >= kMaxRoutePasses) break;  // a deep level's rows: one at a time
-    const int64_t passes = std::max<int64_t>(1, std::min<int64_t>(largest + 1, level.num_nodes));
+    const int64_t passes = BlockPasses(_mm512_reduce_max_epi32(node), level.num_nodes);
+    if (passes < 0) break;  // a deep level's rows: one at a time
     const __mmask16 in_range = _mm512_cmplt_epu32_mask(node, slots);  // negative nodes are large unsigned
     __mmask16 right = 0, take = 0;
     for (int64_t n = 0; n < passes; ++n) {
@@ -587,11 +604,7 @@ __attribute__((target("avx512f"))) int64_t GatherRoutedByPasses(const HistogramP
     // Rows whose gradient and Hessian are both zero add nothing (a NaN is not zero).
     take = static_cast<__mmask16>(take & (_mm512_cmp_ps_mask(_mm512_loadu_ps(p.gradients + i), zero, _CMP_NEQ_UQ) |
                                           _mm512_cmp_ps_mask(_mm512_loadu_ps(p.hessians + i), zero, _CMP_NEQ_UQ)));
-    for (unsigned bits = take; bits != 0; bits &= bits - 1) {
-      const int lane = __builtin_ctz(bits);
-      const int64_t row = i + lane;
-      gathered[count++] = GatheredRow{static_cast<int32_t>(row), nodes[lane], {p.gradients[row], p.hessians[row]}};
-    }
+    GatherSelected(take, i, nodes, p, gathered, count);
   }
   *count_out = count;
   return i;
@@ -613,9 +626,8 @@ __attribute__((target("avx2"))) int64_t GatherRoutedByPassesAvx2(const Histogram
     const __m256i node = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.node_of_row + i));
     alignas(32) int32_t nodes[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(nodes), node);
-    const int32_t largest = *std::max_element(nodes, nodes + 8);
-    if (largest >= kMaxRoutePasses) break;  // a deep level's rows: one at a time
-    const int64_t passes = std::max<int64_t>(1, std::min<int64_t>(largest + 1, level.num_nodes));
+    const int64_t passes = BlockPasses(*std::max_element(nodes, nodes + 8), level.num_nodes);
+    if (passes < 0) break;  // a deep level's rows: one at a time
     const __m256i in_range = _mm256_and_si256(_mm256_cmpgt_epi32(node, none), _mm256_cmpgt_epi32(slots, node));
     __m256i right = _mm256_setzero_si256(), take = _mm256_setzero_si256();
     for (int64_t n = 0; n < passes; ++n) {
@@ -642,11 +654,7 @@ __attribute__((target("avx2"))) int64_t GatherRoutedByPassesAvx2(const Histogram
     const __m256 nonzero = _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(p.gradients + i), zero, _CMP_NEQ_UQ),
                                         _mm256_cmp_ps(_mm256_loadu_ps(p.hessians + i), zero, _CMP_NEQ_UQ));
     const unsigned selected = static_cast<unsigned>(_mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(take), nonzero)));
-    for (unsigned bits = selected; bits != 0; bits &= bits - 1) {
-      const int lane = __builtin_ctz(bits);
-      const int64_t row = i + lane;
-      gathered[count++] = GatheredRow{static_cast<int32_t>(row), nodes[lane], {p.gradients[row], p.hessians[row]}};
-    }
+    GatherSelected(selected, i, nodes, p, gathered, count);
   }
   *count_out = count;
   return i;
