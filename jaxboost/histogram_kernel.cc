@@ -47,6 +47,7 @@ namespace {
 // AVX-512; ChooseForCpu picks the widest this CPU runs. X86_VARIANTS lists the x86 variants as
 // its trailing arguments (none elsewhere, where the baseline is the only one).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define JAXBOOST_X86_DISPATCH 1
 #define X86_VARIANTS(avx2, avx512) , avx2, avx512
 template <typename Function>
 Function ChooseForCpu(Function baseline, Function avx2, Function avx512) {
@@ -62,6 +63,22 @@ Function ChooseForCpu(Function baseline) {
   return baseline;
 }
 #endif
+
+// The kernels written with intrinsics (the predictor's walks, the route kernel's node passes):
+// the widest this CPU runs, unless the environment variable `variable` asks for a narrower one,
+// =avx2 or =none (to compare them, or to test them all on a machine that has them all).
+enum class SimdKernel { kScalar, kAvx2, kAvx512 };
+
+SimdKernel ChooseSimdKernel(const char* variable) {
+  const char* asked = std::getenv(variable);
+  const std::string limit = asked == nullptr ? "" : asked;
+#ifdef JAXBOOST_X86_DISPATCH
+  __builtin_cpu_init();
+  if (limit != "none" && limit != "avx2" && __builtin_cpu_supports("avx512f")) return SimdKernel::kAvx512;
+  if (limit != "none" && __builtin_cpu_supports("avx2")) return SimdKernel::kAvx2;
+#endif
+  return SimdKernel::kScalar;
+}
 
 // Large blocks: each feature's pass over a block then runs long (measured: 2048 -> 32768 rows
 // made a level 10-20% faster; 131072 no faster).
@@ -271,7 +288,9 @@ struct SplitsOfLevel {
   int64_t num_nodes;
   int64_t missing_bin;
   bool prefetch_codes;  // see PrefetchesCodes
-  int route_passes = 0;  // RoutePasses: 0 a row at a time, 1 passes on AVX2, 2 on AVX-512
+  // Node passes (`GatherRoutedByPasses`) on AVX-512 or AVX2, else a row at a time (kScalar):
+  // ChooseSimdKernel("JAXBOOST_ROUTE_SIMD").
+  SimdKernel route_kernel = SimdKernel::kScalar;
 };
 
 // Nodes that do not split may carry any feature: clamped, reading a code stays in bounds.
@@ -357,7 +376,7 @@ void RouteRows(const uint8_t* codes, int64_t stride, const int32_t* node_of_row,
 constexpr int64_t kMaxRoutePasses = 16;
 
 struct HistogramProblem;
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef JAXBOOST_X86_DISPATCH
 __attribute__((target("avx512f"))) int64_t GatherRoutedByPasses(const HistogramProblem& p, int64_t start,
                                                                   int64_t end_row, int64_t block_rows,
                                                                   bool writes_children, GatheredRow* gathered,
@@ -367,22 +386,6 @@ __attribute__((target("avx2"))) int64_t GatherRoutedByPassesAvx2(const Histogram
                                                                    bool writes_children, GatheredRow* gathered,
                                                                    int64_t* count_out);
 #endif
-
-// How a level's rows are routed (`SplitsOfLevel::route_passes`): by node passes with the widest
-// vectors this CPU has (2: AVX-512, sixteen rows at a time; 1: AVX2, eight), else a row at a
-// time (0). JAXBOOST_ROUTE_SIMD=avx2 or =none asks for a narrower one (to compare them, or to
-// test them all on one machine).
-int RoutePasses() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  static const int widest = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
-  const char* choice = std::getenv("JAXBOOST_ROUTE_SIMD");
-  if (choice != nullptr && std::strcmp(choice, "none") == 0) return 0;
-  if (choice != nullptr && std::strcmp(choice, "avx2") == 0) return std::min(widest, 1);
-  return widest;
-#else
-  return 0;
-#endif
-}
 
 struct HistogramProblem {
   const uint8_t* codes;  // the local rows' codes: feature f of row i at codes[f * code_stride + i]
@@ -505,10 +508,10 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
   // rows for the same traffic (wide data: 16 nodes of 500 features hold 16 MB of cells).
   for (int64_t start = 0; start < end_row;) {
     int64_t count = 0, i = start;
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (p.route != nullptr && p.route->route_passes == 2) {
+#ifdef JAXBOOST_X86_DISPATCH
+    if (p.route != nullptr && p.route->route_kernel == SimdKernel::kAvx512) {
       i = GatherRoutedByPasses(p, i, end_row, block_rows, writes_children, gathered.get(), &count);
-    } else if (p.route != nullptr && p.route->route_passes == 1) {
+    } else if (p.route != nullptr && p.route->route_kernel == SimdKernel::kAvx2) {
       i = GatherRoutedByPassesAvx2(p, i, end_row, block_rows, writes_children, gathered.get(), &count);
     }
 #endif
@@ -535,7 +538,7 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
   }
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef JAXBOOST_X86_DISPATCH
 // A block's selected rows (`bits`: one a row from row `first`, `nodes` theirs) gathered in order.
 inline __attribute__((always_inline)) void GatherSelected(unsigned bits, int64_t first, const int32_t* nodes,
                                                           const HistogramProblem& p, GatheredRow* gathered,
@@ -899,7 +902,7 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   const SplitsOfLevel level{safe_feature.data(), threshold_bin.typed_data(), default_left.typed_data(),
                             splits.typed_data(), left_is_smaller.typed_data(), num_nodes, missing_bin,
                             PrefetchesCodes(safe_feature.data(), num_nodes, n_features),
-                            RoutePasses()};
+                            ChooseSimdKernel("JAXBOOST_ROUTE_SIMD")};
   if (live_nodes.element_count() != 1) return ffi::Error::InvalidArgument("route kernel: one live node count expected");
   HistogramProblem problem{local.codes, node_of_row.typed_data(), gradients.typed_data(),
                            hessians.typed_data(), nullptr, n_rows, n_features, histogram_nodes, local.stride, nullptr};
@@ -2258,9 +2261,7 @@ void PredictRows(const PredictForest& f, const float* x, int64_t n_features, int
   }
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define JAXBOOST_X86_DISPATCH 1
-
+#ifdef JAXBOOST_X86_DISPATCH
 // The vector kernels are compiled for their instruction sets alone (the library itself stays
 // baseline x86-64) and chosen at run time. A lane is a row. The nodes of a tree's first levels
 // fit in a few registers, so they are looked up with in-register permutes rather than gathers;
@@ -2510,27 +2511,13 @@ __attribute__((target("avx2"))) void PredictBlockAvx2(const PredictForest& f, co
 }
 #endif
 
-enum class PredictKernel { kScalar, kAvx2, kAvx512 };
-
-// The widest kernel this CPU runs; JAXBOOST_PREDICT_SIMD=avx2 or =none asks for a narrower one
-// (to compare them, or to test the others on a machine that has them all).
-PredictKernel ChoosePredictKernel() {
-  const char* asked = std::getenv("JAXBOOST_PREDICT_SIMD");
-  const std::string limit = asked == nullptr ? "" : asked;
-#ifdef JAXBOOST_X86_DISPATCH
-  __builtin_cpu_init();
-  if (limit != "none" && limit != "avx2" && __builtin_cpu_supports("avx512f")) return PredictKernel::kAvx512;
-  if (limit != "none" && __builtin_cpu_supports("avx2")) return PredictKernel::kAvx2;
-#endif
-  return PredictKernel::kScalar;
-}
 
 // A forest checked and re-laid once for many predictions (a model keeps it between calls): on
 // one row, building it was most of a call's time.
 struct PreparedForest {
   PredictForest forest;
   int64_t n_features = 0, outputs = 0;
-  PredictKernel kernel = PredictKernel::kScalar;
+  SimdKernel kernel = SimdKernel::kScalar;  // ChooseSimdKernel("JAXBOOST_PREDICT_SIMD")
 };
 
 // The trees per walk (PredictForest::group): `outputs` when the trees of every round have the
@@ -2573,7 +2560,7 @@ const char* PrepareForest(const int32_t* node_info, const float* thresholds, con
   prepared->forest.group = SharedSplitTrees(prepared->forest, outputs);
   prepared->n_features = n_features;
   prepared->outputs = outputs;
-  prepared->kernel = ChoosePredictKernel();
+  prepared->kernel = ChooseSimdKernel("JAXBOOST_PREDICT_SIMD");
   *out = prepared.release();
   return nullptr;
 }
@@ -2595,10 +2582,10 @@ const char* PredictPrepared(const PreparedForest* prepared, const float* x, int6
     float* rows_raw = raw + begin * outputs;
     switch (prepared->kernel) {
 #ifdef JAXBOOST_X86_DISPATCH
-      case PredictKernel::kAvx512:
+      case SimdKernel::kAvx512:
         PredictRows<kVectorBlockRows>(forest, rows_x, n_features, outputs, end - begin, rows_raw, PredictBlockAvx512);
         break;
-      case PredictKernel::kAvx2:
+      case SimdKernel::kAvx2:
         PredictRows<kVectorBlockRows>(forest, rows_x, n_features, outputs, end - begin, rows_raw, PredictBlockAvx2);
         break;
 #endif
