@@ -2,10 +2,10 @@
 
 Run from the repository root: ``python experiments/bench_derivatives.py`` (``--rows``,
 ``--repeats``, ``--output FILE.md``). Each loss's gradients, Hessians and values are computed as a
-round computes them (``derivatives.values_gradients_and_hessians`` over chunks of 32768 rows, the
-value folded into the gradient as the round's health check does) for one device's share of the
-benchmark's classification rows, on one CPU device; the table gives the median time a call, the
-calls of the losses taking turns. The losses: the built-in logistic loss, optax's sigmoid binary
+round computes them (``derivatives.values_gradients_and_hessians`` in the round's chunks of rows,
+``boosting.in_row_chunks``, the value folded into the gradient as the round's health check does)
+for one device's share of the benchmark's classification rows, on one CPU device; the table gives
+the median time a call, the calls of the losses taking turns. The losses: the built-in logistic loss, optax's sigmoid binary
 cross-entropy, a focal loss as the README writes it, and those two composed with
 ``jaxboost.losses.softplus`` instead of ``jax.nn``'s log-sigmoid (the same values).
 """
@@ -27,9 +27,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from jaxboost import losses  # noqa: E402
+from jaxboost.boosting import DERIVATIVE_CHUNK_ROWS, in_row_chunks  # noqa: E402
 from jaxboost.derivatives import values_gradients_and_hessians  # noqa: E402
-
-CHUNK_ROWS = 32768
 
 
 def focal(raw_prediction, y, gamma=2.0):
@@ -55,27 +54,18 @@ LOSSES = {
 }
 
 
-def round_derivatives(loss, rows: int):
-    """A jitted function of (raw, y): the round's chunked derivatives of ``loss``."""
-    chunks = rows // CHUNK_ROWS
+def round_derivatives(loss):
+    """A jitted function of (raw, y): the round's derivatives of ``loss``, in its chunks of rows."""
+    def chunk(raw, y):
+        values, g, h = values_gradients_and_hessians(loss, raw, y)
+        return g + 0.0 * values, h
 
-    def run(raw, y):
-        def chunk(index, sums):
-            gradients, hessians = sums
-            start = index * CHUNK_ROWS
-            values, g, h = values_gradients_and_hessians(loss, jax.lax.dynamic_slice_in_dim(raw, start, CHUNK_ROWS),
-                                                         jax.lax.dynamic_slice_in_dim(y, start, CHUNK_ROWS))
-            return (jax.lax.dynamic_update_slice_in_dim(gradients, g + 0.0 * values, start, 0),
-                    jax.lax.dynamic_update_slice_in_dim(hessians, h, start, 0))
-
-        return jax.lax.fori_loop(0, chunks, chunk, (jnp.zeros(rows), jnp.zeros(rows)))
-
-    return jax.jit(run)
+    return jax.jit(lambda raw, y: in_row_chunks(chunk, (raw, y)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=13 * CHUNK_ROWS, help="a multiple of 32768 (one device's share)")
+    parser.add_argument("--rows", type=int, default=13 * DERIVATIVE_CHUNK_ROWS, help="rows (one device's share)")
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
@@ -83,7 +73,7 @@ def main() -> None:
     device = jax.devices("cpu")[0]
     raw = jax.device_put((3.0 * rng.standard_normal(args.rows)).astype(np.float32), device)
     y = jax.device_put((rng.random(args.rows) < 0.5).astype(np.float32), device)
-    functions = {name: round_derivatives(loss, args.rows) for name, loss in LOSSES.items()}
+    functions = {name: round_derivatives(loss) for name, loss in LOSSES.items()}
     for function in functions.values():
         jax.block_until_ready(function(raw, y))
     times = {name: [] for name in functions}
