@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from functools import partial
 
 import jax
@@ -581,22 +582,69 @@ def test_code_lowered_for_another_platform_neither_builds_nor_calls_the_native_k
 
 
 def test_native_build_failures_are_reported_not_raised(monkeypatch, tmp_path):
-    # No compiler: a clear error from the loader, and the registry reports no native kernel.
+    # No compiler: a clear error from the builder, and the registry reports no native kernel.
     monkeypatch.setenv("JAXBOOST_NATIVE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-        native._load_library.__wrapped__()
+        native._build_library()
     # A compiler that fails: an error naming the command, and no partial file left behind.
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match="failed"):
-        native._load_library.__wrapped__()
+        native._build_library()
     assert list(tmp_path.iterdir()) == []
 
     def broken_loader():
         raise RuntimeError("simulated build failure")
 
     monkeypatch.setattr(native, "_load_library", broken_loader)
-    assert native._registered_targets.__wrapped__() == frozenset()
+    monkeypatch.setattr(native, "_warned_unavailable", False)
+    with pytest.warns(RuntimeWarning, match="simulated build failure"):
+        assert native._registered_targets.__wrapped__() == frozenset()
+
+
+def test_a_failed_native_build_is_tried_once_and_warned_once(monkeypatch):
+    """Without native kernels training and prediction are several times slower: a process is
+    told once, with the reason, and a failing compiler is not run again at every call."""
+    attempts = []
+
+    def failing_build():
+        attempts.append(True)
+        raise RuntimeError("simulated: the compiler failed\nits long output")
+
+    def no_predictor():
+        raise RuntimeError("simulated: no predictor")
+
+    monkeypatch.setattr(native, "_build_library", failing_build)
+    monkeypatch.setattr(native, "_warned_unavailable", False)
+    native._library_or_failure.cache_clear()
+    try:
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="the compiler failed"):
+                native._load_library()
+        assert len(attempts) == 1
+        with pytest.warns(RuntimeWarning) as caught:
+            assert native._registered_targets.__wrapped__() == frozenset()
+        (warning,) = caught
+        message = str(warning.message)
+        assert "native CPU kernels are unavailable (simulated: the compiler failed)" in message
+        assert "JAXBOOST_NATIVE=0" in message and "long output" not in message
+        # Once a process: the predictor's fallback says nothing more.
+        monkeypatch.setattr(native, "_forest_functions", no_predictor)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not native.feature_predictor_available()
+        # The predictor alone unavailable warns too, and turned off on purpose nothing warns.
+        monkeypatch.setattr(native, "_warned_unavailable", False)
+        with pytest.warns(RuntimeWarning, match="no predictor"):
+            assert not native.feature_predictor_available()
+        monkeypatch.setattr(native, "_warned_unavailable", False)
+        monkeypatch.setenv("JAXBOOST_NATIVE", "0")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not native.feature_predictor_available()
+            assert native.native_target(HISTOGRAM_TARGET) is None
+    finally:
+        native._library_or_failure.cache_clear()  # the next caller builds (finds) the real library
 
 
 def train_with_patches(monkeypatch, patches, X, y, settings, train=None):
