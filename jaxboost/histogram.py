@@ -644,8 +644,13 @@ def builds_by_pair_passes(statistics: StatisticPairs, num_nodes: int, X_binned_T
     """Whether ``build_channels_histogram`` sums the statistics' pairs apart, each in cells of
     its own (no native channel kernel for them, or cells narrow enough for pair passes), rather
     than every channel of a row in one pass into cells of them all."""
-    return (_channel_kernel_target(statistics, kernel, threads, X_binned_T, max_bin) is None
-            or (kernel == "auto" and _by_pair_passes(num_nodes, statistics.width)))
+    return _pairs_apart(_channel_kernel_target(statistics, kernel, threads, X_binned_T, max_bin), kernel, num_nodes,
+                        statistics.width)
+
+
+def _pairs_apart(channel_target: str | None, kernel: str, num_nodes: int, width: int) -> bool:
+    """``builds_by_pair_passes`` given the channel kernel's target (None: none)."""
+    return channel_target is None or (kernel == "auto" and _by_pair_passes(num_nodes, width))
 
 
 def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, statistics: StatisticPairs,
@@ -709,9 +714,9 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
         joined = jnp.concatenate([jnp.swapaxes(part, 0, 1) for part in earlier + built], axis=-1)
         return jnp.swapaxes(joined, 0, 1)
 
-    if builds_by_pair_passes(statistics, num_nodes, X_binned_T, max_bin, kernel, threads):
-        return per_platform(cpu=apart_then_joined, default=each_into_the_last)
     target = _channel_kernel_target(statistics, kernel, threads, X_binned_T, max_bin)
+    if _pairs_apart(target, kernel, num_nodes, width):
+        return per_platform(cpu=apart_then_joined, default=each_into_the_last)
     first, *more = statistics.blocks
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
             first, more[0] if more else jnp.zeros((0, 0), jnp.float32),
