@@ -1543,7 +1543,7 @@ struct VectorScanProblem {
   const float* histograms;  // (N, d, B, C): K gradient channels, the packed Hessian, padding
   const bool* allowed;      // (N, d)
   const float* split_cost;  // (N, d)
-  const float* settings;    // (N, 3): lambda, max_delta_step, min_child_weight
+  const float* settings;    // (N, 4): lambda, alpha (not read: none for full Hessians), max_delta_step, min_child_weight
   int64_t d, bins, c, k, directions;
   float psd_tolerance, max_full_to_diagonal;
   bool general_objective;  // the objective evaluated in full (leaves possibly bounded)
@@ -1664,8 +1664,8 @@ inline __attribute__((always_inline)) void VectorScanBody(const VectorScanProble
   for (int64_t at = first; at < last; ++at) {
     const int64_t pair = pairs[at], node = pair / p.d;
     const float* histogram = p.histograms + pair * bins * c;
-    const float lambda = p.settings[node * 3], max_delta_step = p.settings[node * 3 + 1];
-    const float min_weight = p.settings[node * 3 + 2];
+    const float lambda = p.settings[node * 4], max_delta_step = p.settings[node * 4 + 2];
+    const float min_weight = p.settings[node * 4 + 3];
     const float bound = max_delta_step > 0.0f ? max_delta_step : std::numeric_limits<float>::infinity();
     const int64_t distinct = DistinctBins(histogram, values, c, width, distinct_bins.data());
     // As the cumulative-bins kernel sums them: each channel in bin order (the bins left out
@@ -1776,7 +1776,7 @@ __attribute__((target("avx512f"))) void VectorScanPairsAvx512(const VectorScanPr
 
 using ScanPairs = void (*)(const VectorScanProblem&, const int64_t*, int64_t, int64_t);
 
-// histograms (..., N, d, B, C), allowed and split_cost (..., N, d), settings (..., N, 3) and scan
+// histograms (..., N, d, B, C), allowed and split_cost (..., N, d), settings (..., N, 4) and scan
 // (..., N): per node its best split's gain, feature, threshold bin, direction (missing values
 // left) and children's sums (..., N, K + P); zeros for the nodes not scanned. Leading axes are
 // more nodes (a vmapped call's batch axes). Threads take ranges of the scanned pairs.
@@ -1796,7 +1796,7 @@ ffi::Error VectorSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi
       static_cast<int64_t>(histograms.element_count()) != nodes * d * bins * c ||
       static_cast<int64_t>(allowed.element_count()) != nodes * d ||
       static_cast<int64_t>(split_cost.element_count()) != nodes * d ||
-      static_cast<int64_t>(settings.element_count()) != nodes * 3 ||
+      static_cast<int64_t>(settings.element_count()) != nodes * 4 ||
       static_cast<int64_t>(left_sums->element_count()) != nodes * width) {
     return ffi::Error::InvalidArgument("vector split scan: inconsistent shapes");
   }
@@ -1857,25 +1857,63 @@ ffi::Error VectorSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// The split scans' operands (histograms, allowed features, split costs, settings, the nodes
+// scanned) and results (gain, feature, threshold bin, missing values left, the children's sums),
+// around each scan's own attributes.
+template <typename Binding>
+auto SplitScanOperands(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::PRED>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::PRED>>();
+}
+
+template <typename Binding>
+auto SplitScanResults(Binding binding) {
+  return std::move(binding)
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::PRED>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
 XLA_FFI_DEFINE_HANDLER(kVectorSplitScanHandler, VectorSplitScanImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Arg<ffi::Buffer<ffi::PRED>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Arg<ffi::Buffer<ffi::PRED>>()
-                           .Attr<int64_t>("outputs")
-                           .Attr<int64_t>("directions")
-                           .Attr<int64_t>("general_objective")
-                           .Attr<float>("psd_tolerance")
-                           .Attr<float>("max_full_to_diagonal")
-                           .Attr<int64_t>("threads")
-                           .Ret<ffi::Buffer<ffi::F32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::PRED>>()
-                           .Ret<ffi::Buffer<ffi::F32>>()
-                           .Ret<ffi::Buffer<ffi::F32>>());
+                       SplitScanResults(SplitScanOperands(ffi::Ffi::Bind())
+                                            .Attr<int64_t>("outputs")
+                                            .Attr<int64_t>("directions")
+                                            .Attr<int64_t>("general_objective")
+                                            .Attr<float>("psd_tolerance")
+                                            .Attr<float>("max_full_to_diagonal")
+                                            .Attr<int64_t>("threads")));
+
+// The largest of n values and `start`, over independent lanes (one running maximum would make
+// every comparison wait for the last). NaNs never win (comparisons with them are false), unless
+// `start` is one.
+inline __attribute__((always_inline)) float MaximumOf(const float* v, int64_t n, float start) {
+  float lane_maximum[kRunsAtOnce];
+  std::fill(lane_maximum, lane_maximum + kRunsAtOnce, start);
+  const int64_t whole = n - n % kRunsAtOnce;
+  for (int64_t i = 0; i < whole; i += kRunsAtOnce) {
+    for (int64_t lane = 0; lane < kRunsAtOnce; ++lane) {
+      lane_maximum[lane] = v[i + lane] > lane_maximum[lane] ? v[i + lane] : lane_maximum[lane];
+    }
+  }
+  for (int64_t i = whole; i < n; ++i) lane_maximum[0] = v[i] > lane_maximum[0] ? v[i] : lane_maximum[0];
+  float maximum = lane_maximum[0];
+  for (int64_t lane = 1; lane < kRunsAtOnce; ++lane) maximum = lane_maximum[lane] > maximum ? lane_maximum[lane] : maximum;
+  return maximum;
+}
+
+// The first index of `value` among n values (argmax's tie rule), or 0 where none equals it.
+inline int64_t FirstIndexOf(const float* v, int64_t n, float value) {
+  int64_t at = 0;
+  while (at < n && !(v[at] == value)) ++at;
+  return at == n ? 0 : at;
+}
 
 // The first index of the maximum of every row of a (rows, ...) array, and that maximum: the split
 // scan's choice among its candidates. Computed by XLA as two reductions, the candidates' gains
@@ -1890,34 +1928,185 @@ ffi::Error FirstMaximumImpl(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi:
       static_cast<int64_t>(maximum->element_count()) != dims[0] || n == 0) {
     return ffi::Error::InvalidArgument("first-maximum kernel: expected (rows, ...) of n > 0 a row in and (rows,) out");
   }
-  const int64_t rows = dims[0];
-  for (int64_t row = 0; row < rows; ++row) {
+  for (int64_t row = 0; row < dims[0]; ++row) {
+    // Started at the first value, the maximum is that NaN, which nothing exceeds or equals: a
+    // NaN first value holds index 0; elsewhere NaNs never win.
     const float* v = values.typed_data() + row * n;
-    // The maximum over independent lanes (one running maximum would make every comparison wait
-    // for the last), then the first index holding it: argmax's tie rule.
-    float lane_maximum[kRunsAtOnce];
-    std::fill(lane_maximum, lane_maximum + kRunsAtOnce, v[0]);
-    const int64_t whole = n - n % kRunsAtOnce;
-    for (int64_t i = 0; i < whole; i += kRunsAtOnce) {
-      for (int64_t lane = 0; lane < kRunsAtOnce; ++lane) {
-        lane_maximum[lane] = v[i + lane] > lane_maximum[lane] ? v[i + lane] : lane_maximum[lane];
-      }
-    }
-    for (int64_t i = whole; i < n; ++i) lane_maximum[0] = v[i] > lane_maximum[0] ? v[i] : lane_maximum[0];
-    float best_value = lane_maximum[0];
-    for (int64_t lane = 1; lane < kRunsAtOnce; ++lane) {
-      best_value = lane_maximum[lane] > best_value ? lane_maximum[lane] : best_value;
-    }
-    // NaNs never win (comparisons with them are false), except a NaN first value, which nothing
-    // exceeds and nothing equals: index 0 then holds it.
-    int64_t best = 0;
-    while (best < n && !(v[best] == best_value)) ++best;
-    if (best == n) best = 0;
-    index->typed_data()[row] = static_cast<int32_t>(best);
-    maximum->typed_data()[row] = best_value;
+    const float best = MaximumOf(v, n, v[0]);
+    maximum->typed_data()[row] = best;
+    index->typed_data()[row] = static_cast<int32_t>(FirstIndexOf(v, n, best));
   }
   return ffi::Error::Success();
 }
+
+// The split scan of scalar leaves (split.find_best_splits without monotone bounds or a custom
+// penalty), a whole level in one call: per node and feature the running sums over the bins, then
+// every candidate's gain, then the node's first maximum. As XLA code each step of two nodes was
+// some ten operations (running sums, gains, maximum, the winner's sums, the writes back), and at
+// small data a round was mostly their fixed costs.
+struct ScalarScanProblem {
+  const float* histograms;  // (N, d, B, 2): gradient and Hessian sums
+  const bool* allowed;      // (N, d)
+  const float* split_cost;  // (N, d)
+  const float* settings;    // (N, 4): lambda, alpha, max_delta_step (> 0: leaves bounded), min_child_weight
+  const bool* scan;         // (N,)
+  int64_t nodes, d, bins, directions;
+  float* gain;
+  int32_t* feature;
+  int32_t* threshold;
+  bool* default_left;
+  float* left;   // (N, 2)
+  float* right;  // (N, 2)
+};
+
+// A side's score as regularizer.node_score computes it: T_alpha(G)^2 / (H + lambda) in closed
+// form, or with bounded leaves -2 x the objective at the leaf value clipped to +-bound.
+template <bool Bounded>
+inline __attribute__((always_inline)) float SideScore(float g, float h, float lambda, float alpha, float bound) {
+  const float denominator = h + lambda;
+  const bool positive = denominator > 0.0f;
+  const float safe = positive ? denominator : 1.0f;
+  // sign(G) max(|G| - alpha, 0), signed zeros included.
+  const float threshold = std::copysign(std::max(std::fabs(g) - alpha, 0.0f), g);
+  if (!Bounded) return positive ? threshold * threshold / safe : 0.0f;
+  float w = positive ? -threshold / safe : 0.0f;
+  w = std::min(std::max(w, -bound), bound);
+  const float objective = g * w + 0.5f * h * w * w + (0.5f * lambda * w * w + alpha * std::fabs(w));
+  return -2.0f * objective;
+}
+
+// Every candidate's gain of one feature, direction by direction (0: missing values left), into
+// `gains` (directions x values; -inf where not valid), from its running sums `running` (bins x
+// (gradient, Hessian), the last bin's the total) and its missing values' `missing`.
+template <bool Bounded>
+inline __attribute__((always_inline)) void ScalarFeatureGains(const float* __restrict running,
+                                                              const float* __restrict missing, int64_t values,
+                                                              int64_t directions, bool allowed, float cost,
+                                                              const float* setting, float* __restrict gains) {
+  const float lambda = setting[0], alpha = setting[1], min_weight = setting[3];
+  const float bound = setting[2] > 0.0f ? setting[2] : std::numeric_limits<float>::infinity();
+  // As find_best_splits: the node's total is the value bins' running sum plus the missing bin.
+  const float total_g = running[(values - 1) * 2] + missing[0], total_h = running[(values - 1) * 2 + 1] + missing[1];
+  const float parent = SideScore<Bounded>(total_g, total_h, lambda, alpha, bound);
+  const float minus_infinity = -std::numeric_limits<float>::infinity();
+  for (int64_t direction = 0; direction < directions; ++direction) {
+    // Adding +0 to a running sum (never -0: the sums start at +0) leaves it as it is.
+    const float add_g = direction == 0 ? missing[0] : 0.0f, add_h = direction == 0 ? missing[1] : 0.0f;
+    float* __restrict out = gains + direction * values;
+    for (int64_t bin = 0; bin < values; ++bin) {
+      const float left_g = running[bin * 2] + add_g, left_h = running[bin * 2 + 1] + add_h;
+      const float right_g = total_g - left_g, right_h = total_h - left_h;
+      const bool valid = allowed & (left_h >= min_weight) & (right_h >= min_weight) & (left_h > 0.0f) &
+                         (right_h > 0.0f);
+      const float change = SideScore<Bounded>(left_g, left_h, lambda, alpha, bound) +
+                           SideScore<Bounded>(right_g, right_h, lambda, alpha, bound) - parent;
+      out[bin] = valid ? change - cost : minus_infinity;
+    }
+  }
+}
+
+inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProblem& p) {
+  const int64_t d = p.d, bins = p.bins, values = bins - 1, candidates = p.directions * values;
+  // A node's running sums, (d, bins, 2) as the cumulative-bins kernel forms them (its features'
+  // runs side by side: one run's additions alone wait on each other), and a feature's gains.
+  std::vector<float> running(static_cast<size_t>(d * bins * 2));
+  std::vector<float> gains(static_cast<size_t>(candidates));
+  for (int64_t node = 0; node < p.nodes; ++node) {
+    float* left = p.left + node * 2;
+    float* right = p.right + node * 2;
+    if (!p.scan[node]) {
+      p.gain[node] = 0.0f;
+      p.feature[node] = p.threshold[node] = 0;
+      p.default_left[node] = false;
+      left[0] = left[1] = right[0] = right[1] = 0.0f;
+      continue;
+    }
+    const float* histogram = p.histograms + node * d * bins * 2;
+    for (int64_t run = 0; run < d; run += kRunsAtOnce) {
+      CumulativeRuns<2>(histogram, running.data(), run, std::min(kRunsAtOnce, d - run), bins);
+    }
+    const float* setting = p.settings + node * 4;
+    // Candidates in order feature, direction, bin: first_maximum's over the XLA scan's gains,
+    // taken feature by feature while its gains are in cache. The node's very first gain opens
+    // the search, so a NaN there holds index 0 as first_maximum's would.
+    int64_t best = 0;
+    float best_gain = 0.0f;
+    for (int64_t f = 0; f < d; ++f) {
+      const int64_t pair = node * d + f;
+      const float* sums = running.data() + f * bins * 2;
+      const float* missing = histogram + (f * bins + values) * 2;
+      if (setting[2] > 0.0f) {
+        ScalarFeatureGains<true>(sums, missing, values, p.directions, p.allowed[pair], p.split_cost[pair], setting,
+                                 gains.data());
+      } else {
+        ScalarFeatureGains<false>(sums, missing, values, p.directions, p.allowed[pair], p.split_cost[pair], setting,
+                                  gains.data());
+      }
+      if (f == 0) best_gain = gains[0];
+      const float feature_best = MaximumOf(gains.data(), candidates, -std::numeric_limits<float>::infinity());
+      if (feature_best > best_gain) {
+        best_gain = feature_best;
+        best = f * candidates + FirstIndexOf(gains.data(), candidates, feature_best);
+      }
+    }
+    p.gain[node] = best_gain;
+    const int64_t f = best / candidates, direction = (best % candidates) / values, bin = best % values;
+    p.feature[node] = static_cast<int32_t>(f);
+    p.threshold[node] = static_cast<int32_t>(bin);
+    p.default_left[node] = direction == 0;
+    // The winner's sides, as find_best_splits recomputes them from the running sums.
+    const float* sums = running.data() + f * bins * 2;
+    const float* missing = histogram + (f * bins + values) * 2;
+    left[0] = sums[bin * 2] + (direction == 0 ? missing[0] : 0.0f);
+    left[1] = sums[bin * 2 + 1] + (direction == 0 ? missing[1] : 0.0f);
+    right[0] = (sums[(values - 1) * 2] + missing[0]) - left[0];
+    right[1] = (sums[(values - 1) * 2 + 1] + missing[1]) - left[1];
+  }
+}
+
+void ScalarScan(const ScalarScanProblem& p) { ScalarScanBody(p); }
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx2,fma"))) void ScalarScanAvx2(const ScalarScanProblem& p) { ScalarScanBody(p); }
+__attribute__((target("avx512f"))) void ScalarScanAvx512(const ScalarScanProblem& p) { ScalarScanBody(p); }
+#endif
+
+// histograms (..., N, d, B, 2), allowed and split_cost (..., N, d), settings (..., N, 4) and scan
+// (..., N): per node its best split's gain, feature, threshold bin, direction (missing values
+// left) and children's (gradient, Hessian) sums (..., N, 2); zeros for the nodes not scanned.
+// Leading axes are more nodes (a vmapped call's batch axes).
+ffi::Error ScalarSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi::PRED> allowed,
+                               ffi::Buffer<ffi::F32> split_cost, ffi::Buffer<ffi::F32> settings,
+                               ffi::Buffer<ffi::PRED> scan, int64_t directions, ffi::ResultBuffer<ffi::F32> gain,
+                               ffi::ResultBuffer<ffi::S32> feature, ffi::ResultBuffer<ffi::S32> threshold,
+                               ffi::ResultBuffer<ffi::PRED> default_left, ffi::ResultBuffer<ffi::F32> left_sums,
+                               ffi::ResultBuffer<ffi::F32> right_sums) {
+  const auto dims = histograms.dimensions();
+  if (dims.size() < 4) return ffi::Error::InvalidArgument("scalar split scan: histograms (..., N, d, B, C) expected");
+  const int64_t d = dims[dims.size() - 3], bins = dims[dims.size() - 2], c = dims[dims.size() - 1];
+  const int64_t nodes = static_cast<int64_t>(scan.element_count());
+  if (c != 2 || bins < 2 || (directions != 1 && directions != 2) ||
+      static_cast<int64_t>(histograms.element_count()) != nodes * d * bins * 2 ||
+      static_cast<int64_t>(allowed.element_count()) != nodes * d ||
+      static_cast<int64_t>(split_cost.element_count()) != nodes * d ||
+      static_cast<int64_t>(settings.element_count()) != nodes * 4 ||
+      static_cast<int64_t>(left_sums->element_count()) != nodes * 2 ||
+      static_cast<int64_t>(right_sums->element_count()) != nodes * 2) {
+    return ffi::Error::InvalidArgument("scalar split scan: inconsistent shapes");
+  }
+  const ScalarScanProblem problem{histograms.typed_data(), allowed.typed_data(), split_cost.typed_data(),
+                                  settings.typed_data(),   scan.typed_data(),    nodes,
+                                  d,                       bins,                 directions,
+                                  gain->typed_data(),      feature->typed_data(),
+                                  threshold->typed_data(), default_left->typed_data(), left_sums->typed_data(),
+                                  right_sums->typed_data()};
+  using Scan = void (*)(const ScalarScanProblem&);
+  static const Scan scan_nodes = ChooseForCpu<Scan>(ScalarScan X86_VARIANTS(ScalarScanAvx2, ScalarScanAvx512));
+  scan_nodes(problem);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kScalarSplitScanHandler, ScalarSplitScanImpl,
+                       SplitScanResults(SplitScanOperands(ffi::Ffi::Bind()).Attr<int64_t>("directions")));
 
 // Sorts float32 keys ascending, carrying float32 payloads along (the AUC's sort of a whole
 // eval set every round). XLA's CPU sort calls a compiled comparator per comparison: 36 ms for
@@ -2683,6 +2872,10 @@ extern "C" XLA_FFI_Error* JaxboostSegmentSum(XLA_FFI_CallFrame* call_frame) {
 
 extern "C" XLA_FFI_Error* JaxboostVectorSplitScan(XLA_FFI_CallFrame* call_frame) {
   return kVectorSplitScanHandler(call_frame);
+}
+
+extern "C" XLA_FFI_Error* JaxboostScalarSplitScan(XLA_FFI_CallFrame* call_frame) {
+  return kScalarSplitScanHandler(call_frame);
 }
 
 extern "C" XLA_FFI_Error* JaxboostUninitialized(XLA_FFI_CallFrame* call_frame) {

@@ -16,8 +16,10 @@ Vector leaves (``leaves``, one tree for K outputs): every histogram cell holds K
 and the packed Hessian sums (``VectorLeaves``); each child's value vector and score come from
 ``vector_value_and_score``, and ``min_child_weight`` applies to every output's Hessian sum.
 The gradient and Hessian fields of the choice then carry those channels on a trailing axis.
-On a CPU, full Hessians of as many outputs as the native solve takes are scanned by one native
-kernel for a whole level (``_native_vector_scan``), with the same arithmetic.
+
+On a CPU a native kernel scans a whole level in one call (``_native_scan``), with the same
+arithmetic: scalar leaves without monotone constraints or a custom penalty, and full-Hessian
+vector leaves.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from jax import lax
 
 from .devices import axis_devices, in_steps_on_cpu, update_leading_chunks
 from .histogram import cumulative_over_bins, first_maximum
-from .native import VECTOR_SPLIT_SCAN_TARGET, as_varying_as, available_native_target, per_platform
+from .native import (SCALAR_SPLIT_SCAN_TARGET, VECTOR_SPLIT_SCAN_TARGET, as_varying_as, available_native_target,
+                     per_platform)
 from .regularizer import (MAX_FULL_TO_DIAGONAL_SCORE, PSD_TOLERANCE, Regularization, VectorLeaves, leaf_value,
                           node_score, split_loss_change, value_and_score, vector_value_and_score)
 
@@ -305,9 +308,9 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
     and of those, when ``active`` (bool, one flag per slot) is given, for the chunks that hold
     an active node.
 
-    Full-Hessian vector leaves whose solve runs natively on a CPU (``regularizer.damped_solve``)
-    are scanned by one native kernel for the whole level (``_native_vector_scan``); ``kernel``
-    as for ``histogram.build_histogram``.
+    On a CPU, scalar leaves without monotone constraints or a custom penalty, and full-Hessian
+    vector leaves, are scanned by one native kernel for the whole level (``_native_scan``);
+    ``kernel`` as for ``histogram.build_histogram``. Otherwise, in XLA:
 
     A level's node arrays are sized for the widest level that shares its compiled loop, so the
     root's level holds 1 live node in 32 slots. The scan runs over ``scan_chunk_nodes`` slots at
@@ -320,15 +323,15 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
     """
     num_nodes = histograms.shape[0]
     chunk = scan_chunk_nodes(num_nodes, math.prod(histograms.shape[1:]))
-    target = _vector_scan_target(leaves, bounds, kernel)
+    target = _native_scan_target(leaves, bounds, reg, kernel)
     if target is not None:
         scanned = jnp.ones(num_nodes, bool) if live_nodes is None else jnp.arange(num_nodes) < live_nodes
         if live_nodes is not None and active is not None:
             scanned = scanned & active
 
         def native():
-            return _native_vector_scan(target, histograms, feature_allowed, reg, min_child_weight, leaves, scanned,
-                                       missing_values)
+            return _native_scan(target, histograms, feature_allowed, reg, min_child_weight, leaves, scanned,
+                                missing_values)
 
         def xla():
             return find_best_splits_of_live_nodes(histograms, feature_allowed, reg, min_child_weight, bounds, leaves,
@@ -356,44 +359,70 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
     return in_steps_on_cpu(in_steps, lambda: scan_nodes(0, num_nodes))
 
 
-def _vector_scan_target(leaves: VectorLeaves | None, bounds: NodeBounds | None, kernel: str) -> str | None:
-    """The native vector-leaf scan's FFI target where it applies: full Hessians, no bounds."""
-    if leaves is None or not leaves.full_hessian or bounds is not None:
+def _native_scan_target(leaves: VectorLeaves | None, bounds: NodeBounds | None, reg: Regularization,
+                        kernel: str) -> str | None:
+    """The FFI target of the native scan where one applies (no monotone bounds): scalar leaves
+    without a custom penalty, or full-Hessian vector leaves."""
+    if bounds is not None:
+        return None
+    if leaves is None:
+        if reg.penalty is not None:
+            return None
+        return available_native_target(SCALAR_SPLIT_SCAN_TARGET, "scalar split-scan", kernel)
+    if not leaves.full_hessian:
         return None
     return available_native_target(VECTOR_SPLIT_SCAN_TARGET, "vector split-scan", kernel)
 
 
-def _native_vector_scan(target: str, histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
-                        min_child_weight: jax.Array, leaves: VectorLeaves, scanned: jax.Array,
-                        missing_values: bool) -> SplitChoice:
-    """``find_best_splits`` of the ``scanned`` nodes of a level of full-Hessian vector leaves, by
-    the native kernel, which follows the scan's and ``vector_value_and_score``'s arithmetic (the
-    regularizer's constants come from there); the nodes not scanned get ``_empty_choice``'s zeros.
-    As XLA code, each node's step around the native solve copied its histogram, running sums and
-    candidates' sides into arrays of their own: at 10 outputs about half of the scan's time."""
+def _native_scan(target: str, histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
+                 min_child_weight: jax.Array, leaves: VectorLeaves | None, scanned: jax.Array,
+                 missing_values: bool) -> SplitChoice:
+    """``find_best_splits`` of the ``scanned`` nodes of a level by a native kernel, the whole
+    level in one call; the nodes not scanned get ``_empty_choice``'s zeros.
+
+    Scalar leaves: the kernel follows ``node_score``'s closed form, or with ``max_delta_step >
+    0`` its value at the clipped leaf value. As XLA code a level took a step per two nodes, each
+    some ten operations whose fixed costs were most of a round at small data.
+
+    Full-Hessian vector leaves: the kernel follows the scan's and ``vector_value_and_score``'s
+    arithmetic (the regularizer's constants come from there). As XLA code, each node's step
+    around the native solve copied its histogram, running sums and candidates' sides into arrays
+    of their own: at 10 outputs about half of the scan's time."""
     num_nodes, n_features = histograms.shape[:2]
-    K = leaves.num_outputs
-    width = K + leaves.hessian_channels
+    width = 2 if leaves is None else leaves.num_outputs + leaves.hessian_channels
     split_cost = jnp.broadcast_to(jnp.asarray(reg.split_cost, jnp.float32), (n_features,))
+    # A max_delta_step known to be unused reads as 0: the closed form, as node_score takes it.
+    max_delta_step = 0.0 if reg.bounds_leaves is False else reg.max_delta_step
     settings = jnp.stack([jnp.asarray(value, jnp.float32)
-                          for value in (reg.reg_lambda, reg.max_delta_step, min_child_weight)])
+                          for value in (reg.reg_lambda, reg.reg_alpha, max_delta_step, min_child_weight)])
     operands = (histograms.astype(jnp.float32), feature_allowed.astype(bool),
-                jnp.broadcast_to(split_cost, (num_nodes, n_features)), jnp.broadcast_to(settings, (num_nodes, 3)),
+                jnp.broadcast_to(split_cost, (num_nodes, n_features)), jnp.broadcast_to(settings, (num_nodes, 4)),
                 scanned)
     results = (jax.ShapeDtypeStruct((num_nodes,), jnp.float32), jax.ShapeDtypeStruct((num_nodes,), jnp.int32),
                jax.ShapeDtypeStruct((num_nodes,), jnp.int32), jax.ShapeDtypeStruct((num_nodes,), jnp.bool_),
                jax.ShapeDtypeStruct((num_nodes, width), jnp.float32),
                jax.ShapeDtypeStruct((num_nodes, width), jnp.float32))
+    directions = np.int64(2 if missing_values else 1)
+    if leaves is None:
+        attributes = dict(directions=directions)
+    else:
+        attributes = dict(outputs=np.int64(leaves.num_outputs), directions=directions,
+                          general_objective=np.int64(reg.bounds_leaves is not False),
+                          psd_tolerance=np.float32(PSD_TOLERANCE),
+                          max_full_to_diagonal=np.float32(MAX_FULL_TO_DIAGONAL_SCORE),
+                          threads=np.int64(leaves.solve_threads))
     # Leading axes are more nodes to the kernel, so a vmapped call is one call.
-    outputs = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")(
-        *operands, outputs=np.int64(K), directions=np.int64(2 if missing_values else 1),
-        general_objective=np.int64(reg.bounds_leaves is not False), psd_tolerance=np.float32(PSD_TOLERANCE),
-        max_full_to_diagonal=np.float32(MAX_FULL_TO_DIAGONAL_SCORE), threads=np.int64(leaves.solve_threads))
+    outputs = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")(*operands, **attributes)
     gain, feature, threshold_bin, default_left, left, right = (as_varying_as(output, operands) for output in outputs)
-    no_values = jnp.zeros((num_nodes, K), jnp.float32)
-    return SplitChoice(loss_change=gain, feature=feature, threshold_bin=threshold_bin, default_left=default_left,
-                       left_gradients=left[:, :K], left_hessians=left[:, K:], right_gradients=right[:, :K],
-                       right_hessians=right[:, K:], left_value=no_values, right_value=no_values)
+    if leaves is None:
+        no_values = jnp.zeros(num_nodes, jnp.float32)
+        sides = (left[:, 0], left[:, 1], right[:, 0], right[:, 1])
+    else:
+        K = leaves.num_outputs
+        no_values = jnp.zeros((num_nodes, K), jnp.float32)
+        sides = (left[:, :K], left[:, K:], right[:, :K], right[:, K:])
+    return SplitChoice(gain, feature, threshold_bin, default_left, *sides, left_value=no_values,
+                       right_value=no_values)
 
 
 def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,

@@ -18,7 +18,7 @@ import pytest
 
 from jaxboost.grower import GrowthParams, grow_tree, prune_by_gamma
 from jaxboost.regularizer import Regularization, leaf_value, node_score
-from jaxboost.split import find_best_splits
+from jaxboost.split import find_best_splits, find_best_splits_of_live_nodes
 from jaxboost.tree import Tree, num_heap_nodes
 
 F32 = jnp.float32
@@ -97,9 +97,15 @@ def first_best(candidates):
     return best
 
 
-@jax.jit
-def _jit_find_best_splits(histograms, feature_allowed, reg, min_child_weight):
-    return find_best_splits(histograms, feature_allowed, reg, min_child_weight)
+# The split scans: XLA's (every backend), and the native kernel that scans a level on a CPU.
+SCANS = ["xla", "native"]
+
+
+@partial(jax.jit, static_argnames="scan")
+def _jit_find_best_splits(histograms, feature_allowed, reg, min_child_weight, scan="xla"):
+    if scan == "xla":
+        return find_best_splits(histograms, feature_allowed, reg, min_child_weight)
+    return find_best_splits_of_live_nodes(histograms, feature_allowed, reg, min_child_weight, kernel="native")
 
 
 def make_split_data(seed):
@@ -120,15 +126,17 @@ def make_split_data(seed):
 SPLIT_CASES = list(itertools.product([0.5, 1.0, 5.0], [0.0, 0.5], [0.0, 1.0, 10.0], [0.0, 0.3]))
 
 
+@pytest.mark.parametrize("scan", SCANS)
 @pytest.mark.parametrize("seed,form_known", [(0, False), (1, False), (0, True)])
 @pytest.mark.parametrize("reg_lambda,reg_alpha,min_child_weight,max_delta_step", SPLIT_CASES)
 def test_find_best_splits_matches_brute_force(seed, form_known, reg_lambda, reg_alpha, min_child_weight,
-                                              max_delta_step):
+                                              max_delta_step, scan):
     X_binned, node_index, g, h = make_split_data(seed)
     g64, h64 = g.astype(np.float64), h.astype(np.float64)
     allowed = np.ones((NUM_NODES, N_FEATURES), bool)
     split = _jit_find_best_splits(jnp.asarray(np_histogram(X_binned, node_index, g64, h64)), jnp.asarray(allowed),
-                                  make_reg(reg_lambda, reg_alpha, max_delta_step, form_known), F32(min_child_weight))
+                                  make_reg(reg_lambda, reg_alpha, max_delta_step, form_known), F32(min_child_weight),
+                                  scan=scan)
     split = jax.tree.map(np.asarray, split)
     context = f"(lambda={reg_lambda}, alpha={reg_alpha}, mcw={min_child_weight}, mds={max_delta_step}, seed={seed})"
     for node in range(NUM_NODES):
@@ -193,11 +201,12 @@ def _exact_histogram_case():
     return histograms
 
 
-def test_find_best_splits_tie_rules_and_invalid_nodes():
+@pytest.mark.parametrize("scan", SCANS)
+def test_find_best_splits_tie_rules_and_invalid_nodes(scan):
     histograms = _exact_histogram_case()
     allowed = np.ones((NUM_NODES, N_FEATURES), bool)
     split = jax.tree.map(np.asarray, _jit_find_best_splits(jnp.asarray(histograms), jnp.asarray(allowed),
-                                                           make_reg(1.0), F32(1.5)))
+                                                           make_reg(1.0), F32(1.5), scan=scan))
     # Node 0: thresholds 1..4 cut alike, both directions are equal (no missing values), features
     # 0 and 1 are identical: the lowest feature, missing-left, the lowest bin.
     assert (split.feature[0], split.threshold_bin[0], bool(split.default_left[0])) == (0, 1, True), (
@@ -215,16 +224,17 @@ def test_find_best_splits_tie_rules_and_invalid_nodes():
                                - np_score(0, 6, 1, 0, 0), rtol=1e-6)
     # min_child_weight = 0: node 2 becomes splittable, node 1 still is not (empty children).
     split = jax.tree.map(np.asarray, _jit_find_best_splits(jnp.asarray(histograms), jnp.asarray(allowed),
-                                                           make_reg(1.0), F32(0.0)))
+                                                           make_reg(1.0), F32(0.0), scan=scan))
     assert np.isfinite(split.loss_change[2]) and split.loss_change[2] > 0
     assert split.loss_change[1] == -np.inf, "an empty child is invalid even with min_child_weight = 0"
 
 
-def test_missing_versus_present_cut_takes_the_first_equivalent_candidate():
+@pytest.mark.parametrize("scan", SCANS)
+def test_missing_versus_present_cut_takes_the_first_equivalent_candidate(scan):
     histograms = _exact_histogram_case()
     allowed = np.ones((NUM_NODES, N_FEATURES), bool)
     split = jax.tree.map(np.asarray, _jit_find_best_splits(jnp.asarray(histograms), jnp.asarray(allowed),
-                                                           make_reg(1.0), F32(0.0)))
+                                                           make_reg(1.0), F32(0.0), scan=scan))
     # Node 3 holds rows in value bin 0 and missing rows. Sending missing values left puts every row
     # left (bin 0 is always on the left), so no missing-left candidate is valid; every missing-right
     # candidate of every feature cuts alike: the lowest feature and bin win.
@@ -232,18 +242,20 @@ def test_missing_versus_present_cut_takes_the_first_equivalent_candidate():
         f"got ({split.feature[3]}, {split.threshold_bin[3]}, {split.default_left[3]}), expected (0, 0, False)")
 
 
+@pytest.mark.parametrize("scan", SCANS)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_masked_feature_is_never_chosen(seed):
+def test_masked_feature_is_never_chosen(seed, scan):
     X_binned, node_index, g, h = make_split_data(seed)
     g64, h64 = g.astype(np.float64), h.astype(np.float64)
     histograms = jnp.asarray(np_histogram(X_binned, node_index, g64, h64))
     reg = make_reg(1.0)
     all_allowed = np.ones((NUM_NODES, N_FEATURES), bool)
-    unmasked = jax.tree.map(np.asarray, _jit_find_best_splits(histograms, jnp.asarray(all_allowed), reg, F32(1.0)))
+    unmasked = jax.tree.map(np.asarray, _jit_find_best_splits(histograms, jnp.asarray(all_allowed), reg, F32(1.0),
+                                                              scan=scan))
     allowed = all_allowed.copy()
     allowed[np.arange(NUM_NODES), unmasked.feature] = False  # mask each node's favourite feature
     allowed[3, :] = False  # and every feature of node 3
-    split = jax.tree.map(np.asarray, _jit_find_best_splits(histograms, jnp.asarray(allowed), reg, F32(1.0)))
+    split = jax.tree.map(np.asarray, _jit_find_best_splits(histograms, jnp.asarray(allowed), reg, F32(1.0), scan=scan))
     for node in range(NUM_NODES):
         rows = np.flatnonzero(node_index == node)
         best = first_best(brute_force_candidates(X_binned, g64, h64, rows, allowed[node], 1.0, 0.0, 0.0, 1.0))
@@ -569,9 +581,10 @@ def test_scan_of_live_nodes_scans_the_chunks_holding_active_nodes(monkeypatch, n
     histograms[~active] = np.nan  # cells of inactive nodes may hold anything
     allowed = jnp.ones((slots, n_features), bool)
     reg = make_reg(1.0, form_known=True)
+    # The XLA scan's steps (on a CPU the native kernel would scan the level: tested below).
     scan = jax.jit(lambda hist, act: find_best_splits_of_live_nodes(hist, allowed, reg, F32(1.0),
                                                                     live_nodes=jnp.int32(live),
-                                                                    active=act))
+                                                                    active=act, kernel="xla"))
     got = jax.tree.map(np.asarray, scan(jnp.asarray(histograms), jnp.asarray(active)))
     whole = jax.tree.map(np.asarray, find_best_splits(jnp.asarray(histograms), allowed, reg, F32(1.0)))
     scanned = np.zeros(slots, bool)
@@ -583,6 +596,91 @@ def test_scan_of_live_nodes_scans_the_chunks_holding_active_nodes(monkeypatch, n
         assert scanned.any() and (~scanned).any()
     for name, expected, value in zip(whole._fields, whole, got):
         np.testing.assert_array_equal(value[scanned & active], expected[scanned & active], err_msg=name)
+        np.testing.assert_array_equal(value[~scanned], 0, err_msg=name)
+
+
+def _sparse_histograms(rng, shape, empty_fraction=0.5):
+    """Random (nodes, d, bins, 2) histograms, about ``empty_fraction`` of their cells empty (as
+    at the nodes of few rows), gradient sums of both signs, Hessian sums >= 0."""
+    gradients = rng.normal(size=shape)
+    hessians = rng.uniform(0.0, 2.0, size=shape)
+    histograms = np.stack([gradients, hessians], axis=-1).astype(np.float32)
+    histograms[rng.uniform(size=shape) < empty_fraction] = 0.0
+    return histograms
+
+
+@pytest.mark.parametrize("missing_values", [True, False])
+@pytest.mark.parametrize("reg_lambda,reg_alpha,max_delta_step,form_known",
+                         [(1.0, 0.0, 0.0, True), (0.0, 0.0, 0.0, True), (2.0, 0.7, 0.0, True), (1.0, 0.5, 0.4, True),
+                          (1.0, 0.5, 0.4, False), (1.0, 0.0, 0.0, False)])
+def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_delta_step, form_known,
+                                                    missing_values):
+    """The native scan of a level (CPU) follows the XLA scan's arithmetic: the same choice, the
+    same children's sums and, in the closed form of the score, the same gain bit for bit, with
+    per-feature split costs, masked features, empty bins (each repeating the candidate before
+    it: the first one must win), nodes with no valid candidate, and NaN sums (a NaN first gain
+    holds candidate 0, any other NaN never wins). Bounded leaves' scores (the objective at the
+    clipped value) differ in their last bit where the compilers fuse a multiply and an add
+    differently."""
+    rng = np.random.default_rng(7)
+    nodes, n_features, max_bin = 12, 5, 16
+    histograms = _sparse_histograms(rng, (nodes, n_features, max_bin))
+    if not missing_values:
+        histograms[:, :, -1] = 0.0
+    histograms[3] = 0.0  # no rows: every candidate invalid
+    histograms[4, 0, 0] = [np.nan, 1.0]  # the node's very first gain is NaN
+    histograms[5, 2, 3] = [np.nan, 1.0]  # a NaN among other features' valid gains
+    allowed = rng.uniform(size=(nodes, n_features)) < 0.8
+    allowed[4:6] = True
+    allowed[6] = False
+    reg = make_reg(reg_lambda, reg_alpha, max_delta_step, form_known).replace(
+        split_cost=jnp.asarray(rng.uniform(0.0, 0.3, n_features), F32))
+
+    def scans(histograms, allowed, kernel):
+        return find_best_splits_of_live_nodes(histograms, allowed, reg, F32(0.5), missing_values=missing_values,
+                                              kernel=kernel)
+
+    xla, native = (jax.tree.map(np.asarray, jax.jit(partial(scans, kernel=kernel))(histograms, allowed))
+                   for kernel in ("xla", "native"))
+    assert np.isfinite(xla.loss_change).sum() >= nodes // 2, "most nodes should have a valid candidate"
+    assert np.isnan(xla.loss_change[4]) and np.isfinite(xla.loss_change[5]) and xla.loss_change[3] == -np.inf
+    _assert_same_choices(native, xla, bounded=max_delta_step > 0)
+
+    # vmapped (several models' levels at once): one call whose batch is more nodes.
+    batch = np.stack([histograms, _sparse_histograms(rng, histograms.shape[:-1])])
+    xla, native = (jax.tree.map(np.asarray, jax.jit(jax.vmap(partial(scans, kernel=kernel), (0, None)))(batch, allowed))
+                   for kernel in ("xla", "native"))
+    _assert_same_choices(native, xla, bounded=max_delta_step > 0)
+
+
+def _assert_same_choices(got, expected, bounded):
+    for name, want, value in zip(expected._fields, expected, got):
+        if name == "loss_change" and bounded:
+            np.testing.assert_allclose(value, want, rtol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(value, want, err_msg=name)
+
+
+def test_native_scan_of_live_nodes_scans_the_live_active_nodes_alone():
+    """On a CPU the native kernel scans a level in one call: the first ``live`` slots' active
+    nodes get exactly the whole XLA scan's choice, every other slot the empty choice (zeros),
+    whatever its histogram holds."""
+    slots, live, n_features, max_bin = 64, 40, 28, 256
+    rng = np.random.default_rng(3)
+    histograms = _sparse_histograms(rng, (slots, n_features, max_bin), empty_fraction=0.7)
+    active = rng.uniform(size=slots) < 0.4
+    active[live:] = True  # past the live slots nothing is scanned
+    histograms[~active] = np.nan
+    allowed = jnp.ones((slots, n_features), bool)
+    reg = make_reg(1.0, form_known=True)
+    got = jax.tree.map(np.asarray, jax.jit(
+        lambda hist, act: find_best_splits_of_live_nodes(hist, allowed, reg, F32(1.0), live_nodes=jnp.int32(live),
+                                                         active=act, kernel="native"))(histograms, active))
+    whole = jax.tree.map(np.asarray, find_best_splits(jnp.asarray(histograms), allowed, reg, F32(1.0)))
+    scanned = active & (np.arange(slots) < live)
+    assert 5 < scanned.sum() < live
+    for name, expected, value in zip(whole._fields, whole, got):
+        np.testing.assert_array_equal(value[scanned], expected[scanned], err_msg=name)
         np.testing.assert_array_equal(value[~scanned], 0, err_msg=name)
 
 
