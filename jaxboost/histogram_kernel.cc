@@ -1975,9 +1975,9 @@ inline __attribute__((always_inline)) float SideScore(float g, float h, float la
   return -2.0f * objective;
 }
 
-// Every candidate's gain of one feature, direction by direction (0: missing values left), into
-// `gains` (directions x values; -inf where not valid), from its running sums `running` (bins x
-// (gradient, Hessian), the last bin's the total) and its missing values' `missing`.
+// The gains of n candidates of one feature, direction by direction (0: missing values left),
+// into `gains` (directions x n; -inf where not valid), from their running sums `running` (n x
+// (gradient, Hessian), the last the value bins' total) and the feature's missing values' sums.
 template <bool Bounded>
 inline __attribute__((always_inline)) void ScalarFeatureGains(const float* __restrict running,
                                                               const float* __restrict missing, int64_t values,
@@ -2005,12 +2005,44 @@ inline __attribute__((always_inline)) void ScalarFeatureGains(const float* __res
   }
 }
 
+// Whether a node's value bins that hold some row (a channel not zero) are fewer than a quarter
+// of them, counted over its features (`cells`: d x bins x 2).
+inline __attribute__((always_inline)) bool MostlyEmptyBins(const float* cells, int64_t d, int64_t bins) {
+  int64_t held = 0;
+  for (int64_t f = 0; f < d; ++f) {
+    const float* cell = cells + f * bins * 2;
+    for (int64_t bin = 0; bin < bins - 1; ++bin) held += (cell[bin * 2] != 0.0f) | (cell[bin * 2 + 1] != 0.0f);
+  }
+  return held * 4 < d * (bins - 1);
+}
+
+// One feature's bins that hold some row, and bin 0, in order, into `kept`, and their running sums
+// into `running` (pairs); returns how many. The running sums are those over every bin: the bins
+// left out add exact zeros (sums that start at +0 never reach -0).
+inline __attribute__((always_inline)) int64_t HeldBinSums(const float* cell, int64_t values, int32_t* __restrict kept,
+                                                          float* __restrict running) {
+  kept[0] = 0;
+  int64_t count = 1;
+  for (int64_t bin = 1; bin < values; ++bin) {
+    kept[count] = static_cast<int32_t>(bin);
+    count += (cell[bin * 2] != 0.0f) | (cell[bin * 2 + 1] != 0.0f);
+  }
+  float g = 0.0f, h = 0.0f;
+  for (int64_t j = 0; j < count; ++j) {
+    running[j * 2] = g += cell[kept[j] * 2];
+    running[j * 2 + 1] = h += cell[kept[j] * 2 + 1];
+  }
+  return count;
+}
+
 inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProblem& p) {
   const int64_t d = p.d, bins = p.bins, values = bins - 1, candidates = p.directions * values;
   // A node's running sums, (d, bins, 2) as the cumulative-bins kernel forms them (its features'
-  // runs side by side: one run's additions alone wait on each other), and a feature's gains.
+  // runs side by side: one run's additions alone wait on each other), a feature's gains, and
+  // the bins kept of a node whose bins mostly hold no row.
   std::vector<float> running(static_cast<size_t>(d * bins * 2));
   std::vector<float> gains(static_cast<size_t>(candidates));
+  std::vector<int32_t> kept(static_cast<size_t>(values));
   for (int64_t node = 0; node < p.nodes; ++node) {
     float* left = p.left + node * 2;
     float* right = p.right + node * 2;
@@ -2022,45 +2054,65 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
       continue;
     }
     const float* histogram = p.histograms + node * d * bins * 2;
-    for (int64_t run = 0; run < d; run += kRunsAtOnce) {
-      CumulativeRuns<2>(histogram, running.data(), run, std::min(kRunsAtOnce, d - run), bins);
+    // A node of few rows holds them in few bins: its candidates at the empty bins repeat the
+    // candidate before them, sums and gain bit for bit, and the first maximum takes that one,
+    // so only the bins that hold rows are scanned.
+    const bool sparse = MostlyEmptyBins(histogram, d, bins);
+    if (!sparse) {
+      for (int64_t run = 0; run < d; run += kRunsAtOnce) {
+        CumulativeRuns<2>(histogram, running.data(), run, std::min(kRunsAtOnce, d - run), bins);
+      }
     }
     const float* setting = p.settings + node * 4;
     // Candidates in order feature, direction, bin: first_maximum's over the XLA scan's gains,
     // taken feature by feature while its gains are in cache. The node's very first gain opens
     // the search, so a NaN there holds index 0 as first_maximum's would.
-    int64_t best = 0;
+    int64_t best_feature = 0, best_direction = 0, best_bin = 0;
     float best_gain = 0.0f;
     for (int64_t f = 0; f < d; ++f) {
       const int64_t pair = node * d + f;
+      const float* cells = histogram + f * bins * 2;
       const float* sums = running.data() + f * bins * 2;
-      const float* missing = histogram + (f * bins + values) * 2;
+      const int64_t count = sparse ? HeldBinSums(cells, values, kept.data(), running.data()) : values;
+      if (sparse) sums = running.data();
+      const float* missing = cells + values * 2;
       if (setting[2] > 0.0f) {
-        ScalarFeatureGains<true>(sums, missing, values, p.directions, p.allowed[pair], p.split_cost[pair], setting,
+        ScalarFeatureGains<true>(sums, missing, count, p.directions, p.allowed[pair], p.split_cost[pair], setting,
                                  gains.data());
       } else {
-        ScalarFeatureGains<false>(sums, missing, values, p.directions, p.allowed[pair], p.split_cost[pair], setting,
+        ScalarFeatureGains<false>(sums, missing, count, p.directions, p.allowed[pair], p.split_cost[pair], setting,
                                   gains.data());
       }
       if (f == 0) best_gain = gains[0];
-      const float feature_best = MaximumOf(gains.data(), candidates, -std::numeric_limits<float>::infinity());
+      const int64_t scanned = p.directions * count;
+      const float feature_best = MaximumOf(gains.data(), scanned, -std::numeric_limits<float>::infinity());
       if (feature_best > best_gain) {
+        const int64_t at = FirstIndexOf(gains.data(), scanned, feature_best);
         best_gain = feature_best;
-        best = f * candidates + FirstIndexOf(gains.data(), candidates, feature_best);
+        best_feature = f;
+        best_direction = at / count;
+        best_bin = sparse ? kept[at % count] : at % count;
       }
     }
     p.gain[node] = best_gain;
-    const int64_t f = best / candidates, direction = (best % candidates) / values, bin = best % values;
-    p.feature[node] = static_cast<int32_t>(f);
-    p.threshold[node] = static_cast<int32_t>(bin);
-    p.default_left[node] = direction == 0;
-    // The winner's sides, as find_best_splits recomputes them from the running sums.
-    const float* sums = running.data() + f * bins * 2;
-    const float* missing = histogram + (f * bins + values) * 2;
-    left[0] = sums[bin * 2] + (direction == 0 ? missing[0] : 0.0f);
-    left[1] = sums[bin * 2 + 1] + (direction == 0 ? missing[1] : 0.0f);
-    right[0] = (sums[(values - 1) * 2] + missing[0]) - left[0];
-    right[1] = (sums[(values - 1) * 2 + 1] + missing[1]) - left[1];
+    p.feature[node] = static_cast<int32_t>(best_feature);
+    p.threshold[node] = static_cast<int32_t>(best_bin);
+    p.default_left[node] = best_direction == 0;
+    // The winner's sides, as find_best_splits recomputes them from the running sums (summed in
+    // bin order, as those are).
+    const float* cells = histogram + best_feature * bins * 2;
+    float sums[2] = {0.0f, 0.0f}, totals[2] = {0.0f, 0.0f};
+    for (int64_t bin = 0; bin < values; ++bin) {
+      for (int64_t c = 0; c < 2; ++c) {
+        totals[c] += cells[bin * 2 + c];
+        if (bin == best_bin) sums[c] = totals[c];
+      }
+    }
+    const float* missing = cells + values * 2;
+    for (int64_t c = 0; c < 2; ++c) {
+      left[c] = sums[c] + (best_direction == 0 ? missing[c] : 0.0f);
+      right[c] = (totals[c] + missing[c]) - left[c];
+    }
   }
 }
 

@@ -609,22 +609,24 @@ def _sparse_histograms(rng, shape, empty_fraction=0.5):
     return histograms
 
 
+@pytest.mark.parametrize("empty_fraction", [0.5, 0.85], ids=["dense", "sparse"])
 @pytest.mark.parametrize("missing_values", [True, False])
 @pytest.mark.parametrize("reg_lambda,reg_alpha,max_delta_step,form_known",
                          [(1.0, 0.0, 0.0, True), (0.0, 0.0, 0.0, True), (2.0, 0.7, 0.0, True), (1.0, 0.5, 0.4, True),
                           (1.0, 0.5, 0.4, False), (1.0, 0.0, 0.0, False)])
 def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_delta_step, form_known,
-                                                    missing_values):
+                                                    missing_values, empty_fraction):
     """The native scan of a level (CPU) follows the XLA scan's arithmetic: the same choice, the
     same children's sums and, in the closed form of the score, the same gain bit for bit, with
     per-feature split costs, masked features, empty bins (each repeating the candidate before
     it: the first one must win), nodes with no valid candidate, and NaN sums (a NaN first gain
-    holds candidate 0, any other NaN never wins). Bounded leaves' scores (the objective at the
-    clipped value) differ in their last bit where the compilers fuse a multiply and an add
-    differently."""
+    holds candidate 0, any other NaN never wins), in nodes whose bins mostly hold rows and in
+    nodes whose bins mostly do not (scanned at the bins that hold rows alone). Bounded leaves'
+    scores (the objective at the clipped value) differ in their last bit where the compilers
+    fuse a multiply and an add differently."""
     rng = np.random.default_rng(7)
     nodes, n_features, max_bin = 12, 5, 16
-    histograms = _sparse_histograms(rng, (nodes, n_features, max_bin))
+    histograms = _sparse_histograms(rng, (nodes, n_features, max_bin), empty_fraction)
     if not missing_values:
         histograms[:, :, -1] = 0.0
     histograms[3] = 0.0  # no rows: every candidate invalid
@@ -643,11 +645,13 @@ def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_
     xla, native = (jax.tree.map(np.asarray, jax.jit(partial(scans, kernel=kernel))(histograms, allowed))
                    for kernel in ("xla", "native"))
     assert np.isfinite(xla.loss_change).sum() >= nodes // 2, "most nodes should have a valid candidate"
+    held = (histograms[..., :-1, :] != 0).any(axis=-1).mean(axis=(1, 2))
+    assert ((held < 0.25) if empty_fraction > 0.5 else (held > 0.25)).sum() >= nodes - 2
     assert np.isnan(xla.loss_change[4]) and np.isfinite(xla.loss_change[5]) and xla.loss_change[3] == -np.inf
     _assert_same_choices(native, xla, bounded=max_delta_step > 0)
 
     # vmapped (several models' levels at once): one call whose batch is more nodes.
-    batch = np.stack([histograms, _sparse_histograms(rng, histograms.shape[:-1])])
+    batch = np.stack([histograms, _sparse_histograms(rng, histograms.shape[:-1], empty_fraction)])
     xla, native = (jax.tree.map(np.asarray, jax.jit(jax.vmap(partial(scans, kernel=kernel), (0, None)))(batch, allowed))
                    for kernel in ("xla", "native"))
     _assert_same_choices(native, xla, bounded=max_delta_step > 0)
@@ -661,13 +665,14 @@ def _assert_same_choices(got, expected, bounded):
             np.testing.assert_array_equal(value, want, err_msg=name)
 
 
-def test_native_scan_of_live_nodes_scans_the_live_active_nodes_alone():
+@pytest.mark.parametrize("empty_fraction", [0.7, 0.95], ids=["dense", "sparse"])
+def test_native_scan_of_live_nodes_scans_the_live_active_nodes_alone(empty_fraction):
     """On a CPU the native kernel scans a level in one call: the first ``live`` slots' active
     nodes get exactly the whole XLA scan's choice, every other slot the empty choice (zeros),
     whatever its histogram holds."""
     slots, live, n_features, max_bin = 64, 40, 28, 256
     rng = np.random.default_rng(3)
-    histograms = _sparse_histograms(rng, (slots, n_features, max_bin), empty_fraction=0.7)
+    histograms = _sparse_histograms(rng, (slots, n_features, max_bin), empty_fraction)
     active = rng.uniform(size=slots) < 0.4
     active[live:] = True  # past the live slots nothing is scanned
     histograms[~active] = np.nan
