@@ -381,8 +381,11 @@ def _native_scan(target: str, histograms: jax.Array, feature_allowed: jax.Array,
     level in one call; the nodes not scanned get ``_empty_choice``'s zeros.
 
     Scalar leaves: the kernel follows ``node_score``'s closed form, or with ``max_delta_step >
-    0`` its value at the clipped leaf value. As XLA code a level took a step per two nodes, each
-    some ten operations whose fixed costs were most of a round at small data.
+    0`` its value at the clipped leaf value. A node whose bins mostly hold no row (as a node of
+    fewer than 64 rows) is scanned at the bins that do: the others' candidates repeat the one
+    before them. As XLA code a level took a step per two nodes, each some ten operations whose
+    fixed costs were most of a round at small data (200 training rows: 0.31-0.33 against
+    0.26 ms a round).
 
     Full-Hessian vector leaves: the kernel follows the scan's and ``vector_value_and_score``'s
     arithmetic (the regularizer's constants come from there). As XLA code, each node's step
