@@ -1539,11 +1539,15 @@ XLA_FFI_DEFINE_HANDLER(kDampedSolveHandler, DampedSolveImpl,
 // about half of the scan's time at 10 outputs. Here each (node, feature) pair's running sums stay
 // in a buffer of its own, only the candidates a split can take (both children above
 // min_child_weight, the feature allowed) are solved, and each pair keeps its best candidate.
+// Each node's settings in the split scans: lambda, alpha, max_delta_step, min_child_weight, and
+// the lower and upper bounds of its value (monotone constraints; the scalar scan alone).
+constexpr int64_t kSplitSettings = 6;
+
 struct VectorScanProblem {
   const float* histograms;  // (N, d, B, C): K gradient channels, the packed Hessian, padding
   const bool* allowed;      // (N, d)
   const float* split_cost;  // (N, d)
-  const float* settings;    // (N, 4): lambda, alpha (not read: none for full Hessians), max_delta_step, min_child_weight
+  const float* settings;    // (N, kSplitSettings); alpha and the bounds not read (none for full Hessians)
   int64_t d, bins, c, k, directions;
   float psd_tolerance, max_full_to_diagonal;
   bool general_objective;  // the objective evaluated in full (leaves possibly bounded)
@@ -1664,8 +1668,8 @@ inline __attribute__((always_inline)) void VectorScanBody(const VectorScanProble
   for (int64_t at = first; at < last; ++at) {
     const int64_t pair = pairs[at], node = pair / p.d;
     const float* histogram = p.histograms + pair * bins * c;
-    const float lambda = p.settings[node * 4], max_delta_step = p.settings[node * 4 + 2];
-    const float min_weight = p.settings[node * 4 + 3];
+    const float lambda = p.settings[node * kSplitSettings], max_delta_step = p.settings[node * kSplitSettings + 2];
+    const float min_weight = p.settings[node * kSplitSettings + 3];
     const float bound = max_delta_step > 0.0f ? max_delta_step : std::numeric_limits<float>::infinity();
     const int64_t distinct = DistinctBins(histogram, values, c, width, distinct_bins.data());
     // As the cumulative-bins kernel sums them: each channel in bin order (the bins left out
@@ -1776,7 +1780,7 @@ __attribute__((target("avx512f"))) void VectorScanPairsAvx512(const VectorScanPr
 
 using ScanPairs = void (*)(const VectorScanProblem&, const int64_t*, int64_t, int64_t);
 
-// histograms (..., N, d, B, C), allowed and split_cost (..., N, d), settings (..., N, 4) and scan
+// histograms (..., N, d, B, C), allowed and split_cost (..., N, d), settings (..., N, 6) and scan
 // (..., N): per node its best split's gain, feature, threshold bin, direction (missing values
 // left) and children's sums (..., N, K + P); zeros for the nodes not scanned. Leading axes are
 // more nodes (a vmapped call's batch axes). Threads take ranges of the scanned pairs.
@@ -1796,7 +1800,7 @@ ffi::Error VectorSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi
       static_cast<int64_t>(histograms.element_count()) != nodes * d * bins * c ||
       static_cast<int64_t>(allowed.element_count()) != nodes * d ||
       static_cast<int64_t>(split_cost.element_count()) != nodes * d ||
-      static_cast<int64_t>(settings.element_count()) != nodes * 4 ||
+      static_cast<int64_t>(settings.element_count()) != nodes * kSplitSettings ||
       static_cast<int64_t>(left_sums->element_count()) != nodes * width) {
     return ffi::Error::InvalidArgument("vector split scan: inconsistent shapes");
   }
@@ -1948,21 +1952,28 @@ struct ScalarScanProblem {
   const float* histograms;  // (N, d, B, 2): gradient and Hessian sums
   const bool* allowed;      // (N, d)
   const float* split_cost;  // (N, d)
-  const float* settings;    // (N, 4): lambda, alpha, max_delta_step (> 0: leaves bounded), min_child_weight
+  // (N, kSplitSettings): lambda, alpha, max_delta_step (> 0: leaves bounded), min_child_weight,
+  // and the node's bounds on its value (monotone constraints)
+  const float* settings;
   const bool* scan;         // (N,)
+  const int32_t* monotone;  // (N, d): +1 increasing, -1 decreasing, 0 free
   int64_t nodes, d, bins, directions;
+  bool constrained;  // monotone constraints: values within the node's bounds, scored there
   float* gain;
   int32_t* feature;
   int32_t* threshold;
   bool* default_left;
-  float* left;   // (N, 2)
-  float* right;  // (N, 2)
+  float* left;   // (N, 3): gradient and Hessian sums, and with monotone constraints the leaf value
+  float* right;  // (N, 3)
 };
 
 // A side's score as regularizer.node_score computes it: T_alpha(G)^2 / (H + lambda) in closed
-// form, or with bounded leaves -2 x the objective at the leaf value clipped to +-bound.
+// form, or with bounded leaves -2 x the objective at the leaf value clipped to [lower, upper]
+// (regularizer.value_and_score), that value into `value`.
 template <bool Bounded>
-inline __attribute__((always_inline)) float SideScore(float g, float h, float lambda, float alpha, float bound) {
+inline __attribute__((always_inline)) float SideScore(float g, float h, const float* setting, float lower,
+                                                      float upper, float* value) {
+  const float lambda = setting[0], alpha = setting[1];
   const float denominator = h + lambda;
   const bool positive = denominator > 0.0f;
   const float safe = positive ? denominator : 1.0f;
@@ -1970,24 +1981,37 @@ inline __attribute__((always_inline)) float SideScore(float g, float h, float la
   const float threshold = std::copysign(std::max(std::fabs(g) - alpha, 0.0f), g);
   if (!Bounded) return positive ? threshold * threshold / safe : 0.0f;
   float w = positive ? -threshold / safe : 0.0f;
-  w = std::min(std::max(w, -bound), bound);
+  w = std::min(std::max(w, lower), upper);
+  *value = w;
   const float objective = g * w + 0.5f * h * w * w + (0.5f * lambda * w * w + alpha * std::fabs(w));
   return -2.0f * objective;
+}
+
+// The bounds of a node's leaf values: +-max_delta_step (where > 0) within the node's own.
+inline void LeafBounds(const float* setting, float* lower, float* upper) {
+  const float bound = setting[2] > 0.0f ? setting[2] : std::numeric_limits<float>::infinity();
+  *lower = std::max(setting[4], -bound);
+  *upper = std::min(setting[5], bound);
 }
 
 // The gains of n candidates of one feature, direction by direction (0: missing values left),
 // into `gains` (directions x n; -inf where not valid), from their running sums `running` (n x
 // (gradient, Hessian), the last the value bins' total) and the feature's missing values' sums.
+// With monotone constraints (`monotone` not 0) a candidate whose children's values go against
+// the feature's direction is not valid.
 template <bool Bounded>
 inline __attribute__((always_inline)) void ScalarFeatureGains(const float* __restrict running,
                                                               const float* __restrict missing, int64_t values,
                                                               int64_t directions, bool allowed, float cost,
-                                                              const float* setting, float* __restrict gains) {
-  const float lambda = setting[0], alpha = setting[1], min_weight = setting[3];
-  const float bound = setting[2] > 0.0f ? setting[2] : std::numeric_limits<float>::infinity();
+                                                              int32_t monotone, const float* setting,
+                                                              float* __restrict gains) {
+  const float min_weight = setting[3];
+  float lower, upper, value;
+  LeafBounds(setting, &lower, &upper);
   // As find_best_splits: the node's total is the value bins' running sum plus the missing bin.
   const float total_g = running[(values - 1) * 2] + missing[0], total_h = running[(values - 1) * 2 + 1] + missing[1];
-  const float parent = SideScore<Bounded>(total_g, total_h, lambda, alpha, bound);
+  const float parent = SideScore<Bounded>(total_g, total_h, setting, lower, upper, &value);
+  const bool increasing = monotone > 0, decreasing = monotone < 0;
   const float minus_infinity = -std::numeric_limits<float>::infinity();
   for (int64_t direction = 0; direction < directions; ++direction) {
     // Adding +0 to a running sum (never -0: the sums start at +0) leaves it as it is.
@@ -1996,10 +2020,12 @@ inline __attribute__((always_inline)) void ScalarFeatureGains(const float* __res
     for (int64_t bin = 0; bin < values; ++bin) {
       const float left_g = running[bin * 2] + add_g, left_h = running[bin * 2 + 1] + add_h;
       const float right_g = total_g - left_g, right_h = total_h - left_h;
+      float left_value = 0.0f, right_value = 0.0f;
+      const float change = SideScore<Bounded>(left_g, left_h, setting, lower, upper, &left_value) +
+                           SideScore<Bounded>(right_g, right_h, setting, lower, upper, &right_value) - parent;
       const bool valid = allowed & (left_h >= min_weight) & (right_h >= min_weight) & (left_h > 0.0f) &
-                         (right_h > 0.0f);
-      const float change = SideScore<Bounded>(left_g, left_h, lambda, alpha, bound) +
-                           SideScore<Bounded>(right_g, right_h, lambda, alpha, bound) - parent;
+                         (right_h > 0.0f) & !(increasing & (left_value > right_value)) &
+                         !(decreasing & (left_value < right_value));
       out[bin] = valid ? change - cost : minus_infinity;
     }
   }
@@ -2044,13 +2070,14 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
   std::vector<float> gains(static_cast<size_t>(candidates));
   std::vector<int32_t> kept(static_cast<size_t>(values));
   for (int64_t node = 0; node < p.nodes; ++node) {
-    float* left = p.left + node * 2;
-    float* right = p.right + node * 2;
+    float* left = p.left + node * 3;
+    float* right = p.right + node * 3;
     if (!p.scan[node]) {
       p.gain[node] = 0.0f;
       p.feature[node] = p.threshold[node] = 0;
       p.default_left[node] = false;
-      left[0] = left[1] = right[0] = right[1] = 0.0f;
+      std::fill(left, left + 3, 0.0f);
+      std::fill(right, right + 3, 0.0f);
       continue;
     }
     const float* histogram = p.histograms + node * d * bins * 2;
@@ -2063,7 +2090,7 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
         CumulativeRuns<2>(histogram, running.data(), run, std::min(kRunsAtOnce, d - run), bins);
       }
     }
-    const float* setting = p.settings + node * 4;
+    const float* setting = p.settings + node * kSplitSettings;
     // Candidates in order feature, direction, bin: first_maximum's over the XLA scan's gains,
     // taken feature by feature while its gains are in cache. The node's very first gain opens
     // the search, so a NaN there holds index 0 as first_maximum's would.
@@ -2076,11 +2103,11 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
       const int64_t count = sparse ? HeldBinSums(cells, values, kept.data(), running.data()) : values;
       if (sparse) sums = running.data();
       const float* missing = cells + values * 2;
-      if (setting[2] > 0.0f) {
-        ScalarFeatureGains<true>(sums, missing, count, p.directions, p.allowed[pair], p.split_cost[pair], setting,
-                                 gains.data());
+      if (p.constrained || setting[2] > 0.0f) {
+        ScalarFeatureGains<true>(sums, missing, count, p.directions, p.allowed[pair], p.split_cost[pair],
+                                 p.monotone[pair], setting, gains.data());
       } else {
-        ScalarFeatureGains<false>(sums, missing, count, p.directions, p.allowed[pair], p.split_cost[pair], setting,
+        ScalarFeatureGains<false>(sums, missing, count, p.directions, p.allowed[pair], p.split_cost[pair], 0, setting,
                                   gains.data());
       }
       if (f == 0) best_gain = gains[0];
@@ -2113,6 +2140,15 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
       left[c] = sums[c] + (best_direction == 0 ? missing[c] : 0.0f);
       right[c] = (totals[c] + missing[c]) - left[c];
     }
+    // Their leaf values within the node's bounds (regularizer.leaf_value), read with monotone
+    // constraints only.
+    float lower, upper;
+    LeafBounds(setting, &lower, &upper);
+    left[2] = right[2] = 0.0f;
+    if (p.constrained) {
+      SideScore<true>(left[0], left[1], setting, lower, upper, left + 2);
+      SideScore<true>(right[0], right[1], setting, lower, upper, right + 2);
+    }
   }
 }
 
@@ -2122,13 +2158,14 @@ __attribute__((target("avx2,fma"))) void ScalarScanAvx2(const ScalarScanProblem&
 __attribute__((target("avx512f"))) void ScalarScanAvx512(const ScalarScanProblem& p) { ScalarScanBody(p); }
 #endif
 
-// histograms (..., N, d, B, 2), allowed and split_cost (..., N, d), settings (..., N, 4) and scan
-// (..., N): per node its best split's gain, feature, threshold bin, direction (missing values
-// left) and children's (gradient, Hessian) sums (..., N, 2); zeros for the nodes not scanned.
-// Leading axes are more nodes (a vmapped call's batch axes).
+// histograms (..., N, d, B, 2), allowed, split_cost and monotone (..., N, d), settings (..., N, 6)
+// and scan (..., N): per node its best split's gain, feature, threshold bin, direction (missing
+// values left) and children's (gradient, Hessian, value) (..., N, 3); zeros for the nodes not
+// scanned. Leading axes are more nodes (a vmapped call's batch axes).
 ffi::Error ScalarSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi::PRED> allowed,
                                ffi::Buffer<ffi::F32> split_cost, ffi::Buffer<ffi::F32> settings,
-                               ffi::Buffer<ffi::PRED> scan, int64_t directions, ffi::ResultBuffer<ffi::F32> gain,
+                               ffi::Buffer<ffi::PRED> scan, ffi::Buffer<ffi::S32> monotone, int64_t directions,
+                               int64_t constrained, ffi::ResultBuffer<ffi::F32> gain,
                                ffi::ResultBuffer<ffi::S32> feature, ffi::ResultBuffer<ffi::S32> threshold,
                                ffi::ResultBuffer<ffi::PRED> default_left, ffi::ResultBuffer<ffi::F32> left_sums,
                                ffi::ResultBuffer<ffi::F32> right_sums) {
@@ -2140,16 +2177,28 @@ ffi::Error ScalarSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi
       static_cast<int64_t>(histograms.element_count()) != nodes * d * bins * 2 ||
       static_cast<int64_t>(allowed.element_count()) != nodes * d ||
       static_cast<int64_t>(split_cost.element_count()) != nodes * d ||
-      static_cast<int64_t>(settings.element_count()) != nodes * 4 ||
-      static_cast<int64_t>(left_sums->element_count()) != nodes * 2 ||
-      static_cast<int64_t>(right_sums->element_count()) != nodes * 2) {
+      static_cast<int64_t>(settings.element_count()) != nodes * kSplitSettings ||
+      static_cast<int64_t>(monotone.element_count()) != nodes * d ||
+      static_cast<int64_t>(left_sums->element_count()) != nodes * 3 ||
+      static_cast<int64_t>(right_sums->element_count()) != nodes * 3) {
     return ffi::Error::InvalidArgument("scalar split scan: inconsistent shapes");
   }
-  const ScalarScanProblem problem{histograms.typed_data(), allowed.typed_data(), split_cost.typed_data(),
-                                  settings.typed_data(),   scan.typed_data(),    nodes,
-                                  d,                       bins,                 directions,
-                                  gain->typed_data(),      feature->typed_data(),
-                                  threshold->typed_data(), default_left->typed_data(), left_sums->typed_data(),
+  const ScalarScanProblem problem{histograms.typed_data(),
+                                  allowed.typed_data(),
+                                  split_cost.typed_data(),
+                                  settings.typed_data(),
+                                  scan.typed_data(),
+                                  monotone.typed_data(),
+                                  nodes,
+                                  d,
+                                  bins,
+                                  directions,
+                                  constrained != 0,
+                                  gain->typed_data(),
+                                  feature->typed_data(),
+                                  threshold->typed_data(),
+                                  default_left->typed_data(),
+                                  left_sums->typed_data(),
                                   right_sums->typed_data()};
   using Scan = void (*)(const ScalarScanProblem&);
   static const Scan scan_nodes = ChooseForCpu<Scan>(ScalarScan X86_VARIANTS(ScalarScanAvx2, ScalarScanAvx512));
@@ -2158,7 +2207,10 @@ ffi::Error ScalarSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi
 }
 
 XLA_FFI_DEFINE_HANDLER(kScalarSplitScanHandler, ScalarSplitScanImpl,
-                       SplitScanResults(SplitScanOperands(ffi::Ffi::Bind()).Attr<int64_t>("directions")));
+                       SplitScanResults(SplitScanOperands(ffi::Ffi::Bind())
+                                            .Arg<ffi::Buffer<ffi::S32>>()
+                                            .Attr<int64_t>("directions")
+                                            .Attr<int64_t>("constrained")));
 
 // Sorts float32 keys ascending, carrying float32 payloads along (the AUC's sort of a whole
 // eval set every round). XLA's CPU sort calls a compiled comparator per comparison: 36 ms for

@@ -18,8 +18,8 @@ and the packed Hessian sums (``VectorLeaves``); each child's value vector and sc
 The gradient and Hessian fields of the choice then carry those channels on a trailing axis.
 
 On a CPU a native kernel scans a whole level in one call (``_native_scan``), with the same
-arithmetic: scalar leaves without monotone constraints or a custom penalty, and full-Hessian
-vector leaves.
+arithmetic: scalar leaves without a custom penalty, and full-Hessian vector leaves without
+monotone constraints.
 """
 
 from __future__ import annotations
@@ -308,8 +308,8 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
     and of those, when ``active`` (bool, one flag per slot) is given, for the chunks that hold
     an active node.
 
-    On a CPU, scalar leaves without monotone constraints or a custom penalty, and full-Hessian
-    vector leaves, are scanned by one native kernel for the whole level (``_native_scan``);
+    On a CPU, scalar leaves without a custom penalty, and full-Hessian vector leaves without
+    monotone constraints, are scanned by one native kernel for the whole level (``_native_scan``);
     ``kernel`` as for ``histogram.build_histogram``. Otherwise, in XLA:
 
     A level's node arrays are sized for the widest level that shares its compiled loop, so the
@@ -331,7 +331,7 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
 
         def native():
             return _native_scan(target, histograms, feature_allowed, reg, min_child_weight, leaves, scanned,
-                                missing_values)
+                                missing_values, bounds)
 
         def xla():
             return find_best_splits_of_live_nodes(histograms, feature_allowed, reg, min_child_weight, bounds, leaves,
@@ -361,27 +361,27 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
 
 def _native_scan_target(leaves: VectorLeaves | None, bounds: NodeBounds | None, reg: Regularization,
                         kernel: str) -> str | None:
-    """The FFI target of the native scan where one applies (no monotone bounds): scalar leaves
-    without a custom penalty, or full-Hessian vector leaves."""
-    if bounds is not None:
-        return None
+    """The FFI target of the native scan where one applies: scalar leaves without a custom
+    penalty, or full-Hessian vector leaves without monotone bounds."""
     if leaves is None:
         if reg.penalty is not None:
             return None
         return available_native_target(SCALAR_SPLIT_SCAN_TARGET, "scalar split-scan", kernel)
-    if not leaves.full_hessian:
+    if not leaves.full_hessian or bounds is not None:
         return None
     return available_native_target(VECTOR_SPLIT_SCAN_TARGET, "vector split-scan", kernel)
 
 
 def _native_scan(target: str, histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                  min_child_weight: jax.Array, leaves: VectorLeaves | None, scanned: jax.Array,
-                 missing_values: bool) -> SplitChoice:
+                 missing_values: bool, bounds: NodeBounds | None = None) -> SplitChoice:
     """``find_best_splits`` of the ``scanned`` nodes of a level by a native kernel, the whole
     level in one call; the nodes not scanned get ``_empty_choice``'s zeros.
 
     Scalar leaves: the kernel follows ``node_score``'s closed form, or with ``max_delta_step >
-    0`` its value at the clipped leaf value. A node whose bins mostly hold no row (as a node of
+    0`` or monotone ``bounds`` its value at the clipped leaf value (with bounds, the candidates
+    whose children's values go against their feature's direction are not valid, and the
+    winner's children's values come back). A node whose bins mostly hold no row (as a node of
     fewer than 64 rows) is scanned at the bins that do: the others' candidates repeat the one
     before them. As XLA code a level took a step per two nodes, each some ten operations whose
     fixed costs were most of a round at small data (200 training rows: 0.31-0.33 against
@@ -392,22 +392,28 @@ def _native_scan(target: str, histograms: jax.Array, feature_allowed: jax.Array,
     around the native solve copied its histogram, running sums and candidates' sides into arrays
     of their own: at 10 outputs about half of the scan's time."""
     num_nodes, n_features = histograms.shape[:2]
-    width = 2 if leaves is None else leaves.num_outputs + leaves.hessian_channels
+    # Scalar leaves' sides come back with their values: (gradient, Hessian, value).
+    width = 3 if leaves is None else leaves.num_outputs + leaves.hessian_channels
     split_cost = jnp.broadcast_to(jnp.asarray(reg.split_cost, jnp.float32), (n_features,))
     # A max_delta_step known to be unused reads as 0: the closed form, as node_score takes it.
     max_delta_step = 0.0 if reg.bounds_leaves is False else reg.max_delta_step
-    settings = jnp.stack([jnp.asarray(value, jnp.float32)
-                          for value in (reg.reg_lambda, reg.reg_alpha, max_delta_step, min_child_weight)])
+    per_node = [jnp.broadcast_to(jnp.asarray(value, jnp.float32), (num_nodes,))
+                for value in (reg.reg_lambda, reg.reg_alpha, max_delta_step, min_child_weight)]
+    if bounds is None:
+        per_node += [jnp.full(num_nodes, -jnp.inf), jnp.full(num_nodes, jnp.inf)]
+    else:
+        per_node += [bounds.lower.astype(jnp.float32), bounds.upper.astype(jnp.float32)]
     operands = (histograms.astype(jnp.float32), feature_allowed.astype(bool),
-                jnp.broadcast_to(split_cost, (num_nodes, n_features)), jnp.broadcast_to(settings, (num_nodes, 4)),
-                scanned)
+                jnp.broadcast_to(split_cost, (num_nodes, n_features)), jnp.stack(per_node, axis=1), scanned)
     results = (jax.ShapeDtypeStruct((num_nodes,), jnp.float32), jax.ShapeDtypeStruct((num_nodes,), jnp.int32),
                jax.ShapeDtypeStruct((num_nodes,), jnp.int32), jax.ShapeDtypeStruct((num_nodes,), jnp.bool_),
                jax.ShapeDtypeStruct((num_nodes, width), jnp.float32),
                jax.ShapeDtypeStruct((num_nodes, width), jnp.float32))
     directions = np.int64(2 if missing_values else 1)
     if leaves is None:
-        attributes = dict(directions=directions)
+        monotone = jnp.zeros(n_features, jnp.int32) if bounds is None else bounds.monotone.astype(jnp.int32)
+        operands += (jnp.broadcast_to(monotone, (num_nodes, n_features)),)
+        attributes = dict(directions=directions, constrained=np.int64(bounds is not None))
     else:
         attributes = dict(outputs=np.int64(leaves.num_outputs), directions=directions,
                           general_objective=np.int64(reg.bounds_leaves is not False),
@@ -418,14 +424,12 @@ def _native_scan(target: str, histograms: jax.Array, feature_allowed: jax.Array,
     outputs = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")(*operands, **attributes)
     gain, feature, threshold_bin, default_left, left, right = (as_varying_as(output, operands) for output in outputs)
     if leaves is None:
-        no_values = jnp.zeros(num_nodes, jnp.float32)
-        sides = (left[:, 0], left[:, 1], right[:, 0], right[:, 1])
-    else:
-        K = leaves.num_outputs
-        no_values = jnp.zeros((num_nodes, K), jnp.float32)
-        sides = (left[:, :K], left[:, K:], right[:, :K], right[:, K:])
-    return SplitChoice(gain, feature, threshold_bin, default_left, *sides, left_value=no_values,
-                       right_value=no_values)
+        return SplitChoice(gain, feature, threshold_bin, default_left, left[:, 0], left[:, 1], right[:, 0],
+                           right[:, 1], left_value=left[:, 2], right_value=right[:, 2])
+    K = leaves.num_outputs
+    no_values = jnp.zeros((num_nodes, K), jnp.float32)
+    return SplitChoice(gain, feature, threshold_bin, default_left, left[:, :K], left[:, K:], right[:, :K],
+                       right[:, K:], left_value=no_values, right_value=no_values)
 
 
 def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,

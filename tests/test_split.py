@@ -659,10 +659,46 @@ def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_
 
 def _assert_same_choices(got, expected, bounded):
     for name, want, value in zip(expected._fields, expected, got):
-        if name == "loss_change" and bounded:
-            np.testing.assert_allclose(value, want, rtol=1e-6, err_msg=name)
+        if name in ("loss_change", "left_value", "right_value") and bounded:
+            np.testing.assert_allclose(value, want, rtol=1e-6, atol=1e-7, err_msg=name)
         else:
             np.testing.assert_array_equal(value, want, err_msg=name)
+
+
+@pytest.mark.parametrize("empty_fraction", [0.5, 0.85], ids=["dense", "sparse"])
+@pytest.mark.parametrize("max_delta_step", [0.0, 0.4])
+def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_step, empty_fraction):
+    """Monotone constraints in the native scan: each node's values bounded (some bounds finite,
+    some not), the candidates whose children's values go against their feature's direction
+    left out, and the winner's children's values returned, as the XLA scan does (scores and
+    values to the last bit of the fused multiply-adds)."""
+    from jaxboost.split import NodeBounds
+
+    rng = np.random.default_rng(11)
+    nodes, n_features, max_bin = 16, 6, 16
+    histograms = _sparse_histograms(rng, (nodes, n_features, max_bin), empty_fraction)
+    monotone = jnp.asarray([1, -1, 0, 1, -1, 1], jnp.int32)
+    lower = np.where(rng.uniform(size=nodes) < 0.5, rng.uniform(-1.0, 0.0, nodes), -np.inf).astype(np.float32)
+    upper = np.where(rng.uniform(size=nodes) < 0.5, rng.uniform(0.0, 1.0, nodes), np.inf).astype(np.float32)
+    bounds = NodeBounds(monotone, jnp.asarray(lower), jnp.asarray(upper))
+    allowed = jnp.ones((nodes, n_features), bool)
+    reg = make_reg(1.0, 0.2, max_delta_step, form_known=True)
+
+    def scans(histograms, bounds, kernel):
+        return find_best_splits_of_live_nodes(histograms, allowed, reg, F32(0.5), bounds, kernel=kernel)
+
+    xla, native = (jax.tree.map(np.asarray, jax.jit(partial(scans, kernel=kernel))(histograms, bounds))
+                   for kernel in ("xla", "native"))
+    _assert_same_choices(native, xla, bounded=True)
+    free = jax.tree.map(np.asarray, scans(histograms, None, "xla"))
+    assert (free.feature != xla.feature).any() or (free.threshold_bin != xla.threshold_bin).any(), (
+        "the constraints should change some choices")
+    valid = np.isfinite(xla.loss_change)
+    assert valid.sum() >= nodes // 2
+    direction = np.asarray(monotone)[xla.feature]
+    assert not ((direction > 0) & (xla.left_value > xla.right_value) & valid).any()
+    assert not ((direction < 0) & (xla.left_value < xla.right_value) & valid).any()
+    assert (lower[valid] <= np.minimum(xla.left_value, xla.right_value)[valid]).all()
 
 
 @pytest.mark.parametrize("empty_fraction", [0.7, 0.95], ids=["dense", "sparse"])
