@@ -67,6 +67,13 @@ def task_loss(task: str) -> str:
 
 TASK_FEATURES = {"classification": 28, "regression": 50, "wide": 500, "multiclass": 28, "absolute_error": 50,
                  "missing": 28}
+
+
+def monotone_directions(n_features: int) -> list[int]:
+    """``--monotone``: +1, -1 and 0 in turn over the features (two thirds constrained)."""
+    return [(1, -1, 0)[feature % 3] for feature in range(n_features)]
+
+
 # A task's samples are --rows divided by this: a regression row and a 10-class row cost more.
 TASK_ROWS_DIVISOR = {"classification": 1, "regression": 2, "wide": 1, "multiclass": 5, "absolute_error": 2,
                      "missing": 1}
@@ -250,6 +257,9 @@ class JaxboostRunner:
     def sample_rows(self, fraction):
         self.params.update(subsample=fraction)
 
+    def constrain(self, directions):
+        self.params.update(monotone_constraints=directions)
+
     def sum_repeatably(self):
         self.params.update(deterministic_histogram=True)
 
@@ -318,6 +328,9 @@ class XGBoostRunner:
     def sample_rows(self, fraction):
         self.params.update(subsample=fraction)
 
+    def constrain(self, directions):
+        self.params.update(monotone_constraints="(" + ",".join(map(str, directions)) + ")")
+
     def grow_vector_leaves(self, hessian: str):
         # XGBoost's multi-output trees take each output's own Hessian (the diagonal) whatever is asked.
         self.params.update(multi_strategy="multi_output_tree")
@@ -370,6 +383,9 @@ class LightGBMRunner:
         # LightGBM's bagging, a fresh sample every round (bagging_freq=1) as jaxboost's and XGBoost's.
         self.params.update(bagging_fraction=fraction, bagging_freq=1, bagging_seed=SEED)
 
+    def constrain(self, directions):
+        self.params.update(monotone_constraints=directions)
+
     def train(self, dataset, rounds, eval_set=None):
         if eval_set is None:
             return self.lgb.train(self.params, dataset, num_boost_round=rounds)
@@ -399,6 +415,9 @@ class SklearnRunner:
 
     def build(self, X, y):
         return X, y
+
+    def constrain(self, directions):
+        self.params.update(monotonic_cst=directions)
 
     def train(self, dataset, rounds):
         X, y = dataset
@@ -483,6 +502,10 @@ def measure(args) -> dict:
         if not hasattr(runner, "sample_rows"):
             return {"status": "no row sample", "detail": f"the {args.library} runner samples no rows by round"}
         runner.sample_rows(args.subsample)
+    if args.monotone:
+        if not hasattr(runner, "constrain"):
+            return {"status": "no monotone constraints", "detail": f"the {args.library} runner takes none"}
+        runner.constrain(monotone_directions(TASK_FEATURES[args.task]))
     if args.deterministic_histogram and hasattr(runner, "sum_repeatably"):
         runner.sum_repeatably()  # the other libraries' histograms are repeatable as they are
     if args.vector_leaves:
@@ -577,6 +600,8 @@ def parse_args(argv=None):
                         help="the fraction of rows sampled for each round (LightGBM: bagging_fraction)")
     parser.add_argument("--eval-set", action="store_true",
                         help="train with the test split as an eval set, its loss computed every round")
+    parser.add_argument("--monotone", action="store_true",
+                        help="monotone constraints +1, -1, 0 in turn over the features")
     parser.add_argument("--deterministic-histogram", action="store_true",
                         help="jaxboost: deterministic_histogram=True (repeatable GPU fits)")
     parser.add_argument("--vector-leaves", choices=["full", "diagonal"], default=None,
