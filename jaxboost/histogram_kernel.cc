@@ -1943,8 +1943,8 @@ ffi::Error FirstMaximumImpl(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi:
   return ffi::Error::Success();
 }
 
-// The split scan of scalar leaves (split.find_best_splits without monotone bounds or a custom
-// penalty), a whole level in one call: per node and feature the running sums over the bins, then
+// The split scan of scalar leaves (split.find_best_splits without a custom penalty), a whole
+// level in one call: per node and feature the running sums over the bins, then
 // every candidate's gain, then the node's first maximum. As XLA code each step of two nodes was
 // some ten operations (running sums, gains, maximum, the winner's sums, the writes back), and at
 // small data a round was mostly their fixed costs.
