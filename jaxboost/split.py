@@ -322,7 +322,6 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
     (``in_steps_on_cpu``); the choices in the slots of nodes that are not active are never taken as splits.
     """
     num_nodes = histograms.shape[0]
-    chunk = scan_chunk_nodes(num_nodes, math.prod(histograms.shape[1:]))
     target = _native_scan_target(leaves, bounds, reg, kernel)
     if target is not None:
         scanned = jnp.ones(num_nodes, bool) if live_nodes is None else jnp.arange(num_nodes) < live_nodes
@@ -338,6 +337,8 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
                                                   live_nodes, missing_values, active, kernel="xla")
 
         return per_platform(cpu=native, default=xla)
+
+    chunk = scan_chunk_nodes(num_nodes, math.prod(histograms.shape[1:]))
 
     def scan_nodes(start, count):
         def cut(per_node):
