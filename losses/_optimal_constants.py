@@ -36,9 +36,17 @@ _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 _FLOAT32_RESOLUTION = float(np.finfo(np.float32).eps)
 
 
+def _weighted_total(weights: np.ndarray, values: np.ndarray) -> float:
+    """The sum of ``weights * values`` over rows, in NumPy's own loop: ``np.dot`` of long
+    vectors hands them to the BLAS threads, which then spin on the cores for a while after it
+    returns (in each fit of 40k rows, 50-90 ms of CPU time, of 0.6 s, that the round's kernels
+    could have had)."""
+    return float(np.einsum("i,i->", weights, values))
+
+
 def _weighted_mean(values: np.ndarray, sample_weight: np.ndarray) -> float:
     weights = np.asarray(sample_weight, np.float64)
-    return float(np.dot(weights, np.asarray(values, np.float64).ravel()) / weights.sum())
+    return _weighted_total(weights, np.asarray(values, np.float64).ravel()) / float(weights.sum())
 
 
 def _clamped_log(value):
@@ -111,7 +119,7 @@ def hinge_side(y, sample_weight, num_outputs: int, **_) -> np.ndarray:
     weight until the margin reaches 1), 0 where both weigh the same (every point of [-1, 1]
     minimises)."""
     weights = np.asarray(sample_weight, np.float64)
-    positive = float(np.dot(weights, np.asarray(y, np.float64).ravel() > 0.5))
+    positive = _weighted_total(weights, (np.asarray(y, np.float64).ravel() > 0.5).astype(np.float64))
     return _output(np.sign(positive - (weights.sum() - positive)), num_outputs)
 
 
@@ -168,12 +176,12 @@ def _student_t_terms(parameters, values, weights, df):
     denominator = df + square
     precision = (df + 1.0) / denominator  # each row's expected precision given its residual
     total = weights.sum()
-    value = total * log_sigma + 0.5 * (df + 1.0) * np.dot(weights, np.log1p(square / df))
-    gradient = np.array([-scale * np.dot(weights, precision * z), total - np.dot(weights, precision * square)])
+    value = total * log_sigma + 0.5 * (df + 1.0) * _weighted_total(weights, np.log1p(square / df))
+    gradient = np.array([-scale * _weighted_total(weights, precision * z), total - _weighted_total(weights, precision * square)])
     squared_denominator = denominator * denominator
-    cross = 2.0 * (df + 1.0) * df * scale * np.dot(weights, z / squared_denominator)
-    hessian = np.array([[(df + 1.0) * scale * scale * np.dot(weights, (df - square) / squared_denominator), cross],
-                        [cross, 2.0 * (df + 1.0) * df * np.dot(weights, square / squared_denominator)]])
+    cross = 2.0 * (df + 1.0) * df * scale * _weighted_total(weights, z / squared_denominator)
+    hessian = np.array([[(df + 1.0) * scale * scale * _weighted_total(weights, (df - square) / squared_denominator), cross],
+                        [cross, 2.0 * (df + 1.0) * df * _weighted_total(weights, square / squared_denominator)]])
     return value, gradient, hessian, precision
 
 
@@ -211,8 +219,8 @@ def student_t(y, sample_weight, num_outputs: int, *, df, **_) -> np.ndarray:
                 step = 0.5 * step
         if moved is None:
             precision_weights = weights * precision
-            location = np.dot(precision_weights, values) / precision_weights.sum()
-            variance = np.dot(precision_weights, np.square(values - location)) / weights.sum()
+            location = _weighted_total(precision_weights, values) / precision_weights.sum()
+            variance = _weighted_total(precision_weights, np.square(values - location)) / weights.sum()
             expected = np.array([location, 0.5 * math.log(variance) if variance > 0 else -math.inf])
             if _below_resolution(expected):  # no minimiser: the scale would shrink without end
                 return np.array([location, _float32_log_scale(location)])
