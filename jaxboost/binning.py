@@ -111,20 +111,25 @@ def _weighted_quantile_edges(values: np.ndarray, weights: np.ndarray | None, n_v
 
 def fit_bin_edges(X: np.ndarray, max_bin: int = 256, sample_weight: np.ndarray | None = None,
                   seed: int = 0) -> BinEdges:
-    """Fit per-feature bin edges from (sample-weighted) quantiles of ``X`` (NaN ignored)."""
+    """Fit per-feature bin edges from (sample-weighted) quantiles of ``X`` (NaN ignored): float32,
+    or float64 rounded to float32 a feature at a time (the edges of the float32 array)."""
     if not 2 <= max_bin <= MAX_BIN_LIMIT:
         raise ValueError(f"max_bin must be in [2, {MAX_BIN_LIMIT}] (it counts the missing-value code); got {max_bin}")
     n_rows, n_features = X.shape
     weights = None if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
     if n_rows > EDGE_SAMPLE_SIZE:
         rows = np.sort(np.random.default_rng(seed).choice(n_rows, EDGE_SAMPLE_SIZE, replace=False))
-        X, weights = X[rows], None if weights is None else weights[rows]
+        # Gathered a block at a time into float32: a float64 sample is not held whole.
+        sample = np.empty((len(rows), n_features), np.float32)
+        for start in range(0, len(rows), ROW_BLOCK):
+            sample[start:start + ROW_BLOCK] = X[rows[start:start + ROW_BLOCK]]
+        X, weights = sample, None if weights is None else weights[rows]
     n_value_bins = max_bin - 1
     edges = np.full((n_features, max_bin - 1), np.inf, dtype=np.float32)
     n_edges = np.zeros(n_features, dtype=np.int32)
 
     def fit_feature(feature):
-        column = X[:, feature]
+        column = X[:, feature].astype(np.float32, copy=False)
         present = ~np.isnan(column)
         if weights is not None:
             present &= weights > 0
@@ -158,6 +163,7 @@ def _count_edges_at_or_below(table: np.ndarray, steps: int, values: np.ndarray) 
 
 def apply_bins(X: np.ndarray, bin_edges: BinEdges, table_width: int | None = None) -> np.ndarray:
     """Map raw ``X`` (n, d) to ``X_binned`` (n, d) uint8 with the given edges; NaN -> missing bin.
+    A float64 ``X`` is rounded to float32 a block at a time: its codes are the float32 array's.
 
     With ``table_width``, the codes come as a feature-major table ``(d, table_width)`` instead:
     row ``i``'s codes in column ``i``, zeros after the last row, in a 64-byte aligned buffer
@@ -184,7 +190,7 @@ def apply_bins(X: np.ndarray, bin_edges: BinEdges, table_width: int | None = Non
         n_real = int(bin_edges.n_edges[feature])
         # In blocks of rows, to keep the search's temporaries small.
         for start in range(0, n_rows, ROW_BLOCK):
-            column = X[start:start + ROW_BLOCK, feature]
+            column = X[start:start + ROW_BLOCK, feature].astype(np.float32, copy=False)
             codes = _count_edges_at_or_below(table[feature], steps, column)
             # +inf passes the padding edges too; every real edge is below it.
             np.minimum(codes, n_real, out=codes)

@@ -165,6 +165,86 @@ def test_threaded_and_serial_binning_agree(monkeypatch):
     np.testing.assert_array_equal(codes, threaded_codes)
 
 
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_float64_features_bin_as_their_float32_rounding(monkeypatch, order):
+    """A Dataset of float64 features is binned without a float32 copy of the whole array, a
+    block at a time: its edges (fit on a row sample, gathered in blocks) and codes are those of
+    the same features rounded to float32 first, also for values that lie within float64's
+    precision of an edge, where comparing in float64 would put them in the other bin."""
+    from jaxboost import binning
+    from jaxboost.dataset import Dataset
+
+    monkeypatch.setattr(binning, "EDGE_SAMPLE_SIZE", 700)  # 900 rows: the edges come from a sample
+    monkeypatch.setattr(binning, "ROW_BLOCK", 256)
+    rng = np.random.default_rng(11)
+    X = rng.normal(size=(900, 3))
+    X[rng.uniform(size=X.shape) < 0.05] = np.nan
+    reference = Dataset(X.astype(np.float32), max_bin=32)
+    # Values a hair below and above float32 edges: float32 rounds them onto the edge.
+    edges = reference.bin_edges.edges[:, :8].astype(np.float64)
+    X[:8, :] = edges.T * (1.0 - 1e-12)
+    X[8:16, :] = edges.T * (1.0 + 1e-12)
+    X = np.asarray(X, order=order)
+    rounded = X.astype(np.float32)
+    assert any(np.any(np.searchsorted(edges[f], X[:16, f], side="right") != np.searchsorted(
+        edges[f].astype(np.float32), rounded[:16, f], side="right")) for f in range(3)), "no value near an edge"
+    expected, dataset = Dataset(rounded, max_bin=32), Dataset(X, max_bin=32)
+    np.testing.assert_array_equal(dataset.bin_edges.edges, expected.bin_edges.edges)
+    np.testing.assert_array_equal(dataset.bin_edges.n_edges, expected.bin_edges.n_edges)
+    np.testing.assert_array_equal(dataset.X_binned_T, expected.X_binned_T)
+    assert dataset.has_missing_values
+    # Binned with the edges the values lie near, and edges fit on every row (no sample): the
+    # same as the float32 rounding's.
+    np.testing.assert_array_equal(Dataset(X, reference=reference).X_binned_T,
+                                  Dataset(rounded, reference=reference).X_binned_T)
+    unsampled, expected_unsampled = Dataset(X[:600], max_bin=32), Dataset(rounded[:600], max_bin=32)
+    np.testing.assert_array_equal(unsampled.bin_edges.edges, expected_unsampled.bin_edges.edges)
+    np.testing.assert_array_equal(unsampled.X_binned_T, expected_unsampled.X_binned_T)
+
+
+def test_float64_features_are_not_copied_whole():
+    """Binning a float64 X allocates less than a float32 copy of it would take alone (traced
+    NumPy allocations: 1.6 MB here against the copy's 2.6 MB; 4.0 MB when it was copied)."""
+    import tracemalloc
+
+    from jaxboost.dataset import Dataset
+
+    X = np.random.default_rng(13).normal(size=(20000, 32))
+    Dataset(X[:100], max_bin=64)
+    tracemalloc.start()
+    try:
+        Dataset(X, max_bin=64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < X.size * np.dtype(np.float32).itemsize, f"binning allocated {peak} bytes"
+
+
+def test_features_for_binning_are_kept_as_given():
+    """``check_features(for_binning=True)`` returns float32 and float64 arrays as they are (no
+    copy) and converts other types; float64 values beyond float32's range are named, with their
+    place, as infinite values are."""
+    from jaxboost.validation import check_features
+
+    X = np.random.default_rng(12).normal(size=(50, 4))
+    for array in (X, np.asfortranarray(X), X.astype(np.float32), X[:, ::2]):
+        kept, _ = check_features(array, for_binning=True)
+        assert kept is array, (array.dtype, array.flags)
+    converted, _ = check_features(X.astype(np.int64), for_binning=True)
+    assert converted.dtype == np.float32 and converted.flags.c_contiguous
+    converted, _ = check_features(X)
+    assert converted.dtype == np.float32 and converted.flags.c_contiguous
+    for for_binning in (False, True):
+        huge = X.copy()
+        huge[:, 2] = np.nan
+        huge[9, 2] = -1e39
+        with pytest.raises(ValueError, match=r"X contains values beyond float32's range \(first at row 9, feature 2\)"):
+            check_features(huge, for_binning=for_binning)
+        huge[9, 2] = np.inf
+        with pytest.raises(ValueError, match=r"X contains infinite values \(first at row 9, feature 2\)"):
+            check_features(huge, for_binning=for_binning)
+
+
 def test_nan_goes_to_the_missing_code():
     rng = np.random.default_rng(4)
     X = rng.normal(size=(500, 3)).astype(np.float32)
