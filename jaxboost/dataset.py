@@ -40,7 +40,7 @@ class Dataset:
                  bin_edges: BinEdges | None = None, base_margin=None):
         features, self.feature_names = check_features(
             X, n_features=None if reference is None else reference.n_features,
-            expected_names=None if reference is None else reference.feature_names, for_binning=True)
+            expected_names=None if reference is None else reference.feature_names, blockwise=True)
         self.n_rows, self.n_features = features.shape
         self.y = None if y is None else check_labels(y, self.n_rows)
         self.sample_weight = check_sample_weight(sample_weight, self.n_rows)

@@ -98,7 +98,8 @@ class Model:
         return start, stop
 
     def _binned(self, X) -> np.ndarray:
-        features, _ = check_features(X, n_features=self.n_features, expected_names=self.feature_names)
+        features, _ = check_features(X, n_features=self.n_features, expected_names=self.feature_names,
+                                     blockwise=True)
         return apply_bins(features, self.bin_edges)
 
     def predict_raw(self, X, *, iteration_range: tuple[int, int] | None = None, base_margin=None) -> np.ndarray:
@@ -107,7 +108,8 @@ class Model:
         Uses rounds ``[0, best_iteration]`` after early stopping unless ``iteration_range``
         (rounds ``a .. b-1``) says otherwise.
         """
-        features, _ = check_features(X, n_features=self.n_features, expected_names=self.feature_names)
+        features, _ = check_features(X, n_features=self.n_features, expected_names=self.feature_names,
+                                     blockwise=True)
         n_rows = features.shape[0]
         margin = check_base_margin(base_margin, n_rows, self.num_outputs)
         initial = np.broadcast_to(self.base_score, (n_rows, self.num_outputs)) if margin is None else margin

@@ -220,29 +220,29 @@ def test_float64_features_are_not_copied_whole():
     assert peak < X.size * np.dtype(np.float32).itemsize, f"binning allocated {peak} bytes"
 
 
-def test_features_for_binning_are_kept_as_given():
-    """``check_features(for_binning=True)`` returns float32 and float64 arrays as they are (no
+def test_features_read_blockwise_are_kept_as_given():
+    """``check_features(blockwise=True)`` returns float32 and float64 arrays as they are (no
     copy) and converts other types; float64 values beyond float32's range are named, with their
     place, as infinite values are."""
     from jaxboost.validation import check_features
 
     X = np.random.default_rng(12).normal(size=(50, 4))
     for array in (X, np.asfortranarray(X), X.astype(np.float32), X[:, ::2]):
-        kept, _ = check_features(array, for_binning=True)
+        kept, _ = check_features(array, blockwise=True)
         assert kept is array, (array.dtype, array.flags)
-    converted, _ = check_features(X.astype(np.int64), for_binning=True)
+    converted, _ = check_features(X.astype(np.int64), blockwise=True)
     assert converted.dtype == np.float32 and converted.flags.c_contiguous
     converted, _ = check_features(X)
     assert converted.dtype == np.float32 and converted.flags.c_contiguous
-    for for_binning in (False, True):
+    for blockwise in (False, True):
         huge = X.copy()
         huge[:, 2] = np.nan
         huge[9, 2] = -1e39
         with pytest.raises(ValueError, match=r"X contains values beyond float32's range \(first at row 9, feature 2\)"):
-            check_features(huge, for_binning=for_binning)
+            check_features(huge, blockwise=blockwise)
         huge[9, 2] = np.inf
         with pytest.raises(ValueError, match=r"X contains infinite values \(first at row 9, feature 2\)"):
-            check_features(huge, for_binning=for_binning)
+            check_features(huge, blockwise=blockwise)
 
 
 def test_nan_goes_to_the_missing_code():

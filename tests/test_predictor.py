@@ -206,11 +206,62 @@ def test_native_forest_refuses_bad_trees_and_rows(data):
     raw = np.zeros((5, 1), np.float32)
     with pytest.raises(ValueError, match=r"X \(5, 7\) for 6 features"):
         forest.add_to(np.zeros((5, 7), np.float32), raw, 1)
-    with pytest.raises(TypeError, match="float32"):
-        forest.add_to(np.zeros((5, X.shape[1]), np.float64), raw, 1)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        forest.add_to(np.zeros((5, X.shape[1]), np.int32), raw, 1)
+    with pytest.raises(TypeError, match="C-contiguous float32 raw"):
+        forest.add_to(X[:5], np.zeros((5, 1), np.float64), 1)
     raw[:] = model.base_score
     forest.add_to(X[:5], raw, 1)
     np.testing.assert_array_equal(raw[:, 0], model.predict_raw(X[:5]))
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_float64_rows_predict_as_their_float32_rounding(data, monkeypatch, order):
+    """float64 rows are rounded to float32 by the native walk as it reads them (rows not in C
+    order are copied to it a block at a time), without a float32 copy of them all: the
+    predictions are those of the rows rounded first, bit for bit, also for values within
+    float64's precision of a split's edge, which a float64 comparison would send the other way;
+    the binned path agrees."""
+    from jaxboost import native
+
+    X, signal = data
+    model = jb.train(X, signal, num_rounds=6, max_depth=4, learning_rate=0.3)
+    monkeypatch.setattr(native, "C_ORDER_BLOCK_ROWS", 128)
+    rng = np.random.default_rng(21)
+    rows = rng.normal(size=(1000, 6))
+    rows[::7, 3] = np.nan
+    # The first tree's root edge: a hair below it in float64 goes right once rounded onto it.
+    root_feature, root_bin = int(model.trees.feature[0, 0, 0]), int(model.trees.threshold_bin[0, 0, 0])
+    edge = float(model.bin_edges.edges[root_feature, root_bin])
+    rows[:300, root_feature] = edge * (1.0 - 1e-12) if edge > 0 else edge * (1.0 + 1e-12)
+    rows = np.asarray(rows, order=order)
+    rounded = rows.astype(np.float32)
+    assert np.all(rows[:300, root_feature] < edge) and np.all(rounded[:300, root_feature] == np.float32(edge))
+    expected = model.predict_raw(rounded)
+    np.testing.assert_array_equal(model.predict_raw(rows), expected)
+    np.testing.assert_array_equal(model.predict_raw(rows), binned_prediction(model, rounded))
+    np.testing.assert_array_equal(model.predict_leaf(rows), model.predict_leaf(rounded))
+    np.testing.assert_array_equal(model.predict_raw(rounded[:, ::-1][:, ::-1]), expected)  # float32, not contiguous
+
+
+def test_float64_rows_are_not_copied_whole_to_predict(data):
+    """Predicting on float64 rows allocates less than a float32 copy of them would take alone
+    (traced NumPy allocations: 4.7 MB here against the copy's 9.6 MB; 11.2 MB when they were
+    copied)."""
+    import tracemalloc
+
+    X, signal = data
+    model = jb.train(X, signal, num_rounds=3, max_depth=3)
+    rows = np.random.default_rng(22).normal(size=(400_000, 6))
+    model.predict_raw(rows[:10])
+    tracemalloc.start()
+    try:
+        model.predict_raw(rows)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    copy_bytes = rows.size * np.dtype(np.float32).itemsize
+    assert peak < copy_bytes, f"prediction allocated {peak} bytes against a copy's {copy_bytes}"
 
 
 @pytest.mark.parametrize("outputs", [1, 3])
