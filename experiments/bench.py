@@ -36,7 +36,8 @@ left out). ``--deterministic-histogram`` trains jaxboost with ``deterministic_hi
 jaxboost (its leaves from the full Hessian or its diagonal) and XGBoost
 (``multi_strategy="multi_output_tree"``, whose leaves take the diagonal); LightGBM and sklearn,
 which have none, are left out. ``--monotone`` gives every library monotone constraints, +1, -1
-and 0 in turn over the features.
+and 0 in turn over the features. ``--float64`` hands every library the features as float64
+(NumPy's and pandas' default dtype; the same values as the float32 ones).
 
 How it is measured (``bench_worker.py`` does one run):
 
@@ -229,9 +230,10 @@ class Runner:
 
     def __init__(self, repeats: int, rounds: int, device: str = "cpu", eval_set: bool = False,
                  colsample_bytree: float = 1.0, subsample: float = 1.0, deterministic_histogram: bool = False,
-                 warm_store: bool = False, vector_leaves: str | None = None, monotone: bool = False):
+                 warm_store: bool = False, vector_leaves: str | None = None, monotone: bool = False,
+                 float64: bool = False):
         self.repeats, self.rounds, self.device, self.eval_set = repeats, rounds, device, eval_set
-        self.monotone = monotone
+        self.monotone, self.float64 = monotone, float64
         self.colsample_bytree, self.subsample = colsample_bytree, subsample
         self.deterministic_histogram, self.vector_leaves = deterministic_histogram, vector_leaves
         # jaxboost's cache folder, filled by an untimed run of each configuration first.
@@ -259,6 +261,7 @@ class Runner:
                 worker_args += ["--subsample", str(self.subsample)]
             worker_args += ["--deterministic-histogram"] if self.deterministic_histogram else []
             worker_args += ["--monotone"] if self.monotone else []
+            worker_args += ["--float64"] if self.float64 else []
             worker_args += ["--vector-leaves", self.vector_leaves] if self.vector_leaves else []
             cache_folder = self.store if library == "jaxboost" else ""
             if cache_folder and not runs:
@@ -419,6 +422,8 @@ def run_tasks(args, runner: Runner) -> list[str]:
             title += f", {args.subsample:g} of the rows sampled for each round"
         if args.monotone:
             title += ", monotone constraints"
+        if args.float64:
+            title += ", float64 features"
         if args.deterministic_histogram:
             title += ", jaxboost with deterministic_histogram=True"
         if args.vector_leaves:
@@ -564,6 +569,9 @@ def method_notes(args) -> str:
         *(["- Monotone constraints (--monotone): +1, -1 and 0 in turn over the features, two thirds of them "
            "constrained (jaxboost, XGBoost and LightGBM monotone_constraints, scikit-learn monotonic_cst)."]
           if args.monotone else []),
+        *(["- float64 features (--float64): every library gets the features as float64 (the float32 values "
+           "widened), as NumPy and pandas hold them by default; binning and prediction read them."]
+          if args.float64 else []),
         *([f"- Repeatable sums (--deterministic-histogram): jaxboost trains with deterministic_histogram=True "
             f"(on a GPU its histograms add whole-number pieces, exact in any order; XGBoost's GPU histograms are "
             f"repeatable by default; on CPU every library's are)."] if args.deterministic_histogram else []),
@@ -631,6 +639,8 @@ def parse_args(argv=None):
                              "diagonal (jaxboost and XGBoost only)")
     parser.add_argument("--monotone", action="store_true",
                         help="monotone constraints in every library: +1, -1 and 0 in turn over the features")
+    parser.add_argument("--float64", action="store_true",
+                        help="every library gets the features as float64 (the same values)")
     parser.add_argument("--warm-store", action="store_true",
                         help="jaxboost's timed runs load their programs from a cache folder that an untimed run "
                              "filled first (a later process's fit: its compile column is the programs' loading)")
@@ -668,7 +678,7 @@ def main(argv=None):
         print(warning.replace("**", ""), file=sys.stderr)
 
     runner = Runner(args.repeats, args.rounds, args.device, args.eval_set, args.colsample_bytree, args.subsample,
-                    args.deterministic_histogram, args.warm_store, args.vector_leaves, args.monotone)
+                    args.deterministic_histogram, args.warm_store, args.vector_leaves, args.monotone, args.float64)
     try:
         sections = run_tasks(args, runner)
         if args.scaling:

@@ -104,8 +104,10 @@ def task_samples(task: str, rows: int) -> int:
 
 # ----------------------------------------------------------------------------- data
 
-def make_task(task: str, rows: int):
-    """The task's float32 train/test split (80/20), always with the same seed."""
+def make_task(task: str, rows: int, features_dtype: str = "float32"):
+    """The task's train/test split (80/20), always with the same seed: float32 labels, and
+    features of ``features_dtype`` (float32; ``--float64``: float64, NumPy's and pandas'
+    default, whose values are the float32 ones)."""
     import numpy as np
     from sklearn.datasets import make_classification, make_regression
     from sklearn.model_selection import train_test_split
@@ -130,7 +132,7 @@ def make_task(task: str, rows: int):
         # Missing completely at random, the same cells every run: each library's missing-value
         # path (a default direction learned per split) on every feature.
         X[np.random.default_rng(SEED).uniform(size=X.shape) < MISSING_FRACTION] = np.nan
-    return train_test_split(X, y, test_size=0.2, random_state=SEED)
+    return train_test_split(X.astype(features_dtype), y, test_size=0.2, random_state=SEED)
 
 
 def score(task: str, y_true, prediction) -> float:
@@ -487,7 +489,7 @@ def one_row_latency_ms(runner, model, X_test) -> float:
 
 def measure(args) -> dict:
     threads = available_cores()
-    X_train, X_test, y_train, y_test = make_task(args.task, args.rows)
+    X_train, X_test, y_train, y_test = make_task(args.task, args.rows, "float64" if args.float64 else "float32")
     data_peak_mb = peak_rss_mb(since_reset=False)
     gpu_memory = gpu_memory_sampler() if args.device == "gpu" else None
     try:
@@ -602,6 +604,8 @@ def parse_args(argv=None):
                         help="train with the test split as an eval set, its loss computed every round")
     parser.add_argument("--monotone", action="store_true",
                         help="monotone constraints +1, -1, 0 in turn over the features")
+    parser.add_argument("--float64", action="store_true",
+                        help="features handed to the library as float64 (the same values as float32)")
     parser.add_argument("--deterministic-histogram", action="store_true",
                         help="jaxboost: deterministic_histogram=True (repeatable GPU fits)")
     parser.add_argument("--vector-leaves", choices=["full", "diagonal"], default=None,

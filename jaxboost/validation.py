@@ -41,7 +41,7 @@ def check_features(X, n_features: int | None = None, what: str = "X",
     ``blockwise``: the caller reads the array a block of rows at a time, in any layout, and
     rounds each block of float64 values to float32 as it goes (binning, the native predictor):
     float32 and float64 arrays are returned as they are. A float64 ``X``, NumPy's and pandas'
-    default, is then not copied whole to float32 first (1M x 28: 112 MB more at binning's peak
+    default, is then not copied whole to float32 first (1M x 28: 98 MB more at binning's peak
     and 0.3 s).
     """
     columns = getattr(X, "columns", None)
