@@ -59,7 +59,7 @@ How it is measured (``bench_worker.py`` does one run):
   timed after the memory figures are taken. predict 1 row ms: the median latency of one-row
   predictions (serving one request at a time).
 * peak RSS MB: the child's peak resident memory after data generation (the kernel's high-water
-  mark is reset once the data exist; it includes the float32 data and imported modules). A
+  mark is reset once the data exist; it includes the data and imported modules). A
   memory table per task splits it: RSS at start (data + imports), the peak anonymous memory
   (RssAnon sampled every 5 ms) and the mapped files at the end (RssFile: shared libraries'
   code pages, which JAX's compiler makes large).
@@ -548,7 +548,7 @@ def method_notes(args) -> str:
         f"- ms/tree vs {REFERENCE_LIBRARY}: the ratio of the medians; run by run: the median (and range) of the "
         "ratios of runs taken in the same turn, which share a busy machine's slow spells.",
         "- peak RSS MB: the child's resident-memory high-water mark reset after data generation (includes the "
-        "float32 data and imported libraries). The memory tables split it: RSS at start is what the child held "
+        "data (float32, or float64 with --float64) and imported libraries). The memory tables split it: RSS at start is what the child held "
         "once the data existed and the library was imported; peak anonymous is the highest RssAnon sampled every "
         "5 ms (the process's own memory); mapped files is RssFile at the end (mostly the libraries' machine "
         "code: shared between processes and reclaimable, but counted in RSS).",
