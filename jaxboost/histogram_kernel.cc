@@ -2535,27 +2535,56 @@ void PredictBlockScalar(const PredictForest& f, const float* x, int64_t n_featur
   }
 }
 
+// Raw features as the caller holds them: float32 or float64 values, row `i`'s feature `j` at
+// element `i * row_stride + j * feature_stride` (C order, Fortran order, or a strided view).
+struct FeatureRows {
+  const void* data;
+  bool is_double;
+  int64_t row_stride, feature_stride;
+
+  // Whether the walk reads the rows where they lie: float32 in C order.
+  bool InPlace(int64_t n_features) const { return !is_double && feature_stride == 1 && row_stride == n_features; }
+  FeatureRows From(int64_t row) const {
+    const int64_t bytes = row * row_stride * (is_double ? 8 : 4);
+    return FeatureRows{static_cast<const char*>(data) + bytes, is_double, row_stride, feature_stride};
+  }
+  // Rows [first, first + rows) in C order as float32, rounded as NumPy rounds float64.
+  void CopyRounded(int64_t first, int64_t rows, int64_t n_features, float* out) const {
+    if (is_double) {
+      CopyRows(static_cast<const double*>(data), first, rows, n_features, out);
+    } else {
+      CopyRows(static_cast<const float*>(data), first, rows, n_features, out);
+    }
+  }
+
+ private:
+  template <typename Value>
+  void CopyRows(const Value* values, int64_t first, int64_t rows, int64_t n_features, float* out) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      const Value* row = values + (first + r) * row_stride;
+      for (int64_t j = 0; j < n_features; ++j) out[r * n_features + j] = static_cast<float>(row[j * feature_stride]);
+    }
+  }
+};
+
 // Walks the first n_rows rows in blocks of kRows with `block` (given a scratch buffer of a
 // column of kRows floats per picked feature), loading the block's starting values from `out`
-// (which holds them) and writing its raw predictions back. Rows of float64 values (`x64`, in
-// place of `x`) are rounded to float32 a block at a time, as NumPy rounds them: a block's
-// copy, not one of every row.
+// (which holds them) and writing its raw predictions back. Rows that are not float32 in C
+// order are copied to it a block at a time (float64 rounded): a block's copy, not one of X.
 template <int64_t kRows, typename Block>
-void PredictRows(const PredictForest& f, const float* x, const double* x64, int64_t n_features, int64_t outputs,
-                 int64_t n_rows, float* out, Block block) {
+void PredictRows(const PredictForest& f, const FeatureRows& x, int64_t n_features, int64_t outputs, int64_t n_rows,
+                 float* out, Block block) {
   std::vector<float> acc(outputs * kRows), scratch(std::max<size_t>(1, f.picked_feature.size()) * kRows, 0.0f);
-  std::vector<float> rounded(x64 == nullptr ? 0 : kRows * n_features);
+  const bool in_place = x.InPlace(n_features);
+  std::vector<float> copied(in_place ? 0 : kRows * n_features);
   for (int64_t first = 0; first < n_rows; first += kRows) {
     const int64_t rows = std::min(kRows, n_rows - first);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t k = 0; k < outputs; ++k) acc[k * kRows + r] = out[(first + r) * outputs + k];
     }
-    if (x64 != nullptr) {
-      const double* from = x64 + first * n_features;
-      for (int64_t i = 0; i < rows * n_features; ++i) rounded[i] = static_cast<float>(from[i]);
-    }
-    block(f, x64 != nullptr ? rounded.data() : x + first * n_features, n_features, outputs, rows, acc.data(),
-          scratch.data());
+    if (!in_place) x.CopyRounded(first, rows, n_features, copied.data());
+    const float* rows_x = in_place ? static_cast<const float*>(x.data) + first * n_features : copied.data();
+    block(f, rows_x, n_features, outputs, rows, acc.data(), scratch.data());
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t k = 0; k < outputs; ++k) out[(first + r) * outputs + k] = acc[k * kRows + r];
     }
@@ -2866,36 +2895,32 @@ const char* PrepareForest(const int32_t* node_info, const float* thresholds, con
   return nullptr;
 }
 
-// Raw predictions of raw features X (n_rows, n_features), C order, float32 (`x`) or float64
-// (`x64`, the other null; rounded to float32 as it is read): `raw` (n_rows, outputs) holds the
-// starting values and receives the predictions. Called from Python directly (ctypes, which
-// releases the GIL), not through XLA: the rows are read where they lie, with no copy into
-// device buffers and no program to compile. `threads` each walk a contiguous range of rows.
-// Returns nullptr, or what was wrong.
-const char* PredictPrepared(const PreparedForest* prepared, const float* x, const double* x64, int64_t n_rows,
-                            int64_t n_features, int64_t threads, float* raw) {
+// Raw predictions of raw features X (n_rows, n_features) (`FeatureRows`: float32 or float64,
+// any layout): `raw` (n_rows, outputs) holds the starting values and receives the predictions.
+// Called from Python directly (ctypes, which releases the GIL), not through XLA: the rows are
+// read where they lie, with no copy into device buffers and no program to compile. `threads`
+// each walk a contiguous range of rows. Returns nullptr, or what was wrong.
+const char* PredictPrepared(const PreparedForest* prepared, const FeatureRows& x, int64_t n_rows, int64_t n_features,
+                            int64_t threads, float* raw) {
   if (n_rows < 0) return "predict kernel: bad sizes";
   if (prepared == nullptr || n_rows == 0) return nullptr;
   if (n_features != prepared->n_features) return "predict kernel: X has another feature count than the trees";
   const PredictForest& forest = prepared->forest;
   const int64_t outputs = prepared->outputs;
   auto walk = [&](int64_t begin, int64_t end) {
-    const float* rows_x = x == nullptr ? nullptr : x + begin * n_features;
-    const double* rows_x64 = x64 == nullptr ? nullptr : x64 + begin * n_features;
+    const FeatureRows rows_x = x.From(begin);
     float* rows_raw = raw + begin * outputs;
     switch (prepared->kernel) {
 #ifdef JAXBOOST_X86_DISPATCH
       case SimdKernel::kAvx512:
-        PredictRows<kVectorBlockRows>(forest, rows_x, rows_x64, n_features, outputs, end - begin, rows_raw,
-                                      PredictBlockAvx512);
+        PredictRows<kVectorBlockRows>(forest, rows_x, n_features, outputs, end - begin, rows_raw, PredictBlockAvx512);
         break;
       case SimdKernel::kAvx2:
-        PredictRows<kVectorBlockRows>(forest, rows_x, rows_x64, n_features, outputs, end - begin, rows_raw,
-                                      PredictBlockAvx2);
+        PredictRows<kVectorBlockRows>(forest, rows_x, n_features, outputs, end - begin, rows_raw, PredictBlockAvx2);
         break;
 #endif
       default:
-        PredictRows<64>(forest, rows_x, rows_x64, n_features, outputs, end - begin, rows_raw, PredictBlockScalar<64>);
+        PredictRows<64>(forest, rows_x, n_features, outputs, end - begin, rows_raw, PredictBlockScalar<64>);
     }
   };
   // Ranges of whole 64-row blocks, so only the last range ends in a partial block.
@@ -3011,12 +3036,14 @@ extern "C" const char* JaxboostPrepareForest(const int32_t* node_info, const flo
   return error;
 }
 
-// `x`: float32 rows, or float64 ones when `double_precision` is nonzero.
+// `x`: float32 values, or float64 ones when `double_precision` is nonzero, row i's feature j
+// at element i * row_stride + j * feature_stride.
 extern "C" const char* JaxboostPredictPrepared(const void* forest, const void* x, int64_t double_precision,
-                                               int64_t n_rows, int64_t n_features, int64_t threads, float* raw) {
+                                               int64_t row_stride, int64_t feature_stride, int64_t n_rows,
+                                               int64_t n_features, int64_t threads, float* raw) {
   return PredictPrepared(static_cast<const PreparedForest*>(forest),
-                         double_precision ? nullptr : static_cast<const float*>(x),
-                         double_precision ? static_cast<const double*>(x) : nullptr, n_rows, n_features, threads, raw);
+                         FeatureRows{x, double_precision != 0, row_stride, feature_stride}, n_rows, n_features,
+                         threads, raw);
 }
 
 extern "C" void JaxboostFreeForest(void* forest) { delete static_cast<PreparedForest*>(forest); }

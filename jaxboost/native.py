@@ -293,7 +293,7 @@ def _forest_functions():
     prepare, walk, free = library.JaxboostPrepareForest, library.JaxboostPredictPrepared, library.JaxboostFreeForest
     prepare.restype = walk.restype = ctypes.c_char_p
     prepare.argtypes = [pointer, pointer, pointer, size, size, size, size, ctypes.POINTER(ctypes.c_void_p)]
-    walk.argtypes = [pointer, pointer, size, size, size, size, pointer]
+    walk.argtypes = [pointer, pointer, size, size, size, size, size, size, pointer]
     free.restype, free.argtypes = None, [pointer]
     return prepare, walk, free
 
@@ -308,11 +308,6 @@ def feature_predictor_available() -> bool:
         _report_unavailable(error)
         return False
     return True
-
-
-# Rows of an X not in C order that the native predictor copies to C order at a time: a copy
-# of one block rather than of X (1M x 28 float64: 224 MB).
-C_ORDER_BLOCK_ROWS = 65_536
 
 
 class NativeForest:
@@ -344,10 +339,10 @@ class NativeForest:
     def add_to(self, X: np.ndarray, raw: np.ndarray, threads: int) -> None:
         """Add every tree's leaf value to ``raw`` (C-contiguous float32 ``(n, K)``, holding the
         starting values) in place, for the rows of ``X`` (float32 or float64 ``(n,
-        n_features)``). The C++ walk reads a C-contiguous ``X`` where it lies, with ``threads``
-        threads and without the GIL, and rounds float64 rows to float32 a few at a time as it
-        reads them; an ``X`` in another layout is copied to C order ``C_ORDER_BLOCK_ROWS`` rows
-        at a time."""
+        n_features)``, in any layout). The C++ walk reads ``X`` where it lies, with ``threads``
+        threads and without the GIL: float32 rows in C order as they are, any others copied to
+        that a block of 64 rows at a time (float64 rounded as NumPy rounds it), so neither a
+        float64 ``X`` nor a DataFrame's Fortran-ordered values are copied whole."""
         if X.dtype not in (np.float32, np.float64) or X.ndim != 2:
             raise TypeError("NativeForest.add_to needs float32 or float64 features of 2 dimensions")
         if raw.dtype != np.float32 or raw.ndim != 2 or not raw.flags.c_contiguous:
@@ -357,11 +352,11 @@ class NativeForest:
                              f"for {self.outputs} outputs")
         if not raw.flags.writeable:
             raise ValueError("raw must be writeable: it receives the predictions")
+        if any(stride % X.itemsize for stride in X.strides):
+            X = np.ascontiguousarray(X)  # strides between whole values (a view of raw bytes): copied
         _, walk, _ = _forest_functions()
-        block_rows = max(X.shape[0], 1) if X.flags.c_contiguous else C_ORDER_BLOCK_ROWS
-        for start in range(0, X.shape[0], block_rows):
-            rows = np.ascontiguousarray(X[start:start + block_rows])
-            error = walk(self._handle, rows.ctypes.data, int(rows.dtype == np.float64), rows.shape[0], rows.shape[1],
-                         int(threads), raw[start:start + block_rows].ctypes.data)
-            if error:
-                raise ValueError(error.decode())
+        row_stride, feature_stride = (stride // X.itemsize for stride in X.strides)
+        error = walk(self._handle, X.ctypes.data, int(X.dtype == np.float64), row_stride, feature_stride, X.shape[0],
+                     X.shape[1], int(threads), raw.ctypes.data)
+        if error:
+            raise ValueError(error.decode())
