@@ -31,7 +31,8 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 def check_features(X, n_features: int | None = None, what: str = "X",
                    expected_names: tuple[str, ...] | None = None,
                    blockwise: bool = False) -> tuple[np.ndarray, tuple[str, ...] | None]:
-    """``X`` as a C-contiguous float32 (n, d) array, plus its column names if it had any.
+    """``X`` as a C-contiguous float32 (n, d) array (``blockwise``: float32 and float64 arrays
+    as they are), plus its column names if it had any.
 
     NaN marks a missing value; infinite values, values beyond float32's range and non-numeric
     columns are errors. When ``X`` has column names and ``expected_names`` (the training

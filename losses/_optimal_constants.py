@@ -39,8 +39,8 @@ _FLOAT32_RESOLUTION = float(np.finfo(np.float32).eps)
 def _weighted_total(weights: np.ndarray, values: np.ndarray) -> float:
     """The sum of ``weights * values`` over rows, in NumPy's own loop: ``np.dot`` of long
     vectors hands them to the BLAS threads, which then spin on the cores for a while after it
-    returns (in each fit of 40k rows, 50-90 ms of CPU time, of 0.6 s, that the round's kernels
-    could have had)."""
+    returns (about 0.1 s of CPU time in each 100-round fit of 40k rows, of 0.6-0.8 s, that the
+    round's kernels could have had; ``experiments/results/profile_round_cpu.md``)."""
     return float(np.einsum("i,i->", weights, values))
 
 
