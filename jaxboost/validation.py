@@ -73,9 +73,9 @@ def check_features(X, n_features: int | None = None, what: str = "X",
     # Checked before any conversion, which would make values beyond float32's range infinite.
     # fmax/fmin skip NaN (all NaN: NaN, which compares false) and, unlike np.isinf(array), make
     # no (n, d) temporary. Integers and booleans are within the range.
-    if np.issubdtype(array.dtype, np.floating) and (abs(np.fmax.reduce(array, axis=None)) > FLOAT32_MAX or
-                                                    abs(np.fmin.reduce(array, axis=None)) > FLOAT32_MAX):
-        row, col = np.argwhere(np.abs(array) > FLOAT32_MAX)[0]
+    if np.issubdtype(array.dtype, np.floating) and (abs(float(np.fmax.reduce(array, axis=None))) > FLOAT32_MAX or
+                                                    abs(float(np.fmin.reduce(array, axis=None))) > FLOAT32_MAX):
+        row, col = np.argwhere(np.abs(array.astype(np.float64, copy=False)) > FLOAT32_MAX)[0]
         problem = "infinite values" if np.isinf(array[row, col]) else "values beyond float32's range"
         raise ValueError(f"{what} contains {problem} (first at row {row}, feature {col}); use NaN for missing "
                          "values")

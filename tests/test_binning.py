@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -243,6 +245,13 @@ def test_features_read_blockwise_are_kept_as_given():
         huge[9, 2] = np.inf
         with pytest.raises(ValueError, match=r"X contains infinite values \(first at row 9, feature 2\)"):
             check_features(huge, blockwise=blockwise)
+        # float16 is compared with float32's range without a warning of its own overflow.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            converted, _ = check_features(X.astype(np.float16), blockwise=blockwise)
+            assert converted.dtype == np.float32
+            with pytest.raises(ValueError, match=r"infinite values \(first at row 9, feature 2\)"):
+                check_features(huge.astype(np.float16), blockwise=blockwise)
 
 
 def test_nan_goes_to_the_missing_code():
