@@ -61,7 +61,8 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
                     kernel: str = "auto", threads: int = 1, feature_major: bool = False,
                     result_features: int | None = None, row_offset: jax.Array | None = None,
                     channels: int = 2, channel: int = 0, into: jax.Array | None = None,
-                    features_used: jax.Array | None = None, deterministic: bool = False) -> jax.Array:
+                    features_used: jax.Array | None = None, deterministic: bool = False,
+                    row_order: bool = False) -> jax.Array:
     """Histogram of the local rows.
 
     Args:
@@ -101,6 +102,10 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
       deterministic: on accelerators, sum the rows as fixed-point integers
         (``jaxboost.fixed_point``), so the result does not depend on the order of the atomic
         adds; the CPU kernels add the rows in one order whatever this says.
+      row_order: the native kernel adds a root's rows (one node, every row) to its cells in row
+        order, as the channel kernel does, rather than alternating them between the cells and a
+        second copy of them (faster where consecutive rows share a code); for pairs whose tree
+        must be the channel kernel's, bit for bit.
 
     Returns:
       float32 ``(num_nodes, result_features, max_bin, channels)``: ``[..., channel]`` sums of
@@ -121,7 +126,7 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
         return xla(*args)
     native = partial(_native_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
                      feature_major=feature_major, result_features=result_features, channels=channels,
-                     channel=channel)
+                     channel=channel, row_order=row_order)
     # Chosen when lowering: the FFI target exists only on CPU.
     return per_platform(*args, cpu=native, default=xla)
 
@@ -397,7 +402,8 @@ def _native_channel_histogram(X_binned_T, row_offset, node_index, statistics, mo
 
 
 def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, features_used, *,
-                      target, num_nodes, max_bin, threads, feature_major, result_features, channels, channel):
+                      target, num_nodes, max_bin, threads, feature_major, result_features, channels, channel,
+                      row_order):
     result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, channels), jnp.float32)
     inputs = (X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, features_used)
     # Under vmap (several models trained at once) the kernel runs once per batch member. Past
@@ -407,7 +413,8 @@ def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, r
                                  input_layouts=[None] * 6 + [_HISTOGRAM_LAYOUTS[feature_major] if channel else None,
                                                              None],
                                  input_output_aliases={6: 0} if channel else None)(
-        *inputs, threads=np.int64(threads), feature_major=np.int64(feature_major), channel=np.int64(channel))
+        *inputs, threads=np.int64(threads), feature_major=np.int64(feature_major), channel=np.int64(channel),
+        row_order=np.int64(row_order))
     return as_varying_as(histogram, inputs)
 
 
@@ -684,11 +691,13 @@ def build_channels_histogram(X_binned_T: jax.Array, node_index: jax.Array, stati
         return jnp.pad(earlier, ((0, 0),) * (earlier.ndim - 1) + ((0, width - earlier.shape[-1]),))
 
     def pair_histogram(index: int, **cells):
-        """Pair ``index``'s histogram (``cells``: its place in wider cells, as ``build_histogram``'s)."""
+        """Pair ``index``'s histogram (``cells``: its place in wider cells, as ``build_histogram``'s),
+        its root's rows added in row order, so that pair passes and the channel kernel grow one
+        tree, bit for bit, whichever the cells' width chooses."""
         return build_histogram(X_binned_T, node_index, *statistics.pairs[index], num_nodes, max_bin, row_mask,
                                kernel=kernel, threads=threads, feature_major=feature_major,
                                result_features=result_features, row_offset=row_offset, features_used=features_used,
-                               deterministic=deterministic, **cells)
+                               deterministic=deterministic, row_order=True, **cells)
 
     def each_into_the_last(*_):
         histogram = full_width(into)

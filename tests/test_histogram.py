@@ -378,6 +378,78 @@ def test_native_histogram_matches_numpy(num_nodes, max_bin, n_features, with_mas
                                err_msg=f"native histogram differs ({num_nodes} nodes, {max_bin} bins, mask {with_mask})")
 
 
+def repeated_codes(n_rows: int, max_bin: int) -> np.ndarray:
+    """Codes whose consecutive rows share a code as a pixel's or a count's do: a constant feature,
+    long runs of each code, a dominant code with others scattered, then random ones."""
+    rng = np.random.default_rng(5)
+    runs = np.sort(rng.integers(0, max_bin, size=n_rows))
+    mostly_zero = np.where(rng.uniform(size=n_rows) < 0.8, 0, rng.integers(1, max_bin, size=n_rows))
+    columns = [np.full(n_rows, max_bin - 1), runs, mostly_zero] + [rng.integers(0, max_bin, size=n_rows)
+                                                                   for _ in range(3)]
+    return np.stack(columns, axis=1).astype(np.uint8)
+
+
+def sequential_float32_histogram(X_binned, gradients, hessians, max_bin, channels=2):
+    """The root's cells as float32 adds of the rows one after the other, in row order."""
+    histogram = np.zeros((1, X_binned.shape[1], max_bin, channels), np.float32)
+    for feature in range(X_binned.shape[1]):
+        for channel, values in ((0, gradients), (1, hessians)):
+            np.add.at(histogram[0, feature, :, channel], X_binned[:, feature], values)
+    return histogram
+
+
+@needs_native
+@pytest.mark.parametrize("max_bin", [256, 17])
+@pytest.mark.parametrize("used", [None, (0, 1, 2, 4, 5)])
+def test_native_root_histogram_of_repeated_codes(max_bin, used):
+    """The root's pass alternates rows between two copies of the cells, so that rows sharing a
+    code do not wait on each other; the sums are the rows' (70,001 of them: blocks of 32,768, an
+    odd last one), with and without a column sample. With ``row_order`` the rows add in row
+    order, the channel kernel's: the float32 sums are exactly those of NumPy's adds in order."""
+    n_rows = 70_001
+    X_binned = repeated_codes(n_rows, max_bin)
+    rng = np.random.default_rng(6)
+    gradients = rng.normal(size=n_rows).astype(np.float32)
+    hessians = rng.uniform(0.0, 2.0, size=n_rows).astype(np.float32)
+    features_used = None if used is None else np.isin(np.arange(X_binned.shape[1]), used)
+    expected = naive_histogram(X_binned, np.zeros(n_rows, np.int32), gradients.astype(np.float64),
+                               hessians.astype(np.float64), 1, max_bin)
+    in_order = sequential_float32_histogram(X_binned, gradients, hessians, max_bin)
+    if features_used is not None:
+        expected[:, ~features_used] = in_order[:, ~features_used] = 0.0
+    arguments = (jnp.asarray(X_binned.T), jnp.zeros(n_rows, jnp.int32), jnp.asarray(gradients), jnp.asarray(hessians))
+    for row_order in (False, True):
+        build = jax.jit(partial(build_histogram, num_nodes=1, max_bin=max_bin, kernel="native", row_order=row_order,
+                                features_used=None if used is None else jnp.asarray(features_used)))
+        actual = np.asarray(build(*arguments))
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-3, err_msg=f"row order {row_order}")
+        if row_order:
+            np.testing.assert_array_equal(actual, in_order)
+
+
+@needs_native
+def test_native_root_histogram_of_repeated_codes_into_wider_cells():
+    """Pairs added into cells of four channels (the second pair into the first's result) alternate
+    a root's rows alike: each channel holds its sums."""
+    n_rows = 40_001
+    X_binned = repeated_codes(n_rows, 256)
+    rng = np.random.default_rng(7)
+    values = rng.normal(size=(4, n_rows)).astype(np.float32)
+    arguments = (jnp.asarray(X_binned.T), jnp.zeros(n_rows, jnp.int32))
+
+    @jax.jit
+    def four_channels(values):
+        first = build_histogram(*arguments, values[0], values[1], 1, 256, kernel="native", channels=4, channel=0)
+        return build_histogram(*arguments, values[2], values[3], 1, 256, kernel="native", channels=4, channel=2,
+                               into=first)
+
+    actual = np.asarray(four_channels(jnp.asarray(values)))
+    for pair in (0, 2):
+        expected = naive_histogram(X_binned, np.zeros(n_rows, np.int32), values[pair].astype(np.float64),
+                                   values[pair + 1].astype(np.float64), 1, 256)
+        np.testing.assert_allclose(actual[..., pair:pair + 2], expected, rtol=1e-5, atol=1e-3, err_msg=f"pair {pair}")
+
+
 @pytest.mark.parametrize("kernel,max_bin,threads,result_features", [
     pytest.param("native", 256, 1, 9, marks=needs_native), pytest.param("native", 64, 2, 12, marks=needs_native),
     ("xla", 64, 1, 12)])
