@@ -1348,12 +1348,14 @@ def _cpu_has_avx2() -> bool:
 @pytest.mark.parametrize("num_nodes,histogram_nodes,threads", [(1, None, 1), (6, None, 1), (16, 5, 2), (40, None, 1)])
 def test_routing_by_node_passes_matches_routing_a_row_at_a_time(monkeypatch, num_nodes, histogram_nodes, threads):
     """On AVX-512 (and AVX2), a level whose rows are in its first 16 nodes is routed sixteen (eight)
-    rows at a time by a pass a node: the children and the smaller children's sums are those of
-    routing one row at a time (JAXBOOST_ROUTE_SIMD=none), bit for bit, and NumPy's. The rows cover what the passes
-    treat apart: nodes out of range (negative, and past the level's nodes), missing codes, rows
-    of zero gradient and Hessian, a row count no multiple of 16, histograms of the first nodes
-    only, two threads, and more selected rows than a gathered block holds (32768); 40 nodes
-    route the blocks whose rows reach node 16 a row at a time."""
+    rows at a time by a pass a node, and on AVX-512 a block of rows in more than four nodes by
+    gathers (JAXBOOST_ROUTE_SIMD unset; =passes: passes alone): the children and the smaller
+    children's sums are those of routing one row at a time (JAXBOOST_ROUTE_SIMD=none), bit for
+    bit, and NumPy's. The rows cover what the passes and gathers treat apart: nodes out of range
+    (negative, and past the level's nodes), missing codes, rows of zero gradient and Hessian, a
+    row count no multiple of 16, histograms of the first nodes only, two threads, and more
+    selected rows than a gathered block holds (32768); with passes alone, 40 nodes route the
+    blocks whose rows reach node 16 a row at a time, with gathers by gathers."""
     from jaxboost.histogram import route_and_build_histogram
 
     n_rows, max_bin = 80_003, 64
@@ -1375,18 +1377,61 @@ def test_routing_by_node_passes_matches_routing_a_row_at_a_time(monkeypatch, num
     arguments = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
     levels = {k: jnp.asarray(v) for k, v in level.items()}
     results = {}
-    for choice in ("passes", "avx2", "none"):
-        monkeypatch.setenv("JAXBOOST_ROUTE_SIMD", choice)
+    for choice in ("gathers", "passes", "avx2", "none"):
+        if choice == "gathers":
+            monkeypatch.delenv("JAXBOOST_ROUTE_SIMD", raising=False)
+        else:
+            monkeypatch.setenv("JAXBOOST_ROUTE_SIMD", choice)
         route = jax.jit(partial(route_and_build_histogram, max_bin=max_bin, kernel="native", threads=threads,
                                 histogram_nodes=histogram_nodes))
         child, smaller = route(*arguments, **levels)
         results[choice] = (np.asarray(child), np.asarray(smaller))
     np.testing.assert_array_equal(results["passes"][0], expected_child)
-    np.testing.assert_array_equal(results["passes"][0], results["none"][0])
-    np.testing.assert_array_equal(results["passes"][1], results["none"][1])
-    np.testing.assert_array_equal(results["avx2"][0], results["none"][0])
-    np.testing.assert_array_equal(results["avx2"][1], results["none"][1])
+    for choice in ("gathers", "passes", "avx2"):
+        np.testing.assert_array_equal(results[choice][0], results["none"][0], err_msg=choice)
+        np.testing.assert_array_equal(results[choice][1], results["none"][1], err_msg=choice)
     np.testing.assert_allclose(results["passes"][1][:summed], expected[:summed], rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.skipif(not _cpu_has_avx2(), reason="rows are routed by gathers only on a CPU with AVX-512; elsewhere "
+                    "the route tests above check the other routings against NumPy")
+@pytest.mark.parametrize("num_nodes,n_features,route_only", [(24, 20, False), (40, 20, False), (64, 20, True),
+                                                             (40, 5, True), (6, 20, True)])
+def test_routing_by_gathers_reads_a_shared_table_as_a_row_at_a_time_does(monkeypatch, num_nodes, n_features,
+                                                                         route_only):
+    """Routing by gathers reads each row's code as the aligned 32-bit word that holds it: from a
+    code table shared with other rows (the local rows from column 3 on, so the words start
+    before a row's code), the children and the smaller children's sums are those of routing a
+    row at a time, bit for bit, and the children NumPy's. Levels of more than 32 nodes that read
+    16 columns or more route a row at a time with their prefetch, other levels by gathers; the
+    last level's routing alone (no node splits) goes by gathers whatever its nodes, its columns
+    prefetched when there are 16 or more."""
+    from jaxboost.histogram import route_and_build_histogram
+
+    n_rows, max_bin, offset = 20_011, 64, 3
+    X_binned, node_index, gradients, hessians, level = route_case(23, n_rows, n_features, num_nodes, max_bin)
+    X_binned[::5, 1] = max_bin - 1  # missing codes follow the default direction
+    level["splits"][:] = not route_only
+    table = np.random.default_rng(24).integers(0, max_bin, size=(n_features, offset + n_rows + 5)).astype(np.uint8)
+    table[:, offset:offset + n_rows] = X_binned.T
+    expected_child, _ = naive_route(X_binned, node_index, level, max_bin)
+    arguments = (jnp.asarray(table), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
+    levels = {k: jnp.asarray(v) for k, v in level.items()}
+    results = {}
+    for choice in ("gathers", "none"):
+        if choice == "gathers":
+            monkeypatch.delenv("JAXBOOST_ROUTE_SIMD", raising=False)
+        else:
+            monkeypatch.setenv("JAXBOOST_ROUTE_SIMD", choice)
+        route = jax.jit(partial(route_and_build_histogram, max_bin=max_bin, kernel="native",
+                                row_offset=jnp.int32(offset)))
+        child, smaller = route(*arguments, **levels)
+        results[choice] = (np.asarray(child), np.asarray(smaller))
+    np.testing.assert_array_equal(results["gathers"][0], expected_child)
+    np.testing.assert_array_equal(results["none"][0], expected_child)
+    if not route_only:
+        np.testing.assert_array_equal(results["gathers"][1], results["none"][1])
 
 
 @pytest.mark.parametrize("histogram_nodes", [None, 3])
