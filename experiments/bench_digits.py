@@ -13,17 +13,18 @@ softmax round can be read.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import jaxboost as jb  # noqa: E402
+from fits_in_turns import time_in_turns, turns_table  # noqa: E402
 
 
 def fits(rounds: int, depth: int, threads: int) -> dict:
@@ -56,27 +57,12 @@ def main() -> None:
     args = parser.parse_args()
     threads = jb.available_cpu_cores()
     functions = fits(args.rounds, args.depth, threads)
-    for function in functions.values():
-        function()  # warm-up: jaxboost compiles here
-    times = {name: [] for name in functions}
-    names = list(functions)
-    for turn in range(args.repeats):
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
-            start = time.perf_counter()
-            functions[name]()
-            times[name].append(time.perf_counter() - start)
-    xgboost = times["xgboost"]
+    times = time_in_turns(functions, args.repeats)
     print(f"- command: `python experiments/bench_digits.py --repeats {args.repeats} --rounds {args.rounds} "
           f"--depth {args.depth}`")
     print(f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; digits 1797 x 64, 10 classes, {args.rounds} rounds of "
           f"depth {args.depth}, {threads} threads; medians of {args.repeats} fits a library, taken in turns\n")
-    print("| library | ms a fit | ms a round | vs XGBoost | run by run: median (range) |")
-    print("|---|---|---|---|---|")
-    for name, spent in times.items():
-        ratios = [a / b for a, b in zip(spent, xgboost)]
-        print(f"| {name} | {1000 * statistics.median(spent):.0f} | {1000 * statistics.median(spent) / args.rounds:.2f} "
-              f"| {statistics.median(spent) / statistics.median(xgboost):.2f}x | {statistics.median(ratios):.2f}x "
-              f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+    print(turns_table(times, args.rounds))
 
 
 if __name__ == "__main__":
