@@ -122,7 +122,7 @@ struct CellChannels {
   // The bins whose cells are read after the passes (max_bin), the ones the passes zero. A
   // scratch buffer's slots past them, there for codes that valid data does not hold, are left
   // as they are: zeroing all 256 took a tenth of the children's passes on digits (17 bins; a
-  // softmax round 2.67-3.02 -> 2.59-2.94 ms, 8 alternating processes).
+  // softmax round 2.67-3.02 -> 2.59-2.94 ms, 8 alternating pairs of processes).
   int64_t read_bins = kCodeSlots;
 };
 
