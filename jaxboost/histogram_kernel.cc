@@ -166,12 +166,13 @@ template <int Group, bool Pairs>
 void AccumulateRootGroup(const uint8_t* const* feature_codes, const int64_t* feature_offset, const float* pairs,
                          int64_t count, CellChannels cells, float* hist) {
   const int64_t width = Pairs ? 2 : cells.width;  // a constant factor for pairs (see AccumulateGroup)
+  auto cell = [&](int k, int64_t j) {
+    return hist + feature_offset[k] + width * static_cast<int64_t>(feature_codes[k][j]);
+  };
   if (!cells.alternate_root_rows) {
     for (int64_t j = 0; j < count; ++j) {
 #pragma GCC unroll 8
-      for (int k = 0; k < Group; ++k) {
-        AddPair(hist + feature_offset[k] + width * static_cast<int64_t>(feature_codes[k][j]), pairs + 2 * j);
-      }
+      for (int k = 0; k < Group; ++k) AddPair(cell(k, j), pairs + 2 * j);
     }
     return;
   }
@@ -180,14 +181,12 @@ void AccumulateRootGroup(const uint8_t* const* feature_codes, const int64_t* fea
   for (; j + 1 < count; j += 2) {
 #pragma GCC unroll 8
     for (int k = 0; k < Group; ++k) {
-      AddPair(hist + feature_offset[k] + width * static_cast<int64_t>(feature_codes[k][j]), pairs + 2 * j);
+      AddPair(cell(k, j), pairs + 2 * j);
       AddPair(second + (k * kCodeSlots + static_cast<int64_t>(feature_codes[k][j + 1])) * 2, pairs + 2 * j + 2);
     }
   }
-  if (j < count) {
-    for (int k = 0; k < Group; ++k) {
-      AddPair(hist + feature_offset[k] + width * static_cast<int64_t>(feature_codes[k][j]), pairs + 2 * j);
-    }
+  if (j < count) {  // an odd last row, to the cells
+    for (int k = 0; k < Group; ++k) AddPair(cell(k, j), pairs + 2 * j);
   }
   for (int k = 0; k < Group; ++k) {
     float* cells = hist + feature_offset[k];
