@@ -66,7 +66,8 @@ Function ChooseForCpu(Function baseline) {
 
 // The kernels written with intrinsics (the predictor's walks, the route kernel's node passes):
 // the widest this CPU runs, unless the environment variable `variable` asks for a narrower one,
-// =avx2 or =none (to compare them, or to test them all on a machine that has them all).
+// =avx2 (or a value that starts with it, such as the route kernel's avx2-passes) or =none (to
+// compare them, or to test them all on a machine that has them all).
 enum class SimdKernel { kScalar, kAvx2, kAvx512 };
 
 SimdKernel ChooseSimdKernel(const char* variable) {
@@ -74,7 +75,8 @@ SimdKernel ChooseSimdKernel(const char* variable) {
   const std::string limit = asked == nullptr ? "" : asked;
 #ifdef JAXBOOST_X86_DISPATCH
   __builtin_cpu_init();
-  if (limit != "none" && limit != "avx2" && __builtin_cpu_supports("avx512f")) return SimdKernel::kAvx512;
+  const bool avx2_asked = limit.rfind("avx2", 0) == 0;
+  if (limit != "none" && !avx2_asked && __builtin_cpu_supports("avx512f")) return SimdKernel::kAvx512;
   if (limit != "none" && __builtin_cpu_supports("avx2")) return SimdKernel::kAvx2;
 #endif
   return SimdKernel::kScalar;
@@ -363,11 +365,13 @@ struct SplitsOfLevel {
   int64_t num_nodes;
   int64_t missing_bin;
   bool prefetch_codes;  // see PrefetchesCodes
-  // Node passes (`GatherRoutedByPasses`) on AVX-512 (and gathers, `packed`) or AVX2, else a
-  // row at a time (kScalar): ChooseSimdKernel("JAXBOOST_ROUTE_SIMD").
+  // Node passes and gathers (`packed`) on AVX-512 (`GatherRoutedByPasses`) or AVX2
+  // (`GatherRoutedByPassesAvx2`), else a row at a time (kScalar):
+  // ChooseSimdKernel("JAXBOOST_ROUTE_SIMD").
   SimdKernel route_kernel = SimdKernel::kScalar;
-  // Each node's split in one word for routing by gathers (`RouteBlockByGathers`, AVX-512):
-  // PackedSplits; null where the code table is too large for 32-bit gather offsets.
+  // Each node's split in one word for routing by gathers (`RouteBlockByGathers`, and
+  // `RouteBlockByGathersAvx2`): PackedSplits; null where the code table is too large for 32-bit
+  // gather offsets.
   const int32_t* packed = nullptr;
   // The columns the rows read (ReadColumns), which routing by gathers prefetches.
   const int32_t* columns = nullptr;
@@ -377,12 +381,14 @@ struct SplitsOfLevel {
 // A node's threshold bin (low byte) and flags in one word, read by one gather a row.
 constexpr int32_t kPackedDefaultLeft = 1 << 8, kPackedSplits = 1 << 9, kPackedLeftIsSmaller = 1 << 10;
 
-// The level's packed splits, or none (an empty vector): off AVX-512, with
-// JAXBOOST_ROUTE_SIMD=passes (node passes alone, to compare), or when a code's offset in the
-// table, feature * stride + row, could pass a 32-bit gather offset.
+// The level's packed splits, or none (an empty vector): off AVX2 and AVX-512, with
+// JAXBOOST_ROUTE_SIMD=passes or =avx2-passes (node passes alone, to compare), or when a code's
+// offset in the table, feature * stride + row, could pass a 32-bit gather offset.
 std::vector<int32_t> PackedSplits(const SplitsOfLevel& level, int64_t n_features, int64_t stride) {
   const char* asked = std::getenv("JAXBOOST_ROUTE_SIMD");
-  if (level.route_kernel != SimdKernel::kAvx512 || (asked != nullptr && std::string(asked) == "passes") ||
+  const std::string choice = asked == nullptr ? "" : asked;
+  const bool passes_alone = choice == "passes" || choice == "avx2-passes";
+  if (level.route_kernel == SimdKernel::kScalar || passes_alone ||
       n_features * stride + 64 > std::numeric_limits<int32_t>::max()) {
     return {};
   }
@@ -473,7 +479,7 @@ void RouteRows(const uint8_t* codes, int64_t stride, const int32_t* node_of_row,
 // rows; a model of the loop with one node, 0.7 by passes). A pass costs a few vector
 // instructions a block, so a block takes passes when its nodes are below kMaxRoutePasses (the
 // levels of a depth-6 tree; at 32, a depth-8 tree's fits were slower than one row at a time
-// for its deeper levels), else, on AVX-512, gathers (RouteBlockByGathers). The rows gathered,
+// for its deeper levels), else gathers (RouteBlockByGathers; RouteBlockByGathersAvx2). The rows gathered,
 // their order and every result are `RouteRow`'s: the trees are the same bit for bit.
 constexpr int64_t kMaxRoutePasses = 16;
 
@@ -644,19 +650,8 @@ void AccumulateFeatures(const HistogramProblem& p, int64_t feature_begin, int64_
 }
 
 #ifdef JAXBOOST_X86_DISPATCH
-// A block's selected rows (`bits`: one a row from row `first`, `nodes` theirs) gathered in order.
-inline __attribute__((always_inline)) void GatherSelected(unsigned bits, int64_t first, const int32_t* nodes,
-                                                          const HistogramProblem& p, GatheredRow* gathered,
-                                                          int64_t& count) {
-  for (; bits != 0; bits &= bits - 1) {
-    const int lane = __builtin_ctz(bits);
-    const int64_t row = first + lane;
-    gathered[count++] = GatheredRow{static_cast<int32_t>(row), nodes[lane], {p.gradients[row], p.hessians[row]}};
-  }
-}
-
-// GatherSelected from registers, on AVX-512: the selected rows' ids, nodes, gradients and
-// Hessians compressed to the front in order, interleaved into GatheredRow records, and the
+// A block's selected rows gathered from registers, on AVX-512: the selected rows' ids, nodes,
+// gradients and Hessians compressed to the front in order, interleaved into GatheredRow records, and the
 // block's 16 records stored whole (the caller leaves room for 16), of which the first
 // popcount(take) count. A row at a time from the mask's bits, the loop's exit mispredicted
 // about once a block, had cost more: CPU a depth-6 round of 800k rows x 28 features 54.5 ->
@@ -716,7 +711,7 @@ constexpr int64_t kGatherFromPasses = 4;
 constexpr int64_t kColumnPrefetchRows = 256;
 inline void PrefetchColumns(const HistogramProblem& p, int64_t i) {
   const SplitsOfLevel& level = *p.route;
-  if (!level.prefetch_codes || (i & 63) >= 16 || i + kColumnPrefetchRows >= p.n_rows) return;
+  if (!level.prefetch_codes || (i & 63) != 0 || i + kColumnPrefetchRows >= p.n_rows) return;
   for (int64_t c = 0; c < level.n_columns; ++c) {
     const uint8_t* line = p.codes + static_cast<int64_t>(level.columns[c]) * p.code_stride + i + kColumnPrefetchRows;
     asm volatile("prefetcht0 %0" : : "m"(*line));
@@ -839,8 +834,105 @@ __attribute__((target("avx512f"))) int64_t RouteRowsByGathers(const HistogramPro
   return i;
 }
 
-// GatherRoutedByPasses on AVX2: eight rows at a time, the masks vectors of 0 / -1 and the rows
-// gathered from their sign bits.
+// For each 8-bit mask, the lanes of its set bits in order, a byte each (the rest 0): AVX2 has no
+// compress instruction, so GatherSelectedAvx2 permutes by these.
+struct CompressLanes {
+  uint64_t lanes[256];
+  constexpr CompressLanes() : lanes() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int taken = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        if (mask & (1 << lane)) lanes[mask] |= static_cast<uint64_t>(lane) << (8 * taken++);
+      }
+    }
+  }
+};
+constexpr CompressLanes kCompressLanes;
+
+// GatherSelectedAvx512 on AVX2: the eight rows' selected ones (`take`, a bit a row) permuted to
+// the front and interleaved into GatheredRow records in registers, the block's 8 records
+// stored whole (the caller leaves room for 8), of which the first popcount(take) count. Against
+// a row at a time from the mask's bits: CPU a depth-6 round of 800k rows x 28 features, routed
+// by the AVX2 gathers on an AVX-512 host, 63.9 -> 60.9 ms (medians of 7 fits, alternating in
+// one process).
+__attribute__((target("avx2"))) inline void GatherSelectedAvx2(unsigned take, int64_t first, __m256i node,
+                                                               __m256 gradients, __m256 hessians,
+                                                               GatheredRow* gathered, int64_t& count) {
+  const __m256i order =
+      _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kCompressLanes.lanes[take & 0xFF])));
+  const __m256i row = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first)), order);
+  const __m256i in_node = _mm256_permutevar8x32_epi32(node, order);
+  const __m256i g = _mm256_castps_si256(_mm256_permutevar8x32_ps(gradients, order));
+  const __m256i h = _mm256_castps_si256(_mm256_permutevar8x32_ps(hessians, order));
+  // Per 128-bit lane, records 4k..4k+1 and 4k+2..4k+3 of the four fields, then the lanes in
+  // record order.
+  const __m256i row_node_low = _mm256_unpacklo_epi32(row, in_node), row_node_high = _mm256_unpackhi_epi32(row, in_node);
+  const __m256i pair_low = _mm256_unpacklo_epi32(g, h), pair_high = _mm256_unpackhi_epi32(g, h);
+  const __m256i records_0 = _mm256_unpacklo_epi64(row_node_low, pair_low);    // records 0, 4
+  const __m256i records_1 = _mm256_unpackhi_epi64(row_node_low, pair_low);    // 1, 5
+  const __m256i records_2 = _mm256_unpacklo_epi64(row_node_high, pair_high);  // 2, 6
+  const __m256i records_3 = _mm256_unpackhi_epi64(row_node_high, pair_high);  // 3, 7
+  __m256i* out = reinterpret_cast<__m256i*>(gathered + count);
+  _mm256_storeu_si256(out, _mm256_permute2x128_si256(records_0, records_1, 0x20));
+  _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(records_2, records_3, 0x20));
+  _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(records_0, records_1, 0x31));
+  _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(records_2, records_3, 0x31));
+  count += __builtin_popcount(take & 0xFF);
+}
+
+// The largest of eight lanes.
+__attribute__((target("avx2"))) inline int32_t LargestLane(__m256i v) {
+  __m256i m = _mm256_max_epi32(v, _mm256_permute2x128_si256(v, v, 1));
+  m = _mm256_max_epi32(m, _mm256_shuffle_epi32(m, 0x4E));
+  m = _mm256_max_epi32(m, _mm256_shuffle_epi32(m, 0xB1));
+  return _mm256_cvtsi256_si32(m);
+}
+
+// Whether each lane's packed split has `flag`: -1 or 0.
+__attribute__((target("avx2"))) inline __m256i HasFlag(__m256i packed, int32_t flag) {
+  const __m256i wanted = _mm256_set1_epi32(flag);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(packed, wanted), wanted);
+}
+
+// RouteBlockByGathers on AVX2: eight rows, the masks vectors of 0 / -1 (`in_range` given, `right`
+// and `take` returned). Every result is `RouteRow`'s.
+__attribute__((target("avx2"))) inline void RouteBlockByGathersAvx2(const HistogramProblem& p, int64_t i,
+                                                                    __m256i node, __m256i in_range, __m256i* right,
+                                                                    __m256i* take) {
+  const SplitsOfLevel& level = *p.route;
+  const __m256i safe_node = _mm256_and_si256(in_range, node);
+  const __m256i feature = _mm256_i32gather_epi32(level.feature, safe_node, 4);
+  const __m256i packed = _mm256_i32gather_epi32(level.packed, safe_node, 4);
+  // Offsets from the codes of row i; the words are aligned in memory, not to `p.codes`.
+  const uint8_t* base = p.codes + i;
+  const __m256i offset = _mm256_add_epi32(
+      _mm256_mullo_epi32(feature, _mm256_set1_epi32(static_cast<int32_t>(p.code_stride))),
+      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i misaligned = _mm256_and_si256(
+      _mm256_add_epi32(offset, _mm256_set1_epi32(static_cast<int32_t>(reinterpret_cast<uintptr_t>(base) & 3))),
+      _mm256_set1_epi32(3));
+  const __m256i word =
+      _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), _mm256_sub_epi32(offset, misaligned), 1);
+  const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(word, _mm256_slli_epi32(misaligned, 3)),
+                                        _mm256_set1_epi32(0xFF));
+  const __m256i is_missing = _mm256_cmpeq_epi32(code, _mm256_set1_epi32(static_cast<int32_t>(level.missing_bin)));
+  const __m256i greater = _mm256_cmpgt_epi32(code, _mm256_and_si256(packed, _mm256_set1_epi32(0xFF)));
+  const __m256i goes_right = _mm256_or_si256(_mm256_andnot_si256(HasFlag(packed, kPackedDefaultLeft), is_missing),
+                                             _mm256_andnot_si256(is_missing, greater));
+  const __m256i summed = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(p.summed_nodes)), node);
+  const __m256i smaller = _mm256_xor_si256(goes_right, HasFlag(packed, kPackedLeftIsSmaller));
+  *right = goes_right;
+  *take = _mm256_and_si256(_mm256_and_si256(in_range, HasFlag(packed, kPackedSplits)),
+                           _mm256_and_si256(summed, smaller));
+}
+
+// GatherRoutedByPasses on AVX2: eight rows at a time, the masks vectors of 0 / -1, by passes or
+// gathers as on AVX-512. Against passes alone (and a row at a time past them), the selected rows
+// written from the mask's bits, CPU a round on an AVX-512 host with JAXBOOST_ROUTE_SIMD=avx2
+// (the histogram passes AVX-512's either way): 800k rows x 28 features 68.3 -> 60.8 ms at depth
+// 6, 156.6 -> 145.7 at depth 10; nycflights13's 327k x 13 at depth 8 30.2 -> 26.5 (medians of
+// 5-7 fits, alternating in one process). Not measured on a CPU without AVX-512, whose gathers
+// may be slower.
 __attribute__((target("avx2"))) int64_t GatherRoutedByPassesAvx2(const HistogramProblem& p, int64_t start,
                                                                    int64_t end_row, int64_t block_rows,
                                                                    bool writes_children, GatheredRow* gathered,
@@ -851,28 +943,33 @@ __attribute__((target("avx2"))) int64_t GatherRoutedByPassesAvx2(const Histogram
   const __m256i none = _mm256_set1_epi32(-1);
   const __m256 zero = _mm256_setzero_ps();
   int64_t count = *count_out, i = start;
+  // Deep levels whose codes are prefetched a row ahead go a row at a time (kGatherFromPasses).
+  const bool gathers = level.packed != nullptr && !level.prefetch_codes;
   for (; i + 8 <= end_row && count + 8 <= block_rows; i += 8) {
     const __m256i node = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.node_of_row + i));
-    alignas(32) int32_t nodes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(nodes), node);
-    const int64_t passes = BlockPasses(*std::max_element(nodes, nodes + 8), level.num_nodes);
-    if (passes < 0) break;  // a deep level's rows: one at a time
+    const int64_t passes = BlockPasses(LargestLane(node), level.num_nodes);
     const __m256i in_range = _mm256_and_si256(_mm256_cmpgt_epi32(node, none), _mm256_cmpgt_epi32(slots, node));
     __m256i right = _mm256_setzero_si256(), take = _mm256_setzero_si256();
-    for (int64_t n = 0; n < passes; ++n) {
-      __m256i here = _mm256_cmpeq_epi32(node, _mm256_set1_epi32(static_cast<int32_t>(n)));
-      if (n == 0) here = _mm256_or_si256(here, _mm256_xor_si256(in_range, none));
-      if (_mm256_testz_si256(here, here)) continue;
-      const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(p.codes + static_cast<int64_t>(level.feature[n]) * p.code_stride + i)));
-      const __m256i is_missing = _mm256_cmpeq_epi32(code, missing);
-      const __m256i greater = _mm256_cmpgt_epi32(code, _mm256_set1_epi32(level.threshold_bin[n]));
-      const __m256i goes_right = _mm256_or_si256(level.default_left[n] ? _mm256_setzero_si256() : is_missing,
-                                                 _mm256_andnot_si256(is_missing, greater));
-      right = _mm256_or_si256(right, _mm256_and_si256(here, goes_right));
-      if (level.splits[n] && n < p.summed_nodes) {
-        const __m256i smaller = level.left_is_smaller[n] ? _mm256_xor_si256(goes_right, none) : goes_right;
-        take = _mm256_or_si256(take, _mm256_and_si256(_mm256_and_si256(here, in_range), smaller));
+    if (gathers && (passes < 0 || passes > kGatherFromPasses)) {
+      RouteBlockByGathersAvx2(p, i, node, in_range, &right, &take);
+    } else if (passes < 0) {
+      break;  // a deep level's rows: one at a time
+    } else {
+      for (int64_t n = 0; n < passes; ++n) {
+        __m256i here = _mm256_cmpeq_epi32(node, _mm256_set1_epi32(static_cast<int32_t>(n)));
+        if (n == 0) here = _mm256_or_si256(here, _mm256_xor_si256(in_range, none));
+        if (_mm256_testz_si256(here, here)) continue;
+        const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(p.codes + static_cast<int64_t>(level.feature[n]) * p.code_stride + i)));
+        const __m256i is_missing = _mm256_cmpeq_epi32(code, missing);
+        const __m256i greater = _mm256_cmpgt_epi32(code, _mm256_set1_epi32(level.threshold_bin[n]));
+        const __m256i goes_right = _mm256_or_si256(level.default_left[n] ? _mm256_setzero_si256() : is_missing,
+                                                   _mm256_andnot_si256(is_missing, greater));
+        right = _mm256_or_si256(right, _mm256_and_si256(here, goes_right));
+        if (level.splits[n] && n < p.summed_nodes) {
+          const __m256i smaller = level.left_is_smaller[n] ? _mm256_xor_si256(goes_right, none) : goes_right;
+          take = _mm256_or_si256(take, _mm256_and_si256(_mm256_and_si256(here, in_range), smaller));
+        }
       }
     }
     if (writes_children) {  // right is -1 where a row goes right: 2 node - (-1)
@@ -880,12 +977,31 @@ __attribute__((target("avx2"))) int64_t GatherRoutedByPassesAvx2(const Histogram
                           _mm256_sub_epi32(_mm256_add_epi32(node, node), right));
     }
     if (_mm256_testz_si256(take, take)) continue;
-    const __m256 nonzero = _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(p.gradients + i), zero, _CMP_NEQ_UQ),
-                                        _mm256_cmp_ps(_mm256_loadu_ps(p.hessians + i), zero, _CMP_NEQ_UQ));
+    const __m256 gradients = _mm256_loadu_ps(p.gradients + i), hessians = _mm256_loadu_ps(p.hessians + i);
+    const __m256 nonzero = _mm256_or_ps(_mm256_cmp_ps(gradients, zero, _CMP_NEQ_UQ),
+                                        _mm256_cmp_ps(hessians, zero, _CMP_NEQ_UQ));
     const unsigned selected = static_cast<unsigned>(_mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(take), nonzero)));
-    GatherSelected(selected, i, nodes, p, gathered, count);
+    GatherSelectedAvx2(selected, i, node, gradients, hessians, gathered, count);
   }
   *count_out = count;
+  return i;
+}
+
+// RouteRowsByGathers on AVX2: eight rows at a time.
+__attribute__((target("avx2"))) int64_t RouteRowsByGathersAvx2(const HistogramProblem& p) {
+  const __m256i slots = _mm256_set1_epi32(static_cast<int32_t>(p.route->num_nodes));
+  const __m256i none = _mm256_set1_epi32(-1);
+  int64_t i = 0;
+  for (; i + 8 <= p.n_rows; i += 8) {
+    const __m256i node = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.node_of_row + i));
+    __m256i right, take;
+    PrefetchColumns(p, i);
+    RouteBlockByGathersAvx2(p, i, node,
+                            _mm256_and_si256(_mm256_cmpgt_epi32(node, none), _mm256_cmpgt_epi32(slots, node)),
+                            &right, &take);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.child_of_row + i),
+                        _mm256_sub_epi32(_mm256_add_epi32(node, node), right));
+  }
   return i;
 }
 #endif
@@ -1161,7 +1277,9 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
     // cell is written (`WritesNode`).
     int64_t first = 0;
 #ifdef JAXBOOST_X86_DISPATCH
-    if (level.packed != nullptr) first = RouteRowsByGathers(problem);
+    if (level.packed != nullptr) {
+      first = level.route_kernel == SimdKernel::kAvx512 ? RouteRowsByGathers(problem) : RouteRowsByGathersAvx2(problem);
+    }
 #endif
     RouteRows(local.codes, local.stride, node_of_row.typed_data(), level, first, n_rows, child_of_row->typed_data());
     return ffi::Error::Success();

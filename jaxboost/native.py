@@ -16,9 +16,9 @@ it; the prediction kernel also holds AVX2 and AVX-512 versions, compiled for tho
 sets alone and chosen at run time by what the CPU has. ``JAXBOOST_PREDICT_SIMD=avx2`` or
 ``=none`` asks for a narrower one (to compare them, or to test them all on one machine). The
 route kernel routes a level's rows by node passes, sixteen rows at a time on AVX-512 and eight
-on AVX2, and on AVX-512 by gathers where a block's rows lie in more than a few nodes;
-``JAXBOOST_ROUTE_SIMD=passes`` (no gathers), ``=avx2`` or ``=none`` (one row at a time) narrows
-that choice, the same results.
+on AVX2, and by gathers where a block's rows lie in more than a few nodes;
+``JAXBOOST_ROUTE_SIMD=passes`` (no gathers), ``=avx2``, ``=avx2-passes`` or ``=none`` (one row at
+a time) narrows that choice, the same results.
 """
 
 from __future__ import annotations

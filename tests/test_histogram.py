@@ -1348,10 +1348,10 @@ def _cpu_has_avx2() -> bool:
 @pytest.mark.parametrize("num_nodes,histogram_nodes,threads", [(1, None, 1), (6, None, 1), (16, 5, 2), (40, None, 1)])
 def test_routing_by_node_passes_matches_routing_a_row_at_a_time(monkeypatch, num_nodes, histogram_nodes, threads):
     """On AVX-512 (and AVX2), a level whose rows are in its first 16 nodes is routed sixteen (eight)
-    rows at a time by a pass a node, and on AVX-512 a block of rows in more than four nodes by
-    gathers (JAXBOOST_ROUTE_SIMD unset; =passes: passes alone): the children and the smaller
-    children's sums are those of routing one row at a time (JAXBOOST_ROUTE_SIMD=none), bit for
-    bit, and NumPy's. The rows cover what the passes and gathers treat apart: nodes out of range
+    rows at a time by a pass a node, and a block of rows in more than four nodes by gathers
+    (JAXBOOST_ROUTE_SIMD unset, or =avx2; =passes and =avx2-passes: passes alone): the children
+    and the smaller children's sums are those of routing one row at a time
+    (JAXBOOST_ROUTE_SIMD=none), bit for bit, and NumPy's. The rows cover what the passes and gathers treat apart: nodes out of range
     (negative, and past the level's nodes), missing codes, rows of zero gradient and Hessian, a
     row count no multiple of 16, histograms of the first nodes only, two threads, and more
     selected rows than a gathered block holds (32768); with passes alone, 40 nodes route the
@@ -1377,7 +1377,7 @@ def test_routing_by_node_passes_matches_routing_a_row_at_a_time(monkeypatch, num
     arguments = (jnp.asarray(X_binned.T), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
     levels = {k: jnp.asarray(v) for k, v in level.items()}
     results = {}
-    for choice in ("gathers", "passes", "avx2", "none"):
+    for choice in ("gathers", "passes", "avx2", "avx2-passes", "none"):
         if choice == "gathers":
             monkeypatch.delenv("JAXBOOST_ROUTE_SIMD", raising=False)
         else:
@@ -1387,15 +1387,15 @@ def test_routing_by_node_passes_matches_routing_a_row_at_a_time(monkeypatch, num
         child, smaller = route(*arguments, **levels)
         results[choice] = (np.asarray(child), np.asarray(smaller))
     np.testing.assert_array_equal(results["passes"][0], expected_child)
-    for choice in ("gathers", "passes", "avx2"):
+    for choice in ("gathers", "passes", "avx2", "avx2-passes"):
         np.testing.assert_array_equal(results[choice][0], results["none"][0], err_msg=choice)
         np.testing.assert_array_equal(results[choice][1], results["none"][1], err_msg=choice)
     np.testing.assert_allclose(results["passes"][1][:summed], expected[:summed], rtol=1e-5, atol=1e-4)
 
 
 @needs_native
-@pytest.mark.skipif(not _cpu_has_avx2(), reason="rows are routed by gathers only on a CPU with AVX-512; elsewhere "
-                    "the route tests above check the other routings against NumPy")
+@pytest.mark.skipif(not _cpu_has_avx2(), reason="rows are routed by gathers only on a CPU with AVX2 or AVX-512; "
+                    "elsewhere the route tests above check the other routings against NumPy")
 @pytest.mark.parametrize("num_nodes,n_features,route_only", [(24, 20, False), (40, 20, False), (64, 20, True),
                                                              (40, 5, True), (6, 20, True)])
 def test_routing_by_gathers_reads_a_shared_table_as_a_row_at_a_time_does(monkeypatch, num_nodes, n_features,
@@ -1419,7 +1419,7 @@ def test_routing_by_gathers_reads_a_shared_table_as_a_row_at_a_time_does(monkeyp
     arguments = (jnp.asarray(table), jnp.asarray(node_index), jnp.asarray(gradients), jnp.asarray(hessians))
     levels = {k: jnp.asarray(v) for k, v in level.items()}
     results = {}
-    for choice in ("gathers", "none"):
+    for choice in ("gathers", "avx2", "none"):
         if choice == "gathers":
             monkeypatch.delenv("JAXBOOST_ROUTE_SIMD", raising=False)
         else:
@@ -1428,10 +1428,11 @@ def test_routing_by_gathers_reads_a_shared_table_as_a_row_at_a_time_does(monkeyp
                                 row_offset=jnp.int32(offset)))
         child, smaller = route(*arguments, **levels)
         results[choice] = (np.asarray(child), np.asarray(smaller))
-    np.testing.assert_array_equal(results["gathers"][0], expected_child)
-    np.testing.assert_array_equal(results["none"][0], expected_child)
+    for choice in ("gathers", "avx2", "none"):
+        np.testing.assert_array_equal(results[choice][0], expected_child, err_msg=choice)
     if not route_only:
-        np.testing.assert_array_equal(results["gathers"][1], results["none"][1])
+        for choice in ("gathers", "avx2"):
+            np.testing.assert_array_equal(results[choice][1], results["none"][1], err_msg=choice)
 
 
 @pytest.mark.parametrize("histogram_nodes", [None, 3])
