@@ -68,6 +68,88 @@ def test_leaf_value_minimises_objective_and_gain_is_objective_drop(name):
     np.testing.assert_allclose(gain, drop, rtol=1e-4, atol=1e-4)
 
 
+# Penalties whose Newton steps need the safeguards, with their derivatives in NumPy for a
+# float64 reference (the library takes them by autodiff).
+_HARD_PENALTIES = {
+    "smooth_l1": (lambda w, p: 1.5 * (jnp.sqrt(w * w + 0.01) - 0.1), lambda w: 1.5 * w / np.sqrt(w * w + 0.01), 0.0, 0.0),
+    "smooth_l1_lambda_l1": (lambda w, p: 1.5 * (jnp.sqrt(w * w + 0.01) - 0.1),
+                            lambda w: 1.5 * w / np.sqrt(w * w + 0.01), 1.0, 0.5),
+    "sharp_smooth_l1": (lambda w, p: 1.5 * (jnp.sqrt(w * w + 1e-6) - 1e-3), lambda w: 1.5 * w / np.sqrt(w * w + 1e-6),
+                        1.0, 0.0),
+    "quartic": (lambda w, p: 0.1 * w ** 4, lambda w: 0.4 * w ** 3, 0.0, 0.0),
+    "prior_l1": (lambda w, p: 0.5 * (w - 0.3) ** 2, lambda w: w - 0.3, 0.0, 0.5),
+}
+
+
+def _bisected_leaf_values(G, H, derivative, reg_lambda, reg_alpha):
+    """The minimisers of G w + 1/2 (H + lambda) w^2 + alpha |w| + penalty(w) in float64: 200
+    bisections of the rising derivative on [-300, 300]."""
+    G, H = G.astype(np.float64), H.astype(np.float64)
+    lower, upper = np.full_like(G, -300.0), np.full_like(G, 300.0)
+    for _ in range(200):
+        middle = 0.5 * (lower + upper)
+        slope = G + (H + reg_lambda) * middle + derivative(middle) + reg_alpha * np.sign(middle)
+        lower, upper = np.where(slope < 0, middle, lower), np.where(slope > 0, middle, upper)
+        lower, upper = np.where(slope == 0, middle, lower), np.where(slope == 0, middle, upper)
+    w = 0.5 * (lower + upper)
+    return np.where(np.abs(G + derivative(np.zeros_like(G))) <= reg_alpha, 0.0, w)
+
+
+def _large_sums(seed: int, lowest_hessian: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """100k candidates' sums, as large as a node's grow with its rows: G ~ N(0, 30), H in
+    [lowest_hessian, 50]."""
+    rng = np.random.default_rng(seed)
+    return rng.normal(0, 30, 100_000).astype(np.float32), rng.uniform(lowest_hessian, 50, 100_000).astype(np.float32)
+
+
+def _hard_regularizer(name: str):
+    penalty, _, reg_lambda, reg_alpha = _HARD_PENALTIES[name]
+    return jb.regularizers.custom(penalty, reg_lambda=reg_lambda, reg_alpha=reg_alpha)
+
+
+@pytest.mark.parametrize("name", sorted(_HARD_PENALTIES))
+def test_custom_penalty_leaf_values_reach_the_minimiser_for_large_sums(name):
+    """A custom penalty's leaf values (smooth L1, a sharp one, quartic, a prior with L1) for
+    large sums are the float64 minimiser's to float32 precision. Newton steps safeguarded by the
+    bracket alone had left some of them off by more than their size after their 30 steps."""
+    _, derivative, reg_lambda, reg_alpha = _HARD_PENALTIES[name]
+    G, H = _large_sums(5)
+    reg = _hard_regularizer(name)
+    w = np.asarray(jax.jit(lambda g, h: leaf_value(g, h, reg))(G, H))
+    expected = _bisected_leaf_values(G, H, derivative, reg_lambda, reg_alpha)
+    np.testing.assert_allclose(w, expected, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", sorted(_HARD_PENALTIES))
+def test_custom_penalty_steps_stop_early_at_the_same_values(monkeypatch, name):
+    """On a CPU the Newton steps stop once a step changes nothing: the leaf values are those of
+    all 30 steps (as other platforms run them), bit for bit."""
+    from jaxboost import regularizer
+
+    G, H = _large_sums(6, lowest_hessian=0.0)
+    reg = _hard_regularizer(name)
+    early = np.asarray(jax.jit(lambda g, h: leaf_value(g, h, reg))(G, H))
+    monkeypatch.setattr(regularizer, "per_platform", lambda *args, cpu, default: default(*args))
+    every = np.asarray(jax.jit(lambda g, h: leaf_value(g, h, reg))(G, H))
+    np.testing.assert_array_equal(early.view(np.int32), every.view(np.int32))
+
+
+def test_custom_penalty_newton_steps_settle_early():
+    """The Newton steps of every candidate stop together once none changes: on 100k candidates
+    of large sums a quadratic prior settles within 10 steps of the 30, with an L1 term too (its
+    leaves at 0 take no steps), and a quartic within 20 (Newton's steps creep toward its root
+    from afar; a bisection closes in faster)."""
+    from jaxboost.regularizer import PENALTY_NEWTON_STEPS, _unbounded_leaf_value
+
+    G, H = _large_sums(5)
+    regularizers = {"prior": jb.regularizers.custom(_HARD_PENALTIES["prior_l1"][0]),
+                    "prior_l1": _hard_regularizer("prior_l1"), "quartic": _hard_regularizer("quartic")}
+    for name, limit in {"prior": 10, "prior_l1": 10, "quartic": 20}.items():
+        reg = regularizers[name]
+        steps = int(jax.jit(lambda g, h: _unbounded_leaf_value(g, h, reg)[1])(G, H))
+        assert 1 <= steps <= limit < PENALTY_NEWTON_STEPS, (name, steps)
+
+
 def test_prior_penalty_has_its_closed_form():
     reg = REGULARIZERS["prior"]
     G, H = jnp.asarray([-3.0, 0.0, 2.0]), jnp.asarray([1.0, 2.0, 4.0])
