@@ -28,10 +28,12 @@ def time_in_turns(fits: dict[str, Callable[[], object]], repeats: int) -> dict[s
     return times
 
 
-def turns_table(times: dict[str, list[float]], rounds: int, reference: str = "xgboost") -> str:
+def turns_table(times: dict[str, list[float]], rounds: int, reference: str = "xgboost",
+                reference_label: str = "XGBoost", first_column: str = "library") -> str:
     """The markdown table of ``time_in_turns``'s result, ratios to ``reference``'s fits."""
     base = times[reference]
-    lines = ["| library | ms a fit | ms a round | vs XGBoost | run by run: median (range) |", "|---|---|---|---|---|"]
+    lines = [f"| {first_column} | ms a fit | ms a round | vs {reference_label} | run by run: median (range) |",
+             "|---|---|---|---|---|"]
     for name, spent in times.items():
         ratios = [a / b for a, b in zip(spent, base)]
         median = statistics.median(spent)
