@@ -25,7 +25,7 @@ monotone constraints.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,8 @@ from .histogram import cumulative_over_bins, first_maximum
 from .native import (SCALAR_SPLIT_SCAN_TARGET, VECTOR_SPLIT_SCAN_TARGET, as_varying_as, available_native_target,
                      per_platform)
 from .regularizer import (MAX_FULL_TO_DIAGONAL_SCORE, PSD_TOLERANCE, Regularization, VectorLeaves, leaf_value,
-                          node_score, split_loss_change, value_and_score, vector_value_and_score)
+                          node_score, node_score_bounds, split_loss_change, value_and_score,
+                          vector_value_and_score)
 
 
 class SplitChoice(NamedTuple):
@@ -119,9 +120,87 @@ def _unravel_valid_index(flat: jax.Array, shape: tuple[int, ...]) -> tuple[jax.A
     return (flat, *reversed(indices))
 
 
+# Candidates a node that a custom penalty's split scan solves exactly (_best_of_contenders), and
+# the rounding allowed for in its bounds, relative to the sizes of their terms (float32's epsilon
+# is 1.2e-7).
+CONTENDERS_PER_NODE = 15  # top_k of 16
+BOUND_ROUNDING = 1e-5
+
+
+def _best_of_contenders(lefts: list, node_total: jax.Array, channels: Callable, feature_allowed: jax.Array,
+                        min_child_weight: jax.Array, parent_score: jax.Array, split_cost: jax.Array,
+                        reg: Regularization, scanned: Callable[[], tuple]) -> tuple[jax.Array, jax.Array]:
+    """``first_maximum`` of a custom penalty's gains ``(K, d, dirs, B-1)``, solving few of them.
+
+    Every candidate's gain is first bounded above cheaply (``node_score_bounds``: one tangent of
+    the penalty a side, where the exact gain takes Newton steps until the slowest candidate
+    settles). The CONTENDERS_PER_NODE candidates of highest bounds are solved as the full scan
+    solves them, the first of their maximum winning, if the next candidate's bound is below
+    that maximum: no other candidate can then reach it. A candidate that repeats the one before
+    it is never needed. Otherwise (close gains, bounds that are not numbers) every candidate is
+    solved (``scanned``). The same split and gain either way. The penalty must be convex, as
+    ``jb.regularizers.custom`` asks."""
+    num_nodes = node_total.shape[0]
+    sides = []
+    for left in lefts:
+        left_gradients, left_hessians, left_weight = channels(left)
+        right_gradients, right_hessians, right_weight = channels(node_total - left)
+        valid = (feature_allowed[:, :, None] & (left_weight >= min_child_weight) & (right_weight >= min_child_weight)
+                 & (left_weight > 0) & (right_weight > 0))
+        sides.append((left_gradients, left_hessians, right_gradients, right_hessians, valid))
+    # (K, d, dirs, B-1), as the full scan lays out its gains.
+    left_gradients, left_hessians, right_gradients, right_hessians, valid = (
+        jnp.stack(parts, axis=2) for parts in zip(*sides))
+    parent = parent_score[:, :, :, None]
+    cost = split_cost[:, :, :, None] if split_cost.ndim == 3 else split_cost  # (1, d, 1) per feature
+    left_upper, left_size = node_score_bounds(left_gradients, left_hessians, reg)
+    right_upper, right_size = node_score_bounds(right_gradients, right_hessians, reg)
+    margin = BOUND_ROUNDING * (left_size + right_size + jnp.abs(parent) + jnp.abs(cost))
+    upper = (left_upper + right_upper - parent - cost + margin).reshape(num_nodes, -1)
+    valid = jnp.broadcast_to(valid, left_gradients.shape).reshape(num_nodes, -1)
+    # A candidate past an empty bin repeats the one before it, sums and gain, and the first of
+    # the two wins their tie: the repeats need no solving (a node of few rows has runs of them).
+    repeats = jnp.concatenate(
+        [jnp.zeros(left_gradients.shape[:-1] + (1,), bool),
+         (left_gradients[..., 1:] == left_gradients[..., :-1]) & (left_hessians[..., 1:] == left_hessians[..., :-1])],
+        axis=-1).reshape(num_nodes, -1)
+    # The upper bounds are read once, by top_k (XLA fuses their computation into every reader):
+    # -inf for the candidates that need no solving, +inf where a bound is NaN (solved, or, with
+    # more of them than the solved ones, sending the chunk to the full scan).
+    key = jnp.where(valid & ~repeats, jnp.where(jnp.isnan(upper), jnp.inf, upper), -jnp.inf)
+    # Their indices alone, not sliced: with its values read, or its indices sliced, XLA's CPU
+    # compiler made top_k a whole sort of the candidates.
+    _, chosen = jax.lax.top_k(key, CONTENDERS_PER_NODE + 1)  # (K, M + 1), largest first
+    nodes = jnp.arange(num_nodes)[:, None]
+    bound = key[nodes, chosen]
+    # The first M are solved; the last one's bound is the highest left unsolved.
+    solved_slot = jnp.arange(CONTENDERS_PER_NODE + 1) < CONTENDERS_PER_NODE
+    next_bound = jnp.max(jnp.where(solved_slot, -jnp.inf, bound), axis=1)
+
+    def at_chosen(array):
+        return jnp.broadcast_to(array, left_gradients.shape).reshape(num_nodes, -1)[nodes, chosen]
+
+    loss_change = split_loss_change(at_chosen(left_gradients), at_chosen(left_hessians), at_chosen(right_gradients),
+                                    at_chosen(right_hessians), reg, at_chosen(parent))
+    counted = solved_slot & (bound > -jnp.inf)
+    gains = jnp.where(counted, loss_change - at_chosen(cost), -jnp.inf)
+    best_value = jnp.max(gains, axis=1)
+    # The first flat index among those that reach the maximum; with no valid candidate (all
+    # -inf), index 0, as first_maximum gives.
+    at_maximum = (gains == best_value[:, None]) & counted
+    best = jnp.min(jnp.where(at_maximum, chosen, key.shape[1]), axis=1)
+    best = jnp.where(best < key.shape[1], best, 0).astype(jnp.int32)
+    # No candidate left unsolved can reach the best solved gain (a tie would need the first of
+    # them): the bound of the next one is below it, or no candidate is valid.
+    settled = (next_bound < best_value) | (bound[:, 0] == -jnp.inf)
+    solved = jnp.all(settled) & ~jnp.any(jnp.isnan(gains))
+    return jax.lax.cond(solved, lambda: (best, best_value), scanned)
+
+
 def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                      min_child_weight: jax.Array, bounds: NodeBounds | None = None,
-                     leaves: VectorLeaves | None = None, missing_values: bool = True) -> SplitChoice:
+                     leaves: VectorLeaves | None = None, missing_values: bool = True,
+                     prune: bool = True) -> SplitChoice:
     """Best split per node.
 
     Args:
@@ -135,6 +214,8 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
       missing_values: False when no training row has a missing value. Every missing bin is then
         empty, both directions score exactly alike, and only "missing goes left" (the tie rule's
         choice) is scanned: the same split for half the candidates.
+      prune: for a custom penalty (scalar leaves, unbounded), solve only the candidates that
+        can win (``_best_of_contenders``); False: every candidate. The same split either way.
     """
     num_nodes, n_features, max_bin, _ = histograms.shape
     n_value_bins = max_bin - 1
@@ -205,14 +286,21 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         lefts = [jnp.concatenate([left, node_total], axis=2) for left in lefts]
     # (K, d, dirs, B-1), or (K, d, B-1) for one direction; first_maximum reads it as it is
     # (see there: merged into one axis, the gains were not vectorised).
-    if not missing_values:
-        loss_change = gains(lefts[0])
-    elif leaves is not None:
-        # Vector leaves: both directions in one solve (see vector_children).
-        loss_change = jnp.moveaxis(gains(jnp.stack(lefts)), 0, 2)
+    def scanned():
+        if not missing_values:
+            loss_change = gains(lefts[0])
+        elif leaves is not None:
+            # Vector leaves: both directions in one solve (see vector_children).
+            loss_change = jnp.moveaxis(gains(jnp.stack(lefts)), 0, 2)
+        else:
+            loss_change = jnp.stack([gains(left) for left in lefts], axis=2)
+        return first_maximum(loss_change)
+
+    if leaves is None and bounds is None and reg.penalty is not None and reg.bounds_leaves is False and prune:
+        best, best_value = _best_of_contenders(lefts, node_total, channels, feature_allowed, min_child_weight,
+                                               parent_score, split_cost, reg, scanned)
     else:
-        loss_change = jnp.stack([gains(left) for left in lefts], axis=2)
-    best, best_value = first_maximum(loss_change)
+        best, best_value = scanned()
     # The flat index is a valid one (0 <= best < its size): unsigned, its unravelling and the
     # gathers below skip jnp's handling of negative and out-of-range indices, code that every
     # fusion reading the winner had repeated.
