@@ -297,8 +297,12 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         return first_maximum(loss_change)
 
     if leaves is None and bounds is None and reg.penalty is not None and reg.bounds_leaves is False and prune:
-        best, best_value = _best_of_contenders(lefts, node_total, channels, feature_allowed, min_child_weight,
-                                               parent_score, split_cost, reg, scanned)
+        # On a CPU; elsewhere the full scan, as before (a GPU's conditional reads its predicate
+        # back to the host, not measured against the solves it would save there).
+        best, best_value = per_platform(
+            cpu=lambda: _best_of_contenders(lefts, node_total, channels, feature_allowed, min_child_weight,
+                                            parent_score, split_cost, reg, scanned),
+            default=scanned)
     else:
         best, best_value = scanned()
     # The flat index is a valid one (0 <= best < its size): unsigned, its unravelling and the
