@@ -127,8 +127,7 @@ CONTENDERS_PER_NODE = 15  # top_k of 16
 BOUND_ROUNDING = 1e-5
 
 
-def _best_of_contenders(lefts: list, node_total: jax.Array, channels: Callable, feature_allowed: jax.Array,
-                        min_child_weight: jax.Array, parent_score: jax.Array, split_cost: jax.Array,
+def _best_of_contenders(lefts: list, children: Callable, parent_score: jax.Array, split_cost: jax.Array,
                         reg: Regularization, scanned: Callable[[], tuple]) -> tuple[jax.Array, jax.Array]:
     """``first_maximum`` of a custom penalty's gains ``(K, d, dirs, B-1)``, solving few of them.
 
@@ -140,17 +139,11 @@ def _best_of_contenders(lefts: list, node_total: jax.Array, channels: Callable, 
     it is never needed. Otherwise (close gains, bounds that are not numbers) every candidate is
     solved (``scanned``). The same split and gain either way. The penalty must be convex, as
     ``jb.regularizers.custom`` asks."""
-    num_nodes = node_total.shape[0]
-    sides = []
-    for left in lefts:
-        left_gradients, left_hessians, left_weight = channels(left)
-        right_gradients, right_hessians, right_weight = channels(node_total - left)
-        valid = (feature_allowed[:, :, None] & (left_weight >= min_child_weight) & (right_weight >= min_child_weight)
-                 & (left_weight > 0) & (right_weight > 0))
-        sides.append((left_gradients, left_hessians, right_gradients, right_hessians, valid))
-    # (K, d, dirs, B-1), as the full scan lays out its gains.
+    num_nodes = parent_score.shape[0]
+    # (K, d, dirs, B-1), as the full scan lays out its gains (``children`` of each direction's
+    # left sums ``lefts``).
     left_gradients, left_hessians, right_gradients, right_hessians, valid = (
-        jnp.stack(parts, axis=2) for parts in zip(*sides))
+        jnp.stack(parts, axis=2) for parts in zip(*(children(left) for left in lefts)))
     parent = parent_score[:, :, :, None]
     cost = split_cost[:, :, :, None] if split_cost.ndim == 3 else split_cost  # (1, d, 1) per feature
     left_upper, left_size = node_score_bounds(left_gradients, left_hessians, reg)
@@ -247,16 +240,22 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         return vector_value_and_score(jnp.stack([left_gradients, right_gradients]),
                                       jnp.stack([left_hessians, right_hessians]), reg, leaves, active)
 
-    def gains(left: jax.Array) -> jax.Array:
-        """``loss_chg`` of every threshold ``(K, d, B-1)`` (-inf where the candidate is not
-        allowed) from the left children's running sums ``left``, missing values sent one way
-        (a leading axis: several ways). Each direction is computed whole, so the children's
-        sums are never stored for every candidate: the winner's are recomputed below."""
+    def children(left: jax.Array) -> tuple[jax.Array, ...]:
+        """The candidates' (left gradients, left Hessians, right gradients, right Hessians)
+        from the left children's running sums ``left``, and whether each is a valid split."""
         left_gradients, left_hessians, left_weight = channels(left)
         right_gradients, right_hessians, right_weight = channels(node_total - left)
         valid = (feature_allowed[:, :, None]
                  & (left_weight >= min_child_weight) & (right_weight >= min_child_weight)
                  & (left_weight > 0) & (right_weight > 0))
+        return left_gradients, left_hessians, right_gradients, right_hessians, valid
+
+    def gains(left: jax.Array) -> jax.Array:
+        """``loss_chg`` of every threshold ``(K, d, B-1)`` (-inf where the candidate is not
+        allowed) from the left children's running sums ``left``, missing values sent one way
+        (a leading axis: several ways). Each direction is computed whole, so the children's
+        sums are never stored for every candidate: the winner's are recomputed below."""
+        left_gradients, left_hessians, right_gradients, right_hessians, valid = children(left)
         if leaves is not None:
             # Only valid candidates' scores are read, and the last left side's (the node's own).
             node_itself = jnp.arange(valid.shape[-1]) == valid.shape[-1] - 1
@@ -300,8 +299,7 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         # On a CPU; elsewhere the full scan, as before (a GPU's conditional reads its predicate
         # back to the host, not measured against the solves it would save there).
         best, best_value = per_platform(
-            cpu=lambda: _best_of_contenders(lefts, node_total, channels, feature_allowed, min_child_weight,
-                                            parent_score, split_cost, reg, scanned),
+            cpu=lambda: _best_of_contenders(lefts, children, parent_score, split_cost, reg, scanned),
             default=scanned)
     else:
         best, best_value = scanned()
