@@ -171,13 +171,20 @@ def clip_leaf_value(w: jax.Array, reg: Regularization, lower=None, upper=None) -
     return jnp.clip(w, lower, upper)
 
 
-def _unbounded_leaf_value(sum_gradients, sum_hessians, reg: Regularization) -> tuple[jax.Array, jax.Array]:
-    """The minimiser of ``G w + 1/2 H w^2 + penalty(w)`` without bounds, and the Newton steps a
-    custom penalty took to it (0 without one)."""
+def _elastic_net_value(sum_gradients, sum_hessians, reg: Regularization) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The elastic net's leaf value (the custom penalty left out), ``H + lambda``, and that
+    denominator where positive (1 elsewhere)."""
     denominator = sum_hessians + reg.reg_lambda
     # A node with no Hessian mass and no lambda has nothing to fit: value 0 rather than 0/0.
     safe_denominator = jnp.where(denominator > 0, denominator, 1.0)
     w = jnp.where(denominator > 0, -soft_threshold(sum_gradients, reg.reg_alpha) / safe_denominator, 0.0)
+    return w, denominator, safe_denominator
+
+
+def _unbounded_leaf_value(sum_gradients, sum_hessians, reg: Regularization) -> tuple[jax.Array, jax.Array]:
+    """The minimiser of ``G w + 1/2 H w^2 + penalty(w)`` without bounds, and the Newton steps a
+    custom penalty took to it (0 without one)."""
+    w, denominator, safe_denominator = _elastic_net_value(sum_gradients, sum_hessians, reg)
     if reg.penalty is None:
         return w, jnp.int32(0)
 
@@ -317,10 +324,8 @@ def node_score_bounds(sum_gradients: jax.Array, sum_hessians: jax.Array,
     tangent is tight: in float64, against the objective at that closed form's minimiser ``w1``
     (a lower bound), one candidate per node could beat the best (quadratic and smooth-L1
     penalties, nodes of 300 to 20k rows)."""
-    denominator = sum_hessians + reg.reg_lambda
+    w0, denominator, safe_denominator = _elastic_net_value(sum_gradients, sum_hessians, reg)
     positive = denominator > 0
-    safe_denominator = jnp.where(positive, denominator, 1.0)
-    w0 = jnp.where(positive, -soft_threshold(sum_gradients, reg.reg_alpha) / safe_denominator, 0.0)
     at_w0 = _elementwise(reg.penalty, w0, reg.penalty_params)
     slope_at_w0 = _elementwise(jax.grad(reg.penalty), w0, reg.penalty_params)
     shifted = soft_threshold(sum_gradients + slope_at_w0, reg.reg_alpha)
