@@ -1,8 +1,9 @@
 """Profile: where a cold first fit's compile time goes, by program, XLA phase and source function.
 
 Run from the repository root: ``python experiments/profile_compile.py`` (``--task``, ``--rows``,
-``--depth``, ``--loss``, ``--repeats``, ``--top``, ``--output FILE.md``). It needs no package beyond the
-benchmark's.
+``--depth``, ``--loss``, ``--penalty``, ``--repeats``, ``--top``, ``--output FILE.md``). It needs no package
+beyond the benchmark's. ``--penalty quadratic`` or ``smooth_l1`` fits with that custom leaf penalty
+(``experiments/bench_penalty.py``'s) in place of ``reg_lambda=1``.
 
 Each repeat is a fresh process with every cache off (``JAXBOOST_CACHE_DIR=``) that fits one round
 on the benchmark's data (``bench_worker.make_task``, 80% for training), as the benchmark's compile
@@ -48,6 +49,11 @@ sys.path.insert(0, {experiments!r})
 import jax
 import jaxboost as jb
 from bench_worker import make_task, task_loss
+from bench_penalty import quadratic, smooth_l1
+
+penalty = dict(quadratic=dict(regularizer=jb.regularizers.custom(quadratic)),
+               smooth_l1=dict(regularizer=jb.regularizers.custom(smooth_l1, reg_lambda=1.0)),
+               none=dict(reg_lambda=1.0))[{penalty!r}]
 
 events = []
 start = [None]
@@ -67,8 +73,8 @@ def cpu():
     return usage.ru_utime + usage.ru_stime
 
 def fit():
-    jb.train(dataset, loss=loss, num_rounds=1, max_depth={depth}, learning_rate=0.1, reg_lambda=1.0,
-             min_child_weight=1.0, multi_strategy={multi_strategy!r})
+    jb.train(dataset, loss=loss, num_rounds=1, max_depth={depth}, learning_rate=0.1,
+             min_child_weight=1.0, multi_strategy={multi_strategy!r}, **penalty)
 
 start[0], cpu_before = time.perf_counter(), cpu()
 fit()
@@ -87,7 +93,7 @@ _TIMER = r"time: [0-9.]+ \w+ \(([0-9]+) us\)"
 def run_child(args, env_extra: dict) -> tuple[dict, str]:
     """One fresh process's first fit: its result and its log (standard error)."""
     code = CHILD.format(experiments=str(REPO_ROOT / "experiments"), task=args.task, rows=args.rows, depth=args.depth,
-                        loss=args.loss, multi_strategy=args.multi_strategy)
+                        loss=args.loss, multi_strategy=args.multi_strategy, penalty=args.penalty)
     env = dict(os.environ, JAXBOOST_CACHE_DIR="", **env_extra)
     with tempfile.TemporaryDirectory() as folder:  # the repository root would shadow an installed jaxboost
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=folder,
@@ -242,6 +248,8 @@ def main():
     parser.add_argument("--loss", help="a built-in loss's name (default: the task's, logistic, softmax or squared_error)")
     parser.add_argument("--multi-strategy", default="one_output_per_tree", choices=["one_output_per_tree", "multi_output_tree"],
                         help="vector leaves (multi_output_tree) for a loss of several outputs")
+    parser.add_argument("--penalty", default="none", choices=["none", "quadratic", "smooth_l1"],
+                        help="a custom leaf penalty (experiments/bench_penalty.py's) in place of reg_lambda=1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=15, help="rows in the source and pass tables")
     parser.add_argument("--output", help="write the tables to this Markdown file too")
@@ -272,13 +280,15 @@ def main():
            f"- command: `python experiments/profile_compile.py --task {args.task} --rows {args.rows} "
            f"--depth {args.depth} --repeats {args.repeats}"
            f"{f' --loss {args.loss}' if args.loss else ''}"
-           f"{f' --multi-strategy {args.multi_strategy}' if args.multi_strategy != 'one_output_per_tree' else ''}`",
+           f"{f' --multi-strategy {args.multi_strategy}' if args.multi_strategy != 'one_output_per_tree' else ''}"
+           f"{f' --penalty {args.penalty}' if args.penalty != 'none' else ''}`",
            f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')} (took {(time.time() - started) / 60:.1f} min); "
            f"devices: {', '.join(runs[0][0]['devices'])}",
            f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
            f"load average {os.getloadavg()[0]:.2f} at the end",
            f"- a 1-round fit of {args.task}{f' with {args.loss}' if args.loss else ''}"
-           f"{' (vector leaves)' if args.multi_strategy == 'multi_output_tree' else ''} "
+           f"{' (vector leaves)' if args.multi_strategy == 'multi_output_tree' else ''}"
+           f"{f', the custom penalty {args.penalty}' if args.penalty != 'none' else ''} "
            f"({runs[0][0]['training_rows']:,} training rows, depth {args.depth}) in a fresh "
            "process, caches off; medians of the repeats (XLA's timers are its log's, which adds a little)", "",
            f"First fit: {cell(median([r['first_s'] for r, _, _ in runs]))} s wall "

@@ -447,12 +447,13 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
 
     def record_values(tree, bounds, depth, level, values=None):
         """Write the values, covers and value bounds of a level's nodes (``level``: a
-        ``_LevelState``, or the leaves' fields of one) into the tree; ``values``: vector leaves'
-        values of those nodes (``vector_level_values``)."""
+        ``_LevelState``, or the leaves' fields of one) into the tree; ``values``: those nodes'
+        values if solved already (``level_values``)."""
         active = level.active
         first_slot = _two_to_the(depth) - 1
         if leaves is None:
-            values = leaf_value(level.level_gradients, level.level_hessians, params.reg, level.lower, level.upper)
+            if values is None:
+                values = leaf_value(level.level_gradients, level.level_hessians, params.reg, level.lower, level.upper)
             cover = level.level_hessians
         else:
             cover = leaves.diagonal(level.level_hessians)
@@ -468,14 +469,21 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         tree, bounds, first_slot = record_values(tree, bounds, depth, level, values)
         return tree._replace(is_leaf=write_level(tree.is_leaf, level.active, first_slot)), bounds
 
-    def vector_level_values(level, child_fields):
-        """Vector leaves: the values of a level's nodes and of their children (no learning
-        rate), in one traced copy of the vector solve: each copy adds about a second to a first
-        fit's compile at K = 10 (the split scan holds the other)."""
+    def level_values(level, child_fields):
+        """The values of a level's nodes and of their children (no learning rate), in one
+        traced copy of the solve: each copy of the vector solve adds about a second to a first
+        fit's compile at K = 10 (the split scan holds the other), and each copy of a custom
+        penalty's Newton steps is a loop compiled on its own."""
         capacity = level.level_gradients.shape[0]
-        values, _ = vector_value_and_score(
-            jnp.concatenate([level.level_gradients, child_fields["level_gradients"]]),
-            jnp.concatenate([level.level_hessians, child_fields["level_hessians"]]), params.reg, leaves)
+
+        def both(field):
+            return jnp.concatenate([getattr(level, field), child_fields[field]])
+
+        if leaves is None:
+            values = leaf_value(both("level_gradients"), both("level_hessians"), params.reg, both("lower"),
+                                both("upper"))
+        else:
+            values, _ = vector_value_and_score(both("level_gradients"), both("level_hessians"), params.reg, leaves)
         return values[:capacity], values[capacity:]
 
     def split_level(depth, carry, children_are_leaves=None, parent_slots: int | None = None):
@@ -599,8 +607,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
                             level_hessians=all_children(split.left_hessians, split.right_hessians),
                             lower=all_children(left_lower, right_lower), upper=all_children(left_upper, right_upper))
         values = children_values = None
-        if leaves is not None:
-            values, children_values = vector_level_values(state, child_fields)
+        if leaves is not None or params.reg.penalty is not None:
+            values, children_values = level_values(state, child_fields)
         tree, bounds, _ = record_values(tree, bounds, depth, state, values=values)
         if children_are_leaves is not None:
             # The children are written as leaves at every level of the loop, not only where

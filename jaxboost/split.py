@@ -174,7 +174,7 @@ def _best_of_contenders(lefts: list, children: Callable, parent_score: jax.Array
         return jnp.broadcast_to(array, left_gradients.shape).reshape(num_nodes, -1)[nodes, chosen]
 
     loss_change = split_loss_change(at_chosen(left_gradients), at_chosen(left_hessians), at_chosen(right_gradients),
-                                    at_chosen(right_hessians), reg, at_chosen(parent))
+                                    at_chosen(right_hessians), reg, at_chosen(parent), one_solve=True)
     counted = solved_slot & (bound > -jnp.inf)
     gains = jnp.where(counted, loss_change - at_chosen(cost), -jnp.inf)
     best_value = jnp.max(gains, axis=1)
