@@ -111,6 +111,23 @@ def custom(penalty: Callable, params: Any = (), *, reg_lambda: float = 0.0, reg_
                           jnp.asarray(split_cost, jnp.float32), params, penalty)
 
 
+# Where a custom penalty is checked finite and convex-looking.
+PENALTY_CHECK_POINTS = np.asarray([-1.0, -0.1, 0.0, 0.1, 1.0], np.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def _penalty_near_zero(penalty: Callable) -> Callable:
+    """A compiled ``(points, params) -> (penalty, second derivative)`` at each point: one
+    program (about 0.8 s of a first fit had gone to the eager calls compiling an XLA program
+    for each operation), kept for the penalty's later fits."""
+
+    def values_and_curvature(points, params):
+        return (jax.vmap(penalty, (0, None))(points, params),
+                jax.vmap(jax.grad(jax.grad(penalty)), (0, None))(points, params))
+
+    return jax.jit(values_and_curvature)
+
+
 def check_regularization(reg: Regularization, n_features: int) -> None:
     """Host-side check of concrete values: non-negative strengths, a scalar or per-feature
     split cost, and a custom penalty that is finite and convex-looking at a few points."""
@@ -125,9 +142,8 @@ def check_regularization(reg: Regularization, n_features: int) -> None:
     if not np.all(np.isfinite(cost)) or np.any(cost < 0):
         raise ValueError("split_cost must be finite and >= 0")
     if reg.penalty is not None:
-        points = jnp.asarray([-1.0, -0.1, 0.0, 0.1, 1.0], jnp.float32)
-        curvature = np.asarray(jax.vmap(jax.grad(jax.grad(reg.penalty)), (0, None))(points, reg.penalty_params))
-        values = np.asarray(jax.vmap(reg.penalty, (0, None))(points, reg.penalty_params))
+        values, curvature = (np.asarray(array) for array in
+                             _penalty_near_zero(reg.penalty)(PENALTY_CHECK_POINTS, reg.penalty_params))
         if not (np.all(np.isfinite(values)) and np.all(np.isfinite(curvature))):
             raise ValueError("the custom penalty is not finite (or not twice differentiable) near w = 0")
         if np.any(curvature < -1e-6):

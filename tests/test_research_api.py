@@ -188,6 +188,8 @@ def test_bad_regularizers_are_rejected(regression_data):
     X, y = regression_data
     with pytest.raises(ValueError, match="convex"):
         jb.train(X, y, num_rounds=1, regularizer=jb.regularizers.custom(lambda w, p: -w * w))
+    with pytest.raises(ValueError, match="not finite"):
+        jb.train(X, y, num_rounds=1, regularizer=jb.regularizers.custom(lambda w, p: jnp.sqrt(w + p), 0.5))
     with pytest.raises(ValueError, match="split_cost"):
         jb.train(X, y, num_rounds=1, regularizer=jb.regularizers.l2(1.0, split_cost=np.ones(3)))
     with pytest.raises(ValueError, match="either regularizer"):
