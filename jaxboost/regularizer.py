@@ -115,15 +115,31 @@ def custom(penalty: Callable, params: Any = (), *, reg_lambda: float = 0.0, reg_
 PENALTY_CHECK_POINTS = np.asarray([-1.0, -0.1, 0.0, 0.1, 1.0], np.float32)
 
 
-@functools.lru_cache(maxsize=16)
+def _kept_per_penalty(make: Callable) -> Callable:
+    """``make(penalty, *rest)``, its result kept for a penalty that can be hashed (a callable
+    object that cannot gets a new one at each call)."""
+    kept = functools.lru_cache(maxsize=64)(make)
+
+    @functools.wraps(make)
+    def made(penalty: Callable, *rest):
+        try:
+            hash(penalty)
+        except TypeError:
+            return make(penalty, *rest)
+        return kept(penalty, *rest)
+
+    return made
+
+
+@_kept_per_penalty
 def _penalty_near_zero(penalty: Callable) -> Callable:
     """A compiled ``(points, params) -> (penalty, second derivative)`` at each point: one
     program (about 0.8 s of a first fit had gone to the eager calls compiling an XLA program
     for each operation), kept for the penalty's later fits."""
 
     def values_and_curvature(points, params):
-        return (jax.vmap(penalty, (0, None))(points, params),
-                jax.vmap(jax.grad(jax.grad(penalty)), (0, None))(points, params))
+        return (jax.vmap(_penalty_derivative(penalty, 0), (0, None))(points, params),
+                jax.vmap(_penalty_derivative(penalty, 2), (0, None))(points, params))
 
     return jax.jit(values_and_curvature)
 
@@ -158,7 +174,7 @@ def leaf_penalty(w: jax.Array, reg: Regularization) -> jax.Array:
     """The penalty on a leaf value (the ``gamma T`` term is per split)."""
     penalty = 0.5 * reg.reg_lambda * w * w + reg.reg_alpha * jnp.abs(w)
     if reg.penalty is not None:
-        penalty = penalty + _elementwise(reg.penalty, w, reg.penalty_params)
+        penalty = penalty + _elementwise(reg, w)
     return penalty
 
 
@@ -166,13 +182,27 @@ def penalty_derivative(w: jax.Array, reg: Regularization, direction_at_zero: jax
     """d penalty / d w; at ``w = 0`` the L1 term takes the one-sided slope in ``direction_at_zero``."""
     derivative = reg.reg_lambda * w + reg.reg_alpha * jnp.sign(jnp.where(w == 0, direction_at_zero, w))
     if reg.penalty is not None:
-        derivative = derivative + _elementwise(jax.grad(reg.penalty), w, reg.penalty_params)
+        derivative = derivative + _elementwise(reg, w, 1)
     return derivative
 
 
-def _elementwise(function: Callable, w: jax.Array, params) -> jax.Array:
+@_kept_per_penalty
+def _penalty_derivative(penalty: Callable, order: int) -> Callable:
+    """A custom penalty (order 0) or its derivative of that order in ``w``, jitted: a round's
+    program applies each at several places, and a jitted function is traced once for its
+    argument types (each trace of a second derivative under ``vmap`` had taken about 9 ms)."""
+    def function(w, params):  # jit keeps a function by its hash, which a callable object may lack
+        return penalty(w, params)
+
+    for _ in range(order):
+        function = jax.grad(function)
+    return jax.jit(function)
+
+
+def _elementwise(reg: Regularization, w: jax.Array, order: int = 0) -> jax.Array:
+    """The custom penalty's derivative of the given order at every value of ``w``."""
     flat = w.reshape(-1)
-    return jax.vmap(function, (0, None))(flat, params).reshape(w.shape)
+    return jax.vmap(_penalty_derivative(reg.penalty, order), (0, None))(flat, reg.penalty_params).reshape(w.shape)
 
 
 def _bounds(reg: Regularization, lower, upper):
@@ -204,11 +234,8 @@ def _unbounded_leaf_value(sum_gradients, sum_hessians, reg: Regularization) -> t
     if reg.penalty is None:
         return w, jnp.int32(0)
 
-    penalty_gradient = jax.grad(reg.penalty)
-    penalty_curvature = jax.grad(penalty_gradient)
-
     def derivative(w):
-        return (sum_gradients + denominator * w + _elementwise(penalty_gradient, w, reg.penalty_params)
+        return (sum_gradients + denominator * w + _elementwise(reg, w, 1)
                 + reg.reg_alpha * jnp.sign(w))
 
     # The derivative rises with slope >= H + lambda (the penalty is convex), so the minimiser
@@ -216,7 +243,7 @@ def _unbounded_leaf_value(sum_gradients, sum_hessians, reg: Regularization) -> t
     # steps shrink.
     radius = jnp.abs(derivative(w)) / safe_denominator
     # L1: w = 0 exactly when the smooth part's slope there lies within [-alpha, alpha].
-    slope_at_zero = sum_gradients + _elementwise(penalty_gradient, jnp.zeros_like(w), reg.penalty_params)
+    slope_at_zero = sum_gradients + _elementwise(reg, jnp.zeros_like(w), 1)
     at_zero = jnp.abs(slope_at_zero) <= reg.reg_alpha
 
     def safeguarded_newton_step(_, state):
@@ -230,7 +257,7 @@ def _unbounded_leaf_value(sum_gradients, sum_hessians, reg: Regularization) -> t
         # (test_custom_penalty_leaf_values_reach_the_minimiser_for_large_sums).
         w, lower, upper, (last_move, move_before) = state
         slope = derivative(w)
-        curvature = denominator + _elementwise(penalty_curvature, w, reg.penalty_params)
+        curvature = denominator + _elementwise(reg, w, 2)
         lower = jnp.where(slope < 0, w, lower)
         upper = jnp.where(slope > 0, w, upper)
         newton = w - slope / jnp.where(curvature > 0, curvature, 1.0)
@@ -342,14 +369,14 @@ def node_score_bounds(sum_gradients: jax.Array, sum_hessians: jax.Array,
     penalties, nodes of 300 to 20k rows)."""
     w0, denominator, safe_denominator = _elastic_net_value(sum_gradients, sum_hessians, reg)
     positive = denominator > 0
-    at_w0 = _elementwise(reg.penalty, w0, reg.penalty_params)
-    slope_at_w0 = _elementwise(jax.grad(reg.penalty), w0, reg.penalty_params)
+    at_w0 = _elementwise(reg, w0)
+    slope_at_w0 = _elementwise(reg, w0, 1)
     shifted = soft_threshold(sum_gradients + slope_at_w0, reg.reg_alpha)
     closed_form = jnp.where(positive, shifted * shifted / safe_denominator, 0.0)
     upper = closed_form - 2.0 * (at_w0 - slope_at_w0 * w0)
     # The score's terms near its leaf value: those at w1.
     w1 = jnp.where(positive, -shifted / safe_denominator, 0.0)
-    at_w1 = _elementwise(reg.penalty, w1, reg.penalty_params)
+    at_w1 = _elementwise(reg, w1)
     size = (closed_form + 2.0 * (jnp.abs(at_w0) + jnp.abs(slope_at_w0 * w0)) +
             2.0 * (jnp.abs(sum_gradients * w1) + 0.5 * denominator * w1 * w1 + reg.reg_alpha * jnp.abs(w1) +
                    jnp.abs(at_w1)))

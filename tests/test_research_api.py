@@ -174,6 +174,20 @@ def test_custom_quadratic_penalty_trains_like_reg_lambda(regression_data):
     np.testing.assert_allclose(custom.predict(X), builtin.predict(X), rtol=1e-5, atol=1e-5)
 
 
+def test_an_unhashable_penalty_object_trains_as_its_function_does(regression_data):
+    class Quadratic:  # a callable object that cannot be hashed, as a dataclass with eq=True
+        __hash__ = None
+
+        def __call__(self, w, strength):
+            return 0.5 * strength * w * w
+
+    X, y = regression_data
+    settings = dict(num_rounds=5, max_depth=3, max_bin=16)
+    by_object = jb.train(X, y, regularizer=jb.regularizers.custom(Quadratic(), 3.0), **settings)
+    by_function = jb.train(X, y, regularizer=jb.regularizers.custom(lambda w, s: 0.5 * s * w * w, 3.0), **settings)
+    np.testing.assert_array_equal(by_object.predict(X), by_function.predict(X))
+
+
 def test_split_cost_keeps_a_costly_feature_out(regression_data):
     X, y = regression_data
     free = jb.train(X, y, num_rounds=3, max_depth=3, max_bin=16)
