@@ -75,6 +75,12 @@ def resolve_link(link: Link) -> Callable:
 # (30 us in steps of 256 rows; 1M rows 4.1 -> 4.5 ms).
 LINK_CHUNK_ROWS = 2048
 LINK_STEP_ROWS = 256
+# Up to this many rows go in a chunk of their own, without steps, on CPU: XLA's CPU client runs a
+# program on the calling thread when its cost analysis counts fewer than 1000 flops, and hands it
+# to a worker thread otherwise. A softmax of 3 outputs on a step of 256 rows counts 2816 (on 16
+# rows, 176): one row's prediction took 0.18-0.22 ms, 0.08 ms on 16 rows (3 classes, 100
+# rounds). The same bits as the steps' program (softmax of 2 to 100 outputs, sigmoid, exp).
+LINK_INLINE_ROWS = 16
 # Where the CPU backend is off (JAX_PLATFORMS without "cpu"), links run on the accelerator, where
 # each loop step would be a kernel launch of its own: on whole chunks there, larger ones.
 ACCELERATOR_LINK_CHUNK_ROWS = 16384
@@ -131,11 +137,14 @@ def link_platform() -> str:
 
 def link_layout(n_rows: int) -> tuple[int, bool]:
     """``(rows a chunk, whether in steps of LINK_STEP_ROWS)`` for ``n_rows`` rows on
-    ``link_platform()``. On CPU, up to one step's rows go in a chunk of one step, the same step
-    program as a whole chunk's: the softmax of one row of 10 outputs took 0.109 ms on a chunk of
-    LINK_CHUNK_ROWS, 0.062 on one step."""
+    ``link_platform()``. On CPU, up to LINK_INLINE_ROWS rows go in a chunk of that many, and up
+    to one step's rows in a chunk of one step, the same step program as a whole chunk's: the
+    softmax of one row of 10 outputs took 0.109 ms on a chunk of LINK_CHUNK_ROWS, 0.062 on one
+    step."""
     if link_platform() != "cpu":
         return ACCELERATOR_LINK_CHUNK_ROWS, False
+    if n_rows <= LINK_INLINE_ROWS:
+        return LINK_INLINE_ROWS, False
     return (LINK_STEP_ROWS if n_rows <= LINK_STEP_ROWS else LINK_CHUNK_ROWS), True
 
 

@@ -1929,11 +1929,12 @@ def test_the_link_runs_on_the_host_cpu_when_the_default_backend_is_another(monke
 def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
     """The link is applied to chunks of fixed sizes (the last zero-padded), so new batch sizes
     do not compile it again; the result is the link of the raw predictions, row for row, for one
-    output and for a row-wise link over several (softmax). On CPU a chunk's rows go through the
-    link in steps, and up to one step's rows go in a chunk of one step: each size compiles once,
-    and a row's prediction is the same bit for bit whatever batch it comes in. The layout for
-    accelerators (whole, larger chunks, where JAX runs without its CPU backend) gives the same
-    values."""
+    output and for a row-wise link over several (softmax, of 3 and of 20 outputs). On CPU a
+    chunk's rows go through the link in steps, up to one step's rows go in a chunk of one step,
+    and up to LINK_INLINE_ROWS rows in a chunk of that many without steps: each size compiles
+    once, and a row's prediction is the same bit for bit whatever batch it comes in. The layout
+    for accelerators (whole, larger chunks, where JAX runs without its CPU backend) gives the
+    same values."""
     from jaxboost import link as links
 
     rng = np.random.default_rng(5)
@@ -1943,16 +1944,24 @@ def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
     accelerator_layout = (links.ACCELERATOR_LINK_CHUNK_ROWS, False)
     # Links run on the host's CPU, which holds the raw predictions, whatever the default backend.
     assert links.link_platform() == "cpu"
-    assert links.link_layout(1) == links.link_layout(links.LINK_STEP_ROWS) == (links.LINK_STEP_ROWS, True)
+    assert links.link_layout(1) == links.link_layout(links.LINK_INLINE_ROWS) == (links.LINK_INLINE_ROWS, False)
+    assert links.link_layout(links.LINK_INLINE_ROWS + 1) == links.link_layout(links.LINK_STEP_ROWS) == \
+        (links.LINK_STEP_ROWS, True)
     assert links.link_layout(links.LINK_STEP_ROWS + 1) == (links.LINK_CHUNK_ROWS, True)
-    for loss, y in [("logistic", (labels > 0).astype(np.float32)), ("softmax", labels)]:
+    twenty_classes = np.digitize(X[:, 1] + 0.3 * rng.normal(size=n_rows), np.linspace(-2, 2, 19)).astype(np.float32)
+    for loss, y in [("logistic", (labels > 0).astype(np.float32)), ("softmax", labels), ("softmax", twenty_classes)]:
         model = jb.train(X[:3000], y[:3000], loss=loss, num_rounds=3, max_depth=3)
-        for layout, sizes in [(None, 2), (accelerator_layout, 1)]:
+        compiled = links._compiled_link(model.link, True, "cpu")
+        unstepped = links._compiled_link(model.link, False, "cpu")
+        # Programs compiled for this model, in steps and without: one step's and LINK_CHUNK_ROWS,
+        # then LINK_INLINE_ROWS and the accelerators' chunk without steps (the link's jit keeps
+        # another model's programs of the same link too).
+        start_sizes = compiled._cache_size(), unstepped._cache_size()
+        for layout, sizes, unstepped_sizes in [(None, 2, 1), (accelerator_layout, 2, 2)]:
             if layout is not None:
                 monkeypatch.setattr(links, "link_layout", lambda n_rows, layout=layout: layout)
-            compiled = links._compiled_link(model.link, layout is None or layout[1], "cpu")
             whole = model.predict(X)
-            for rows in (1, 7, 3000, n_rows):
+            for rows in (1, 7, 100, 3000, n_rows):
                 raw = model.predict_raw(X[:rows])
                 predicted = model.predict(X[:rows])
                 np.testing.assert_allclose(predicted, np.asarray(model.link(jnp.asarray(raw))),
@@ -1960,7 +1969,8 @@ def test_predict_applies_the_link_in_fixed_chunks_compiled_once(monkeypatch):
                 np.testing.assert_array_equal(predicted, whole[:rows], err_msg=f"{loss}, {rows} rows, layout {layout}")
                 # A writable array, one chunk or several: not a read-only view of a result buffer.
                 assert predicted.flags.writeable, f"{loss}, {rows} rows"
-            assert compiled._cache_size() == sizes, f"{loss}: the link compiled {compiled._cache_size()} times"
+            compiled_sizes = compiled._cache_size() - start_sizes[0], unstepped._cache_size() - start_sizes[1]
+            assert compiled_sizes == (sizes, unstepped_sizes), f"{loss}: the link compiled for {compiled_sizes} sizes"
             monkeypatch.undo()
 
 
