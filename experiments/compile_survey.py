@@ -68,6 +68,10 @@ CONFIGS = {
                                                                      multi_strategy="multi_output_tree",
                                                                      unit_labels=True)),
     "custom-softmax-10-classes": ("multiclass", dict(loss="softmax", num_outputs=10, custom=True)),
+    # Custom leaf penalties (experiments/bench_penalty.py's): their leaf values and gains come
+    # from Newton steps in XLA, where the built-in ones have closed forms.
+    "custom-penalty-quadratic": ("classification", dict(loss="logistic", penalty="quadratic")),
+    "custom-penalty-smooth-l1": ("classification", dict(loss="logistic", penalty="smooth_l1")),
 }
 
 
@@ -121,6 +125,12 @@ def worker(config: str, rows: int, rounds: int, depth: int | None) -> dict:
     X, y = X.astype(np.float32), y.astype(np.float32)
     if settings.pop("custom", False) or settings["loss"] in ("focal", "hinge", "quantiles", "gaussian"):
         settings["loss"] = _custom_loss(settings["loss"])
+    penalty = settings.pop("penalty", None)
+    if penalty is not None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_penalty import quadratic, smooth_l1
+        settings["regularizer"] = (jb.regularizers.custom(quadratic) if penalty == "quadratic" else
+                                   jb.regularizers.custom(smooth_l1, reg_lambda=1.0))
     if settings.pop("eval_set", False):
         settings["eval_set"] = [(X[:5000], y[:5000])]
     dataset = jb.Dataset(X, y)
