@@ -207,7 +207,7 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
       missing_values: False when no training row has a missing value. Every missing bin is then
         empty, both directions score exactly alike, and only "missing goes left" (the tie rule's
         choice) is scanned: the same split for half the candidates.
-      prune: for a custom penalty (scalar leaves, unbounded), solve only the candidates that
+      prune: for a custom penalty (scalar leaves, no monotone bounds), solve only the candidates that
         can win (``_best_of_contenders``); False: every candidate. The same split either way.
     """
     num_nodes, n_features, max_bin, _ = histograms.shape
@@ -295,7 +295,7 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
             loss_change = jnp.stack([gains(left) for left in lefts], axis=2)
         return first_maximum(loss_change)
 
-    if leaves is None and bounds is None and reg.penalty is not None and reg.bounds_leaves is False and prune:
+    if leaves is None and bounds is None and reg.penalty is not None and prune:
         # On a CPU; elsewhere the full scan, as before (a GPU's conditional reads its predicate
         # back to the host, not measured against the solves it would save there).
         best, best_value = per_platform(

@@ -781,16 +781,18 @@ _CUSTOM_PENALTIES = {
 
 @pytest.mark.parametrize("contenders", [15, 1])
 @pytest.mark.parametrize("name", sorted(_CUSTOM_PENALTIES))
-@pytest.mark.parametrize("seed,min_child_weight", [(0, 0.5), (1, 0.5), (2, 8.0)])
+@pytest.mark.parametrize("seed,min_child_weight,max_delta_step", [(0, 0.5, 0.0), (1, 0.5, 0.0), (2, 8.0, 0.0),
+                                                                  (0, 0.5, 0.4), (1, 0.5, 0.4)])
 def test_custom_penalty_scan_of_the_contenders_chooses_as_the_full_scan(monkeypatch, name, seed, min_child_weight,
-                                                                         contenders):
+                                                                         max_delta_step, contenders):
     """A custom penalty's split scan bounds every candidate's gain by one tangent of the penalty
     and solves only those of the highest bounds (15 a node, or 1, where the next bound more
     often reaches the best solved gain and the full scan runs): the same split, gain and
     children's sums as solving every candidate, bit for bit. The nodes hold 2000 to 12 rows (the smallest cannot split
     under the larger min_child_weight),
     values missing at random, two features alike (exact ties across features), features masked
-    and a split cost per feature."""
+    and a split cost per feature; with leaf values unbounded, and within a max_delta_step that
+    clips many of them (the bounds hold: a bounded leaf's score is at most the unbounded one's)."""
     from jaxboost import regularizers, split as split_module
 
     monkeypatch.setattr(split_module, "CONTENDERS_PER_NODE", contenders)
@@ -811,7 +813,7 @@ def test_custom_penalty_scan_of_the_contenders_chooses_as_the_full_scan(monkeypa
     allowed[:, 2] = True
     penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES[name]
     reg = regularizers.custom(penalty, params, reg_lambda=reg_lambda, reg_alpha=reg_alpha,
-                              split_cost=np.linspace(0.0, 0.5, n_features)).with_max_delta_step(0.0)
+                              split_cost=np.linspace(0.0, 0.5, n_features)).with_max_delta_step(max_delta_step)
     scans = {prune: jax.jit(partial(find_best_splits, reg=reg, prune=prune)) for prune in (True, False)}
     pruned, full = (jax.tree.map(np.asarray, scans[prune](jnp.asarray(histograms), jnp.asarray(allowed),
                                                           min_child_weight=F32(min_child_weight)))
