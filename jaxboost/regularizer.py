@@ -355,12 +355,11 @@ def node_score(sum_gradients: jax.Array, sum_hessians: jax.Array, reg: Regulariz
     return jnp.where(reg.max_delta_step > 0, at_leaf_value(), closed_form())
 
 
-def node_score_bounds(sum_gradients: jax.Array, sum_hessians: jax.Array,
-                      reg: Regularization) -> tuple[jax.Array, jax.Array]:
-    """A cheap upper bound of a custom penalty's ``node_score`` (``H + lambda > 0``), and the sum
-    of the magnitudes of its terms and of the unbounded score's, whose float32 rounding a caller
-    allows for: ``(upper, size)``. It bounds the score of leaves within ``max_delta_step`` too: a
-    bound on the leaf value can only raise the objective's minimum.
+def node_score_bounds(sum_gradients: jax.Array, sum_hessians: jax.Array, reg: Regularization,
+                      lower: jax.Array | None = None, upper: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """A cheap upper bound of a custom penalty's ``node_score`` (``H + lambda > 0``; leaf values
+    within ``max_delta_step`` and the bounds given, if any), and the sum of the magnitudes of its
+    terms and of the score's, whose float32 rounding a caller allows for: ``(upper, size)``.
 
     The penalty is convex, so it lies above its tangent at the elastic net's leaf value ``w0``;
     the objective with the tangent for the penalty has the elastic net's closed form at the
@@ -374,24 +373,24 @@ def node_score_bounds(sum_gradients: jax.Array, sum_hessians: jax.Array,
     slope_at_w0 = _elementwise(reg, w0, 1)
     shifted = soft_threshold(sum_gradients + slope_at_w0, reg.reg_alpha)
     closed_form = jnp.where(positive, shifted * shifted / safe_denominator, 0.0)
-    upper = closed_form - 2.0 * (at_w0 - slope_at_w0 * w0)
+    upper_bound = closed_form - 2.0 * (at_w0 - slope_at_w0 * w0)
     # The score's terms near its leaf value: those at w1, the tangent model's minimiser.
     w1 = jnp.where(positive, -shifted / safe_denominator, 0.0)
-    if reg.bounds_leaves is not False:
-        # Within max_delta_step, the tangent model's minimum over the bounds, at w1 clipped to
-        # them (convex in one variable): far tighter where they clip, where the unbounded one
-        # had sent most chunks to the full scan.
-        clipped = clip_leaf_value(w1, reg)
+    if reg.bounds_leaves is not False or lower is not None or upper is not None:
+        # Bounded leaves: the tangent model's minimum over the bounds, at w1 clipped to them
+        # (convex in one variable; a bound can only raise a minimum): far tighter where they
+        # clip, where the unbounded one had sent most chunks to the full scan.
+        clipped = clip_leaf_value(w1, reg, lower, upper)
         tangent_model = ((sum_gradients + slope_at_w0) * clipped + 0.5 * denominator * clipped * clipped
                          + reg.reg_alpha * jnp.abs(clipped) + at_w0 - slope_at_w0 * w0)
-        bounded = reg.max_delta_step > 0
-        upper = jnp.where(bounded, -2.0 * tangent_model, upper)
-        w1 = jnp.where(bounded, clipped, w1)
+        bounded = clipped != w1
+        upper_bound = jnp.where(bounded, -2.0 * tangent_model, upper_bound)
+        w1 = clipped
     at_w1 = _elementwise(reg, w1)
     size = (closed_form + 2.0 * (jnp.abs(at_w0) + jnp.abs(slope_at_w0 * w0)) +
             2.0 * (jnp.abs(sum_gradients * w1) + 0.5 * denominator * w1 * w1 + reg.reg_alpha * jnp.abs(w1) +
                    jnp.abs(at_w1) + jnp.abs(slope_at_w0 * w1)))
-    return upper, size
+    return upper_bound, size
 
 
 def split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg: Regularization,
@@ -409,6 +408,21 @@ def split_loss_change(left_gradients, left_hessians, right_gradients, right_hess
                             jnp.stack(jnp.broadcast_arrays(left_hessians, right_hessians)), reg)
         return scores[0] + scores[1] - parent_score
     return node_score(left_gradients, left_hessians, reg) + node_score(right_gradients, right_hessians, reg) - parent_score
+
+
+def split_values_and_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg: Regularization,
+                                 parent_score: jax.Array, lower: jax.Array | None = None,
+                                 upper: jax.Array | None = None, one_solve: bool = False):
+    """Both children's leaf values within the bounds and the split's ``loss_chg`` (see
+    ``split_loss_change``, also for ``one_solve``): ``(left_value, right_value, loss_change)``."""
+    if one_solve:
+        values, scores = value_and_score(jnp.stack(jnp.broadcast_arrays(left_gradients, right_gradients)),
+                                         jnp.stack(jnp.broadcast_arrays(left_hessians, right_hessians)), reg,
+                                         lower, upper)
+        return values[0], values[1], scores[0] + scores[1] - parent_score
+    left_value, left_score = value_and_score(left_gradients, left_hessians, reg, lower, upper)
+    right_value, right_score = value_and_score(right_gradients, right_hessians, reg, lower, upper)
+    return left_value, right_value, left_score + right_score - parent_score
 
 
 # ---------------------------------------------------------------------------------------------

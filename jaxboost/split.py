@@ -37,7 +37,7 @@ from .histogram import cumulative_over_bins, first_maximum
 from .native import (SCALAR_SPLIT_SCAN_TARGET, VECTOR_SPLIT_SCAN_TARGET, as_varying_as, available_native_target,
                      per_platform)
 from .regularizer import (MAX_FULL_TO_DIAGONAL_SCORE, PSD_TOLERANCE, Regularization, VectorLeaves, leaf_value,
-                          node_score, node_score_bounds, split_loss_change, value_and_score,
+                          node_score, node_score_bounds, split_loss_change, split_values_and_loss_change,
                           vector_value_and_score)
 
 
@@ -127,8 +127,15 @@ CONTENDERS_PER_NODE = 15  # top_k of 16
 BOUND_ROUNDING = 1e-5
 
 
+def monotone_allows(direction: jax.Array, left_value: jax.Array, right_value: jax.Array) -> jax.Array:
+    """Whether a split's children's values keep its feature's monotone ``direction`` (+1 the
+    right child's value at least the left's, -1 at most, 0 either)."""
+    return ~((direction > 0) & (left_value > right_value)) & ~((direction < 0) & (left_value < right_value))
+
+
 def _best_of_contenders(lefts: list, children: Callable, parent_score: jax.Array, split_cost: jax.Array,
-                        reg: Regularization, scanned: Callable[[], tuple]) -> tuple[jax.Array, jax.Array]:
+                        reg: Regularization, scanned: Callable[[], tuple],
+                        bounds: NodeBounds | None = None) -> tuple[jax.Array, jax.Array]:
     """``first_maximum`` of a custom penalty's gains ``(K, d, dirs, B-1)``, solving few of them.
 
     Every candidate's gain is first bounded above cheaply (``node_score_bounds``: one tangent of
@@ -138,7 +145,9 @@ def _best_of_contenders(lefts: list, children: Callable, parent_score: jax.Array
     that maximum: no other candidate can then reach it. A candidate that repeats the one before
     it is never needed. Otherwise (close gains, bounds that are not numbers) every candidate is
     solved (``scanned``). The same split and gain either way. The penalty must be convex, as
-    ``jb.regularizers.custom`` asks."""
+    ``jb.regularizers.custom`` asks. With monotone ``bounds``, the bounds hold the leaf values
+    within a node's bounds, and a solved candidate whose children break its feature's direction
+    counts as not valid, as in the full scan."""
     num_nodes = parent_score.shape[0]
     # (K, d, dirs, B-1), as the full scan lays out its gains (``children`` of each direction's
     # left sums ``lefts``).
@@ -146,8 +155,11 @@ def _best_of_contenders(lefts: list, children: Callable, parent_score: jax.Array
         jnp.stack(parts, axis=2) for parts in zip(*(children(left) for left in lefts)))
     parent = parent_score[:, :, :, None]
     cost = split_cost[:, :, :, None] if split_cost.ndim == 3 else split_cost  # (1, d, 1) per feature
-    left_upper, left_size = node_score_bounds(left_gradients, left_hessians, reg)
-    right_upper, right_size = node_score_bounds(right_gradients, right_hessians, reg)
+    lower = upper = None
+    if bounds is not None:
+        lower, upper = bounds.lower[:, None, None, None], bounds.upper[:, None, None, None]
+    left_upper, left_size = node_score_bounds(left_gradients, left_hessians, reg, lower, upper)
+    right_upper, right_size = node_score_bounds(right_gradients, right_hessians, reg, lower, upper)
     margin = BOUND_ROUNDING * (left_size + right_size + jnp.abs(parent) + jnp.abs(cost))
     upper = (left_upper + right_upper - parent - cost + margin).reshape(num_nodes, -1)
     valid = jnp.broadcast_to(valid, left_gradients.shape).reshape(num_nodes, -1)
@@ -173,9 +185,14 @@ def _best_of_contenders(lefts: list, children: Callable, parent_score: jax.Array
     def at_chosen(array):
         return jnp.broadcast_to(array, left_gradients.shape).reshape(num_nodes, -1)[nodes, chosen]
 
-    loss_change = split_loss_change(at_chosen(left_gradients), at_chosen(left_hessians), at_chosen(right_gradients),
-                                    at_chosen(right_hessians), reg, at_chosen(parent), one_solve=True)
+    sides = (at_chosen(left_gradients), at_chosen(left_hessians), at_chosen(right_gradients), at_chosen(right_hessians))
     counted = solved_slot & (bound > -jnp.inf)
+    if bounds is None:
+        loss_change = split_loss_change(*sides, reg, at_chosen(parent), one_solve=True)
+    else:
+        left_value, right_value, loss_change = split_values_and_loss_change(
+            *sides, reg, at_chosen(parent), bounds.lower[:, None], bounds.upper[:, None], one_solve=True)
+        counted = counted & monotone_allows(at_chosen(bounds.monotone[None, :, None, None]), left_value, right_value)
     gains = jnp.where(counted, loss_change - at_chosen(cost), -jnp.inf)
     best_value = jnp.max(gains, axis=1)
     # The first flat index among those that reach the maximum; with no valid candidate (all
@@ -207,7 +224,7 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
       missing_values: False when no training row has a missing value. Every missing bin is then
         empty, both directions score exactly alike, and only "missing goes left" (the tie rule's
         choice) is scanned: the same split for half the candidates.
-      prune: for a custom penalty (scalar leaves, no monotone bounds), solve only the candidates that
+      prune: for a custom penalty (scalar leaves), solve only the candidates that
         can win (``_best_of_contenders``); False: every candidate. The same split either way.
     """
     num_nodes, n_features, max_bin, _ = histograms.shape
@@ -268,11 +285,9 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
             loss_change = split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg,
                                             parent_score)
         else:
-            left_value, left_score = value_and_score(left_gradients, left_hessians, reg, lower, upper)
-            right_value, right_score = value_and_score(right_gradients, right_hessians, reg, lower, upper)
-            loss_change = left_score + right_score - parent_score
-            direction = bounds.monotone[None, :, None]
-            valid = valid & ~((direction > 0) & (left_value > right_value)) & ~((direction < 0) & (left_value < right_value))
+            left_value, right_value, loss_change = split_values_and_loss_change(
+                left_gradients, left_hessians, right_gradients, right_hessians, reg, parent_score, lower, upper)
+            valid = valid & monotone_allows(bounds.monotone[None, :, None], left_value, right_value)
         return jnp.where(valid, loss_change - split_cost, -jnp.inf)
 
     # Direction axis: index 0 sends missing values left, index 1 sends them right.
@@ -295,11 +310,11 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
             loss_change = jnp.stack([gains(left) for left in lefts], axis=2)
         return first_maximum(loss_change)
 
-    if leaves is None and bounds is None and reg.penalty is not None and prune:
+    if leaves is None and reg.penalty is not None and prune:
         # On a CPU; elsewhere the full scan, as before (a GPU's conditional reads its predicate
         # back to the host, not measured against the solves it would save there).
         best, best_value = per_platform(
-            cpu=lambda: _best_of_contenders(lefts, children, parent_score, split_cost, reg, scanned),
+            cpu=lambda: _best_of_contenders(lefts, children, parent_score, split_cost, reg, scanned, bounds),
             default=scanned)
     else:
         best, best_value = scanned()

@@ -19,7 +19,7 @@ import pytest
 
 from jaxboost.grower import GrowthParams, grow_tree, prune_by_gamma
 from jaxboost.regularizer import Regularization, leaf_value, node_score
-from jaxboost.split import find_best_splits, find_best_splits_of_live_nodes
+from jaxboost.split import NodeBounds, find_best_splits, find_best_splits_of_live_nodes
 from jaxboost.tree import Tree, num_heap_nodes
 
 F32 = jnp.float32
@@ -771,6 +771,16 @@ def test_a_node_of_exactly_twice_min_child_weight_still_splits(min_child_weight,
         np.testing.assert_allclose(predictions, 5.0, atol=1e-4)
 
 
+def _node_histograms(node_index, codes, g, h, max_bin):
+    """Gradient and Hessian sums ``(nodes, features, max_bin, 2)`` of rows in nodes
+    ``node_index`` with bin codes ``codes`` (rows x features), by NumPy."""
+    histograms = np.zeros((node_index.max() + 1, codes.shape[1], max_bin, 2), np.float32)
+    for feature in range(codes.shape[1]):
+        np.add.at(histograms[:, feature], (node_index, codes[:, feature], 0), g)
+        np.add.at(histograms[:, feature], (node_index, codes[:, feature], 1), h)
+    return histograms
+
+
 # Custom penalties whose split scans solve only the candidates that can win (the contenders).
 _CUSTOM_PENALTIES = {
     "prior": (lambda w, p: 0.5 * p["strength"] * (w - p["center"]) ** 2, {"strength": 2.0, "center": 0.3}, 0.0, 0.0),
@@ -781,18 +791,21 @@ _CUSTOM_PENALTIES = {
 
 @pytest.mark.parametrize("contenders", [15, 1])
 @pytest.mark.parametrize("name", sorted(_CUSTOM_PENALTIES))
-@pytest.mark.parametrize("seed,min_child_weight,max_delta_step", [(0, 0.5, 0.0), (1, 0.5, 0.0), (2, 8.0, 0.0),
-                                                                  (0, 0.5, 0.4), (1, 0.5, 0.4)])
+@pytest.mark.parametrize("seed,min_child_weight,max_delta_step,monotone", [
+    (0, 0.5, 0.0, False), (1, 0.5, 0.0, False), (2, 8.0, 0.0, False), (0, 0.5, 0.4, False), (1, 0.5, 0.4, False),
+    (0, 0.5, 0.0, True), (1, 0.5, 0.4, True)])
 def test_custom_penalty_scan_of_the_contenders_chooses_as_the_full_scan(monkeypatch, name, seed, min_child_weight,
-                                                                         max_delta_step, contenders):
+                                                                         max_delta_step, monotone, contenders):
     """A custom penalty's split scan bounds every candidate's gain by one tangent of the penalty
     and solves only those of the highest bounds (15 a node, or 1, where the next bound more
     often reaches the best solved gain and the full scan runs): the same split, gain and
     children's sums as solving every candidate, bit for bit. The nodes hold 2000 to 12 rows (the smallest cannot split
     under the larger min_child_weight),
     values missing at random, two features alike (exact ties across features), features masked
-    and a split cost per feature; with leaf values unbounded, and within a max_delta_step that
-    clips many of them (the bounds hold: a bounded leaf's score is at most the unbounded one's)."""
+    and a split cost per feature; with leaf values unbounded, within a max_delta_step that
+    clips many of them, and under monotone constraints (directions by feature, value bounds by
+    node): a bounded leaf's score is at most the unbounded one's, and a solved candidate whose
+    children break its feature's direction is not valid, as in the full scan."""
     from jaxboost import regularizers, split as split_module
 
     monkeypatch.setattr(split_module, "CONTENDERS_PER_NODE", contenders)
@@ -805,16 +818,19 @@ def test_custom_penalty_scan_of_the_contenders_chooses_as_the_full_scan(monkeypa
     g = (rng.normal(size=len(node_index)) + 1.5 * (codes[:, 2] > 12) - 2.0 * (codes[:, 6] < 5)
          + 3.0 * (node_index == 1)).astype(np.float32)
     h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
-    histograms = np.zeros((len(sizes), n_features, max_bin, 2), np.float32)
-    for feature in range(n_features):
-        np.add.at(histograms[:, feature], (node_index, codes[:, feature], 0), g)
-        np.add.at(histograms[:, feature], (node_index, codes[:, feature], 1), h)
+    histograms = _node_histograms(node_index, codes, g, h, max_bin)
     allowed = rng.uniform(size=(len(sizes), n_features)) < 0.85
     allowed[:, 2] = True
     penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES[name]
     reg = regularizers.custom(penalty, params, reg_lambda=reg_lambda, reg_alpha=reg_alpha,
                               split_cost=np.linspace(0.0, 0.5, n_features)).with_max_delta_step(max_delta_step)
-    scans = {prune: jax.jit(partial(find_best_splits, reg=reg, prune=prune)) for prune in (True, False)}
+    bounds = None
+    if monotone:
+        inf = np.inf
+        bounds = NodeBounds(jnp.asarray([1, -1, 0, 1, 0, -1, 1, 0], jnp.int32),
+                            jnp.asarray([-inf, -0.5, -inf, 0.0, -inf], jnp.float32),
+                            jnp.asarray([inf, 0.3, 0.8, inf, inf], jnp.float32))
+    scans = {prune: jax.jit(partial(find_best_splits, reg=reg, prune=prune, bounds=bounds)) for prune in (True, False)}
     pruned, full = (jax.tree.map(np.asarray, scans[prune](jnp.asarray(histograms), jnp.asarray(allowed),
                                                           min_child_weight=F32(min_child_weight)))
                     for prune in (True, False))
@@ -822,6 +838,38 @@ def test_custom_penalty_scan_of_the_contenders_chooses_as_the_full_scan(monkeypa
         np.testing.assert_array_equal(value, getattr(full, field), err_msg=field)
     assert np.isfinite(full.loss_change[:3]).all()
     assert (full.loss_change[4] == -np.inf) == (min_child_weight > 4), "the smallest node splits unless its weight is too low"
+
+
+def test_custom_penalty_contenders_keep_monotone_constraints(monkeypatch):
+    """Under monotone constraints the contenders' scan counts a solved candidate whose children
+    break its feature's direction as not valid: the strongest feature here is one whose split
+    would break it, and the scan takes the best allowed one from the contenders alone (the full
+    scan replaced by one that returns a marker gain)."""
+    from jaxboost import regularizers, split as split_module
+
+    monkeypatch.setattr(split_module, "CONTENDERS_PER_NODE", 63)  # top_k of 64: both features' best
+    rng = np.random.default_rng(4)
+    n_features, max_bin, sizes = 6, 32, [3000, 1500]
+    node_index = np.repeat(np.arange(len(sizes)), sizes)
+    codes = rng.integers(0, max_bin - 1, size=(len(node_index), n_features))
+    # Higher gradients, so lower leaf values, above code 15: both features' splits decrease.
+    g = (rng.normal(size=len(node_index)) + 2.0 * (codes[:, 1] > 15) + 3.0 * (codes[:, 3] > 15)).astype(np.float32)
+    h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
+    histograms = _node_histograms(node_index, codes, g, h, max_bin)
+    penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES["smooth_l1"]
+    reg = regularizers.custom(penalty, params, reg_lambda=reg_lambda, reg_alpha=reg_alpha).with_max_delta_step(0.0)
+    bounds = NodeBounds(jnp.asarray([0, -1, 0, 1, 0, 0], jnp.int32), jnp.full(len(sizes), -np.inf, jnp.float32),
+                        jnp.full(len(sizes), np.inf, jnp.float32))
+    arguments = (jnp.asarray(histograms), jnp.ones((len(sizes), n_features), bool))
+    free = jax.jit(partial(find_best_splits, reg=reg, missing_values=False))(*arguments, min_child_weight=F32(1.0))
+    np.testing.assert_array_equal(np.asarray(free.feature), 3)  # without the constraints
+    marker = np.float32(-123.0)
+    monkeypatch.setattr(split_module, "first_maximum",
+                        lambda values: (jnp.zeros(values.shape[0], jnp.int32), jnp.full(values.shape[0], marker)))
+    choice = jax.jit(partial(find_best_splits, reg=reg, missing_values=False, bounds=bounds))(
+        *arguments, min_child_weight=F32(1.0))
+    assert np.all(np.asarray(choice.loss_change) != marker)
+    np.testing.assert_array_equal(np.asarray(choice.feature), 1)
 
 
 def test_custom_penalty_scan_solves_the_contenders_alone_where_a_split_stands_out(monkeypatch):
@@ -835,10 +883,7 @@ def test_custom_penalty_scan_solves_the_contenders_alone_where_a_split_stands_ou
     codes = rng.integers(0, max_bin - 1, size=(len(node_index), n_features))
     g = (rng.normal(size=len(node_index)) + 3.0 * (codes[:, 1] > 15)).astype(np.float32)
     h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
-    histograms = np.zeros((len(sizes), n_features, max_bin, 2), np.float32)
-    for feature in range(n_features):
-        np.add.at(histograms[:, feature], (node_index, codes[:, feature], 0), g)
-        np.add.at(histograms[:, feature], (node_index, codes[:, feature], 1), h)
+    histograms = _node_histograms(node_index, codes, g, h, max_bin)
     penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES["prior"]
     reg = regularizers.custom(penalty, params, reg_lambda=reg_lambda, reg_alpha=reg_alpha).with_max_delta_step(0.0)
     marker = np.float32(-123.0)
