@@ -227,6 +227,30 @@ def _elastic_net_value(sum_gradients, sum_hessians, reg: Regularization) -> tupl
     return w, denominator, safe_denominator
 
 
+def _objective_slope(w, sum_gradients, denominator, reg: Regularization) -> jax.Array:
+    """d/dw of ``G w + 1/2 (H + lambda) w^2 + alpha |w| + penalty(w)`` (``sign(0) = 0``)."""
+    return sum_gradients + denominator * w + _elementwise(reg, w, 1) + reg.reg_alpha * jnp.sign(w)
+
+
+# Relative widening of ``leaf_value_range``: XLA may round the same expression differently in
+# two fused programs (a multiply-add contracted in one), and the range is compared with values
+# solved elsewhere.
+LEAF_RANGE_SLACK = 1e-5
+
+
+def leaf_value_range(sum_gradients, sum_hessians, reg: Regularization,
+                     lower: jax.Array | None = None, upper: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """An interval that holds a custom penalty's ``leaf_value`` without solving it: the Newton
+    steps' first bracket, which every step keeps its value in (it holds the minimiser, so also
+    an L1 term's exact 0, and a node without Hessian mass has its value 0 at its centre),
+    clipped to the bounds and widened by LEAF_RANGE_SLACK."""
+    w, denominator, safe_denominator = _elastic_net_value(sum_gradients, sum_hessians, reg)
+    radius = jnp.abs(_objective_slope(w, sum_gradients, denominator, reg)) / safe_denominator
+    low, high = clip_leaf_value(w - radius, reg, lower, upper), clip_leaf_value(w + radius, reg, lower, upper)
+    slack = LEAF_RANGE_SLACK * jnp.maximum(jnp.abs(low), jnp.abs(high)) + jnp.finfo(jnp.float32).tiny
+    return low - slack, high + slack
+
+
 def _unbounded_leaf_value(sum_gradients, sum_hessians, reg: Regularization) -> tuple[jax.Array, jax.Array]:
     """The minimiser of ``G w + 1/2 H w^2 + penalty(w)`` without bounds, and the Newton steps a
     custom penalty took to it (0 without one)."""
@@ -235,8 +259,7 @@ def _unbounded_leaf_value(sum_gradients, sum_hessians, reg: Regularization) -> t
         return w, jnp.int32(0)
 
     def derivative(w):
-        return (sum_gradients + denominator * w + _elementwise(reg, w, 1)
-                + reg.reg_alpha * jnp.sign(w))
+        return _objective_slope(w, sum_gradients, denominator, reg)
 
     # The derivative rises with slope >= H + lambda (the penalty is convex), so the minimiser
     # lies within |derivative(w0)| / (H + lambda) of any w0: a bracket that safeguarded Newton

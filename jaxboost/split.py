@@ -37,7 +37,8 @@ from .histogram import cumulative_over_bins, first_maximum
 from .native import (SCALAR_SPLIT_SCAN_TARGET, VECTOR_SPLIT_SCAN_TARGET, as_varying_as, available_native_target,
                      per_platform)
 from .regularizer import (MAX_FULL_TO_DIAGONAL_SCORE, PSD_TOLERANCE, Regularization, VectorLeaves, leaf_value,
-                          node_score, node_score_bounds, split_loss_change, split_values_and_loss_change,
+                          leaf_value_range, node_score, node_score_bounds, split_loss_change,
+                          split_values_and_loss_change,
                           vector_value_and_score)
 
 
@@ -155,11 +156,18 @@ def _best_of_contenders(lefts: list, children: Callable, parent_score: jax.Array
         jnp.stack(parts, axis=2) for parts in zip(*(children(left) for left in lefts)))
     parent = parent_score[:, :, :, None]
     cost = split_cost[:, :, :, None] if split_cost.ndim == 3 else split_cost  # (1, d, 1) per feature
-    lower = upper = None
+    value_lower = value_upper = None
     if bounds is not None:
-        lower, upper = bounds.lower[:, None, None, None], bounds.upper[:, None, None, None]
-    left_upper, left_size = node_score_bounds(left_gradients, left_hessians, reg, lower, upper)
-    right_upper, right_size = node_score_bounds(right_gradients, right_hessians, reg, lower, upper)
+        value_lower, value_upper = bounds.lower[:, None, None, None], bounds.upper[:, None, None, None]
+        # A candidate whose children's values certainly break its feature's direction (their
+        # ranges apart, the wrong way round) needs no solving: the full scan finds it not valid.
+        # Strong splits against a constraint had topped the bounds and sent most chunks there.
+        left_low, left_high = leaf_value_range(left_gradients, left_hessians, reg, value_lower, value_upper)
+        right_low, right_high = leaf_value_range(right_gradients, right_hessians, reg, value_lower, value_upper)
+        direction = bounds.monotone[None, :, None, None]
+        valid = valid & ~(((direction > 0) & (left_low > right_high)) | ((direction < 0) & (left_high < right_low)))
+    left_upper, left_size = node_score_bounds(left_gradients, left_hessians, reg, value_lower, value_upper)
+    right_upper, right_size = node_score_bounds(right_gradients, right_hessians, reg, value_lower, value_upper)
     margin = BOUND_ROUNDING * (left_size + right_size + jnp.abs(parent) + jnp.abs(cost))
     upper = (left_upper + right_upper - parent - cost + margin).reshape(num_nodes, -1)
     valid = jnp.broadcast_to(valid, left_gradients.shape).reshape(num_nodes, -1)

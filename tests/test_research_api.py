@@ -121,6 +121,31 @@ def test_custom_penalty_leaf_values_reach_the_minimiser_for_large_sums(name):
 
 
 @pytest.mark.parametrize("name", sorted(_HARD_PENALTIES))
+@pytest.mark.parametrize("bounded", [False, True])
+def test_custom_penalty_leaf_value_range_holds_the_solved_value(name, bounded):
+    """``leaf_value_range`` (what the split scan's contenders read to leave out candidates that
+    certainly break a monotone constraint) holds every solved leaf value: large sums, sums of a
+    few rows, zero and negative Hessian mass, within max_delta_step and a node's bounds or not."""
+    from jaxboost.regularizer import leaf_value_range
+
+    G, H = _large_sums(7, lowest_hessian=0.0)
+    G, H = np.concatenate([G, G[:1000] * 1e-3, [0.0, 1.0, -1.0]]), np.concatenate([H, H[:1000] * 1e-3, [0.0, 0.0, -2.0]])
+    G, H = G.astype(np.float32), H.astype(np.float32)
+    reg = _hard_regularizer(name)
+    lower = upper = None
+    if bounded:
+        reg = reg.with_max_delta_step(2.0)
+        rng = np.random.default_rng(8)
+        lower = rng.uniform(-1.5, 0.5, G.shape).astype(np.float32)
+        upper = (lower + rng.uniform(0.0, 2.0, G.shape)).astype(np.float32)
+    w = np.asarray(jax.jit(lambda g, h, a, b: leaf_value(g, h, reg, a, b))(G, H, lower, upper))
+    low, high = (np.asarray(x) for x in jax.jit(lambda g, h, a, b: leaf_value_range(g, h, reg, a, b))(G, H, lower, upper))
+    outside = ~((low <= w) & (w <= high))
+    assert not outside.any(), (G[outside][:5], H[outside][:5], w[outside][:5], low[outside][:5], high[outside][:5])
+    assert np.isfinite(low[H > 0]).all() and np.isfinite(high[H > 0]).all()
+
+
+@pytest.mark.parametrize("name", sorted(_HARD_PENALTIES))
 def test_custom_penalty_steps_stop_early_at_the_same_values(monkeypatch, name):
     """On a CPU the Newton steps stop once a step changes nothing: the leaf values are those of
     all 30 steps (as other platforms run them), bit for bit."""

@@ -840,20 +840,27 @@ def test_custom_penalty_scan_of_the_contenders_chooses_as_the_full_scan(monkeypa
     assert (full.loss_change[4] == -np.inf) == (min_child_weight > 4), "the smallest node splits unless its weight is too low"
 
 
-def test_custom_penalty_contenders_keep_monotone_constraints(monkeypatch):
-    """Under monotone constraints the contenders' scan counts a solved candidate whose children
-    break its feature's direction as not valid: the strongest feature here is one whose split
-    would break it, and the scan takes the best allowed one from the contenders alone (the full
-    scan replaced by one that returns a marker gain)."""
+@pytest.mark.parametrize("value_ranges", ["bracketed", "unknown"])
+def test_custom_penalty_contenders_keep_monotone_constraints(monkeypatch, value_ranges):
+    """Under monotone constraints the strongest feature here is one whose split would break its
+    direction, and the contenders' scan takes the best allowed one alone (the full scan replaced
+    by one that returns a marker gain): with the children's value ranges, the candidates that
+    certainly break it are never solved and 15 contenders a node suffice; with the ranges
+    unknown, 63 contenders reach both features' best and the solved values rule out the
+    breaking ones."""
     from jaxboost import regularizers, split as split_module
 
-    monkeypatch.setattr(split_module, "CONTENDERS_PER_NODE", 63)  # top_k of 64: both features' best
+    if value_ranges == "unknown":
+        monkeypatch.setattr(split_module, "CONTENDERS_PER_NODE", 63)
+        monkeypatch.setattr(split_module, "leaf_value_range",
+                            lambda g, *_: (jnp.full(g.shape, -jnp.inf), jnp.full(g.shape, jnp.inf)))
     rng = np.random.default_rng(4)
     n_features, max_bin, sizes = 6, 32, [3000, 1500]
     node_index = np.repeat(np.arange(len(sizes)), sizes)
     codes = rng.integers(0, max_bin - 1, size=(len(node_index), n_features))
-    # Higher gradients, so lower leaf values, above code 15: both features' splits decrease.
-    g = (rng.normal(size=len(node_index)) + 2.0 * (codes[:, 1] > 15) + 3.0 * (codes[:, 3] > 15)).astype(np.float32)
+    # Higher gradients, so lower leaf values, with higher codes: both features' splits decrease,
+    # feature 3's along a trend that many of its thresholds split about as well.
+    g = (rng.normal(size=len(node_index)) + 2.0 * (codes[:, 1] > 15) + 0.25 * codes[:, 3]).astype(np.float32)
     h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
     histograms = _node_histograms(node_index, codes, g, h, max_bin)
     penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES["smooth_l1"]
