@@ -72,6 +72,8 @@ CONFIGS = {
     # from Newton steps in XLA, where the built-in ones have closed forms.
     "custom-penalty-quadratic": ("classification", dict(loss="logistic", penalty="quadratic")),
     "custom-penalty-smooth-l1": ("classification", dict(loss="logistic", penalty="smooth_l1")),
+    "custom-penalty-smooth-l1-monotone": ("classification", dict(loss="logistic", penalty="smooth_l1",
+                                                                 monotone_constraints=[1, -1] + [0] * 26)),
 }
 
 

@@ -340,8 +340,9 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     left_gradients, left_hessians, _ = channels(left_sums)
     right_gradients, right_hessians, _ = channels(right_sums)
     if bounds is not None:
-        left_value = leaf_value(left_gradients, left_hessians, reg, bounds.lower, bounds.upper)
-        right_value = leaf_value(right_gradients, right_hessians, reg, bounds.lower, bounds.upper)
+        # Both in one call: a custom penalty's every call is a loop of Newton steps to compile.
+        left_value, right_value = leaf_value(jnp.stack([left_gradients, right_gradients]),
+                                             jnp.stack([left_hessians, right_hessians]), reg, bounds.lower, bounds.upper)
     else:
         # Only monotone constraints read them; the grower solves vector leaves' values itself.
         left_value = right_value = jnp.zeros((num_nodes,) if leaves is None else (num_nodes, K))
