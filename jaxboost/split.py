@@ -146,8 +146,9 @@ def _best_of_contenders(lefts: list, children: Callable, parent_score: jax.Array
     that maximum: no other candidate can then reach it. A candidate that repeats the one before
     it is never needed. Otherwise (close gains, bounds that are not numbers) every candidate is
     solved (``scanned``). The same split and gain either way. The penalty must be convex, as
-    ``jb.regularizers.custom`` asks. With monotone ``bounds``, the bounds hold the leaf values
-    within a node's bounds, and a solved candidate whose children break its feature's direction
+    ``jb.regularizers.custom`` asks. With monotone ``bounds``, the gains' bounds take the leaf
+    values within each node's bounds, a candidate whose children's value ranges certainly break
+    its feature's direction is left unsolved, and a solved one whose children's values break it
     counts as not valid, as in the full scan."""
     num_nodes = parent_score.shape[0]
     # (K, d, dirs, B-1), as the full scan lays out its gains (``children`` of each direction's
