@@ -417,27 +417,23 @@ def node_score_bounds(sum_gradients: jax.Array, sum_hessians: jax.Array, reg: Re
 
 
 def split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg: Regularization,
-                      parent_score: jax.Array | None = None, one_solve: bool = False):
+                      parent_score: jax.Array | None = None):
     """XGBoost's ``loss_chg`` of splitting a node into the given children (pass the parent's
-    ``node_score`` when many candidates share one parent). ``one_solve``: both sides' leaf values
-    in one call, stacked, as each traced call of a custom penalty's Newton steps is a loop
-    compiled on its own. For few candidates only: on a split scan's every candidate, XLA's CPU
-    code ran the stacked steps several times slower a value (smooth L1, 20k rows: 34 -> 57 ms
-    a round)."""
+    ``node_score`` when many candidates share one parent)."""
     if parent_score is None:
         parent_score = node_score(left_gradients + right_gradients, left_hessians + right_hessians, reg)
-    if one_solve:
-        scores = node_score(jnp.stack(jnp.broadcast_arrays(left_gradients, right_gradients)),
-                            jnp.stack(jnp.broadcast_arrays(left_hessians, right_hessians)), reg)
-        return scores[0] + scores[1] - parent_score
     return node_score(left_gradients, left_hessians, reg) + node_score(right_gradients, right_hessians, reg) - parent_score
 
 
 def split_values_and_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg: Regularization,
                                  parent_score: jax.Array, lower: jax.Array | None = None,
                                  upper: jax.Array | None = None, one_solve: bool = False):
-    """Both children's leaf values within the bounds and the split's ``loss_chg`` (see
-    ``split_loss_change``, also for ``one_solve``): ``(left_value, right_value, loss_change)``."""
+    """Both children's leaf values within the bounds and the split's ``loss_chg`` (as
+    ``split_loss_change``): ``(left_value, right_value, loss_change)``. ``one_solve``: both
+    sides in one call, stacked, as each traced call of a custom penalty's Newton steps is a loop
+    compiled on its own. For few candidates only: on a split scan's every candidate, XLA's CPU
+    code ran the stacked steps several times slower a value (smooth L1, 20k rows: 34 -> 57 ms
+    a round)."""
     if one_solve:
         values, scores = value_and_score(jnp.stack(jnp.broadcast_arrays(left_gradients, right_gradients)),
                                          jnp.stack(jnp.broadcast_arrays(left_hessians, right_hessians)), reg,

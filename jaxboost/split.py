@@ -196,11 +196,10 @@ def _best_of_contenders(lefts: list, children: Callable, parent_score: jax.Array
 
     sides = (at_chosen(left_gradients), at_chosen(left_hessians), at_chosen(right_gradients), at_chosen(right_hessians))
     counted = solved_slot & (bound > -jnp.inf)
-    if bounds is None:
-        loss_change = split_loss_change(*sides, reg, at_chosen(parent), one_solve=True)
-    else:
-        left_value, right_value, loss_change = split_values_and_loss_change(
-            *sides, reg, at_chosen(parent), bounds.lower[:, None], bounds.upper[:, None], one_solve=True)
+    node_lower, node_upper = (None, None) if bounds is None else (bounds.lower[:, None], bounds.upper[:, None])
+    left_value, right_value, loss_change = split_values_and_loss_change(*sides, reg, at_chosen(parent), node_lower,
+                                                                        node_upper, one_solve=True)
+    if bounds is not None:
         counted = counted & monotone_allows(at_chosen(bounds.monotone[None, :, None, None]), left_value, right_value)
     gains = jnp.where(counted, loss_change - at_chosen(cost), -jnp.inf)
     best_value = jnp.max(gains, axis=1)
