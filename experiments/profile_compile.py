@@ -66,6 +66,7 @@ def listener(name, seconds, **kwargs):
 jax.monitoring.register_event_duration_secs_listener(listener)
 X, _, y, _ = make_task({task!r}, {rows})
 dataset = jb.Dataset(X, y)
+monotone = dict(monotone_constraints=[1, -1] + [0] * (X.shape[1] - 2)) if {monotone!r} else dict()
 loss = {loss!r} or task_loss({task!r})
 
 def cpu():
@@ -74,7 +75,7 @@ def cpu():
 
 def fit():
     jb.train(dataset, loss=loss, num_rounds=1, max_depth={depth}, learning_rate=0.1,
-             min_child_weight=1.0, multi_strategy={multi_strategy!r}, **penalty)
+             min_child_weight=1.0, multi_strategy={multi_strategy!r}, **penalty, **monotone)
 
 start[0], cpu_before = time.perf_counter(), cpu()
 fit()
@@ -93,7 +94,8 @@ _TIMER = r"time: [0-9.]+ \w+ \(([0-9]+) us\)"
 def run_child(args, env_extra: dict) -> tuple[dict, str]:
     """One fresh process's first fit: its result and its log (standard error)."""
     code = CHILD.format(experiments=str(REPO_ROOT / "experiments"), task=args.task, rows=args.rows, depth=args.depth,
-                        loss=args.loss, multi_strategy=args.multi_strategy, penalty=args.penalty)
+                        loss=args.loss, multi_strategy=args.multi_strategy, penalty=args.penalty,
+                        monotone=args.monotone)
     env = dict(os.environ, JAXBOOST_CACHE_DIR="", **env_extra)
     with tempfile.TemporaryDirectory() as folder:  # the repository root would shadow an installed jaxboost
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=folder,
@@ -250,6 +252,8 @@ def main():
                         help="vector leaves (multi_output_tree) for a loss of several outputs")
     parser.add_argument("--penalty", default="none", choices=["none", "quadratic", "smooth_l1"],
                         help="a custom leaf penalty (experiments/bench_penalty.py's) in place of reg_lambda=1")
+    parser.add_argument("--monotone", action="store_true",
+                        help="constrain the first two features (increasing, decreasing), as the compile survey does")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=15, help="rows in the source and pass tables")
     parser.add_argument("--output", help="write the tables to this Markdown file too")
@@ -281,14 +285,16 @@ def main():
            f"--depth {args.depth} --repeats {args.repeats}"
            f"{f' --loss {args.loss}' if args.loss else ''}"
            f"{f' --multi-strategy {args.multi_strategy}' if args.multi_strategy != 'one_output_per_tree' else ''}"
-           f"{f' --penalty {args.penalty}' if args.penalty != 'none' else ''}`",
+           f"{f' --penalty {args.penalty}' if args.penalty != 'none' else ''}"
+           f"{' --monotone' if args.monotone else ''}`",
            f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')} (took {(time.time() - started) / 60:.1f} min); "
            f"devices: {', '.join(runs[0][0]['devices'])}",
            f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
            f"load average {os.getloadavg()[0]:.2f} at the end",
            f"- a 1-round fit of {args.task}{f' with {args.loss}' if args.loss else ''}"
            f"{' (vector leaves)' if args.multi_strategy == 'multi_output_tree' else ''}"
-           f"{f', the custom penalty {args.penalty}' if args.penalty != 'none' else ''} "
+           f"{f', the custom penalty {args.penalty}' if args.penalty != 'none' else ''}"
+           f"{', monotone constraints on two features' if args.monotone else ''} "
            f"({runs[0][0]['training_rows']:,} training rows, depth {args.depth}) in a fresh "
            "process, caches off; medians of the repeats (XLA's timers are its log's, which adds a little)", "",
            f"First fit: {cell(median([r['first_s'] for r, _, _ in runs]))} s wall "

@@ -113,6 +113,8 @@ def main() -> None:
     parser.add_argument("--colsample-bytree", type=float, default=1.0, help="fraction of the features per tree")
     parser.add_argument("--colsample-bynode", type=float, default=1.0, help="fraction of the features per node")
     parser.add_argument("--subsample", type=float, default=1.0, help="fraction of the rows per round")
+    parser.add_argument("--penalty", choices=("quadratic", "smooth_l1"),
+                        help="a custom leaf penalty (bench_penalty.py's) in place of reg_lambda=1")
     parser.add_argument("--rounds", type=int, default=10, help="rounds in the traced fit")
     parser.add_argument("--top", type=int, default=15, help="ops listed per track")
     parser.add_argument("--output", type=Path, help="write the tables to this Markdown file too")
@@ -123,6 +125,11 @@ def main() -> None:
     settings = dict(loss=task_loss(args.task), max_depth=args.depth, learning_rate=0.1, reg_lambda=1.0, min_child_weight=1.0,
                     colsample_bytree=args.colsample_bytree, colsample_bynode=args.colsample_bynode,
                     subsample=args.subsample)
+    if args.penalty:
+        from bench_penalty import quadratic, smooth_l1
+        settings.pop("reg_lambda")
+        settings["regularizer"] = (jb.regularizers.custom(quadratic) if args.penalty == "quadratic"
+                                   else jb.regularizers.custom(smooth_l1, reg_lambda=1.0))
     if args.vector_leaves:
         settings.update(multi_strategy="multi_output_tree", multi_output_hessian=args.vector_leaves)
     jb.train(dataset, num_rounds=2, **settings)  # compiles
@@ -144,7 +151,8 @@ def main() -> None:
         f"--rounds {args.rounds}" + (f" --vector-leaves {args.vector_leaves}" if args.vector_leaves else "")
         + (f" --colsample-bytree {args.colsample_bytree}" if args.colsample_bytree != 1.0 else "")
         + (f" --colsample-bynode {args.colsample_bynode}" if args.colsample_bynode != 1.0 else "")
-        + (f" --subsample {args.subsample}" if args.subsample != 1.0 else "") + "`",
+        + (f" --subsample {args.subsample}" if args.subsample != 1.0 else "")
+        + (f" --penalty {args.penalty}" if args.penalty else "") + "`",
         f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; devices: "
         f"{', '.join(str(device) for device in jax.devices())} ({jax.devices()[0].device_kind})",
         f"- versions: jax {jax.__version__}, numpy {np.__version__}, Python {platform.python_version()}",
