@@ -174,10 +174,15 @@ def _best_of_contenders(lefts: list, children: Callable, parent_score: jax.Array
     valid = jnp.broadcast_to(valid, left_gradients.shape).reshape(num_nodes, -1)
     # A candidate past an empty bin repeats the one before it, sums and gain, and the first of
     # the two wins their tie: the repeats need no solving (a node of few rows has runs of them).
-    repeats = jnp.concatenate(
-        [jnp.zeros(left_gradients.shape[:-1] + (1,), bool),
-         (left_gradients[..., 1:] == left_gradients[..., :-1]) & (left_hessians[..., 1:] == left_hessians[..., :-1])],
-        axis=-1).reshape(num_nodes, -1)
+    # Each is compared with the running sums shifted by a bin behind a row of NaN (equal to
+    # nothing). Compared in the candidates' layout instead, as shifted slices joined to a first
+    # column, the fusion that computes the bounds ran about 2.3x slower (215 against 95 us a
+    # chunk of 2 nodes).
+    previous_gradients, previous_hessians = (
+        jnp.stack(parts, axis=2) for parts in zip(*(
+            children(jnp.concatenate([jnp.full_like(left[..., :1, :], jnp.nan), left[..., :-1, :]], axis=-2))[:2]
+            for left in lefts)))
+    repeats = ((left_gradients == previous_gradients) & (left_hessians == previous_hessians)).reshape(num_nodes, -1)
     # The upper bounds are read once, by top_k (XLA fuses their computation into every reader):
     # -inf for the candidates that need no solving, +inf where a bound is NaN (solved, or, with
     # more of them than the solved ones, sending the chunk to the full scan).

@@ -900,3 +900,32 @@ def test_custom_penalty_scan_solves_the_contenders_alone_where_a_split_stands_ou
         jnp.asarray(histograms), jnp.ones((len(sizes), n_features), bool), min_child_weight=F32(1.0))
     assert np.all(np.asarray(choice.loss_change) != marker)
     np.testing.assert_array_equal(np.asarray(choice.feature), 1)
+
+
+def test_custom_penalty_contenders_skip_repeated_candidates_only(monkeypatch):
+    """Rows only in every other bin: each threshold past an empty bin repeats the one before it,
+    and the contenders' scan skips it. The best split is the first threshold, which repeats
+    nothing, and the contenders alone find it (the full scan replaced by a marker), as the full
+    scan does."""
+    from jaxboost import regularizers, split as split_module
+
+    rng = np.random.default_rng(5)
+    n_features, max_bin, sizes = 4, 32, [2000, 700]
+    node_index = np.repeat(np.arange(len(sizes)), sizes)
+    codes = 2 * rng.integers(0, (max_bin - 1) // 2, size=(len(node_index), n_features))
+    g = (rng.normal(size=len(node_index)) + 4.0 * (codes[:, 1] == 0)).astype(np.float32)
+    h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
+    histograms = jnp.asarray(_node_histograms(node_index, codes, g, h, max_bin))
+    penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES["smooth_l1"]
+    reg = regularizers.custom(penalty, params, reg_lambda=reg_lambda, reg_alpha=reg_alpha).with_max_delta_step(0.0)
+    arguments = (histograms, jnp.ones((len(sizes), n_features), bool))
+    full = jax.jit(partial(find_best_splits, reg=reg, missing_values=False, prune=False))(
+        *arguments, min_child_weight=F32(1.0))
+    np.testing.assert_array_equal(np.asarray(full.feature), 1)
+    np.testing.assert_array_equal(np.asarray(full.threshold_bin), 0)
+    marker = np.float32(-123.0)
+    monkeypatch.setattr(split_module, "first_maximum",
+                        lambda values: (jnp.zeros(values.shape[0], jnp.int32), jnp.full(values.shape[0], marker)))
+    pruned = jax.jit(partial(find_best_splits, reg=reg, missing_values=False))(*arguments, min_child_weight=F32(1.0))
+    for field, value in pruned._asdict().items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(getattr(full, field)), err_msg=field)
