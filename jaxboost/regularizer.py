@@ -416,6 +416,15 @@ def node_score_bounds(sum_gradients: jax.Array, sum_hessians: jax.Array, reg: Re
     return upper_bound, size
 
 
+def node_score_lower_bound(sum_gradients: jax.Array, sum_hessians: jax.Array, reg: Regularization,
+                           lower: jax.Array | None = None, upper: jax.Array | None = None) -> jax.Array:
+    """A lower bound of ``node_score`` without solving: ``-2 x`` the objective at the elastic
+    net's leaf value within the bounds, a value the leaf may take, where the objective is at
+    least its minimum (up to float32 rounding)."""
+    w = clip_leaf_value(_elastic_net_value(sum_gradients, sum_hessians, reg)[0], reg, lower, upper)
+    return -2.0 * objective_at(w, sum_gradients, sum_hessians, reg)
+
+
 def split_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg: Regularization,
                       parent_score: jax.Array | None = None):
     """XGBoost's ``loss_chg`` of splitting a node into the given children (pass the parent's
@@ -427,18 +436,12 @@ def split_loss_change(left_gradients, left_hessians, right_gradients, right_hess
 
 def split_values_and_loss_change(left_gradients, left_hessians, right_gradients, right_hessians, reg: Regularization,
                                  parent_score: jax.Array, lower: jax.Array | None = None,
-                                 upper: jax.Array | None = None, one_solve: bool = False):
+                                 upper: jax.Array | None = None):
     """Both children's leaf values within the bounds and the split's ``loss_chg`` (as
-    ``split_loss_change``): ``(left_value, right_value, loss_change)``. ``one_solve``: both
-    sides in one call, stacked, as each traced call of a custom penalty's Newton steps is a loop
-    compiled on its own. For few candidates only: on a split scan's every candidate, XLA's CPU
-    code ran the stacked steps several times slower a value (smooth L1, 20k rows: 34 -> 57 ms
-    a round)."""
-    if one_solve:
-        values, scores = value_and_score(jnp.stack(jnp.broadcast_arrays(left_gradients, right_gradients)),
-                                         jnp.stack(jnp.broadcast_arrays(left_hessians, right_hessians)), reg,
-                                         lower, upper)
-        return values[0], values[1], scores[0] + scores[1] - parent_score
+    ``split_loss_change``): ``(left_value, right_value, loss_change)``. Each side is its own
+    call: on a split scan's every candidate, XLA's CPU code ran a custom penalty's Newton steps
+    over both sides stacked several times slower a value (smooth L1, 20k rows: 34 -> 57 ms a
+    round)."""
     left_value, left_score = value_and_score(left_gradients, left_hessians, reg, lower, upper)
     right_value, right_score = value_and_score(right_gradients, right_hessians, reg, lower, upper)
     return left_value, right_value, left_score + right_score - parent_score

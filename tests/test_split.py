@@ -902,12 +902,52 @@ def test_custom_penalty_scan_solves_the_contenders_alone_where_a_split_stands_ou
     np.testing.assert_array_equal(np.asarray(choice.feature), 1)
 
 
+def _contenders_alone_give_the_full_scans_choice(monkeypatch, histograms, reg):
+    """The full scan's choice (every feature allowed, no missing values), after checking that
+    the contenders' scan gives it bit for bit without the full scan (replaced by one that
+    returns a marker gain)."""
+    from jaxboost import split as split_module
+
+    arguments = (histograms, jnp.ones(histograms.shape[:2], bool))
+    full = jax.jit(partial(find_best_splits, reg=reg, missing_values=False, prune=False))(
+        *arguments, min_child_weight=F32(1.0))
+    marker = np.float32(-123.0)
+    monkeypatch.setattr(split_module, "first_maximum",
+                        lambda values: (jnp.zeros(values.shape[0], jnp.int32), jnp.full(values.shape[0], marker)))
+    pruned = jax.jit(partial(find_best_splits, reg=reg, missing_values=False))(*arguments, min_child_weight=F32(1.0))
+    for field, value in pruned._asdict().items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(getattr(full, field)), err_msg=field)
+    return full
+
+
+def test_custom_penalty_contenders_take_the_node_score_solved_with_them(monkeypatch):
+    """The contenders' bounds take a lower bound of the node's score (at the elastic net's leaf
+    value); solved with the contenders, the node's score takes its place in the highest bound
+    left unsolved. A linear penalty (its tangent exact, the children's bounds tight) moves the
+    node's leaf value far from the elastic net's, and with one contender a node the next bound
+    settles the scan only with the node's solved score: the contenders alone give the full
+    scan's choice and gain (the full scan replaced by a marker)."""
+    from jaxboost import regularizers, split as split_module
+
+    monkeypatch.setattr(split_module, "CONTENDERS_PER_NODE", 1)
+    rng = np.random.default_rng(6)
+    n_features, max_bin, sizes = 6, 32, [3000, 900]
+    node_index = np.repeat(np.arange(len(sizes)), sizes)
+    codes = rng.integers(0, max_bin - 1, size=(len(node_index), n_features))
+    g = (rng.normal(size=len(node_index)) + 3.0 * (codes[:, 4] > 15)).astype(np.float32)
+    h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
+    histograms = jnp.asarray(_node_histograms(node_index, codes, g, h, max_bin))
+    reg = regularizers.custom(lambda w, slope: slope * w, jnp.float32(300.0)).with_max_delta_step(0.0)
+    full = _contenders_alone_give_the_full_scans_choice(monkeypatch, histograms, reg)
+    np.testing.assert_array_equal(np.asarray(full.feature), [4, 2])
+
+
 def test_custom_penalty_contenders_skip_repeated_candidates_only(monkeypatch):
     """Rows only in every other bin: each threshold past an empty bin repeats the one before it,
     and the contenders' scan skips it. The best split is the first threshold, which repeats
     nothing, and the contenders alone find it (the full scan replaced by a marker), as the full
     scan does."""
-    from jaxboost import regularizers, split as split_module
+    from jaxboost import regularizers
 
     rng = np.random.default_rng(5)
     n_features, max_bin, sizes = 4, 32, [2000, 700]
@@ -918,14 +958,6 @@ def test_custom_penalty_contenders_skip_repeated_candidates_only(monkeypatch):
     histograms = jnp.asarray(_node_histograms(node_index, codes, g, h, max_bin))
     penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES["smooth_l1"]
     reg = regularizers.custom(penalty, params, reg_lambda=reg_lambda, reg_alpha=reg_alpha).with_max_delta_step(0.0)
-    arguments = (histograms, jnp.ones((len(sizes), n_features), bool))
-    full = jax.jit(partial(find_best_splits, reg=reg, missing_values=False, prune=False))(
-        *arguments, min_child_weight=F32(1.0))
+    full = _contenders_alone_give_the_full_scans_choice(monkeypatch, histograms, reg)
     np.testing.assert_array_equal(np.asarray(full.feature), 1)
     np.testing.assert_array_equal(np.asarray(full.threshold_bin), 0)
-    marker = np.float32(-123.0)
-    monkeypatch.setattr(split_module, "first_maximum",
-                        lambda values: (jnp.zeros(values.shape[0], jnp.int32), jnp.full(values.shape[0], marker)))
-    pruned = jax.jit(partial(find_best_splits, reg=reg, missing_values=False))(*arguments, min_child_weight=F32(1.0))
-    for field, value in pruned._asdict().items():
-        np.testing.assert_array_equal(np.asarray(value), np.asarray(getattr(full, field)), err_msg=field)
