@@ -42,7 +42,8 @@ from .devices import all_sum, all_sum_scattered, axis_devices, chunks_in_use, in
 from .histogram import (StatisticPairs, build_statistics_histogram, builds_channels_natively,
                         route_and_build_statistics_histogram, route_to_children, statistic_pairs)
 from .native import lowering_platform, per_platform
-from .regularizer import Regularization, VectorLeaves, leaf_value, vector_value_and_score
+from .regularizer import (Regularization, VectorLeaves, clip_leaf_value, leaf_value, unbounded_leaf_value,
+                          vector_value_and_score)
 from .sampling import uniform_scores
 from .split import (NodeBounds, children_splittable, find_best_splits_over_devices, hessian_mass, scan_chunk_nodes,
                     splittable)
@@ -469,21 +470,20 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         tree, bounds, first_slot = record_values(tree, bounds, depth, level, values)
         return tree._replace(is_leaf=write_level(tree.is_leaf, level.active, first_slot)), bounds
 
-    def level_values(level, child_fields):
-        """The values of a level's nodes and of their children (no learning rate), in one
-        traced copy of the solve: each copy of the vector solve adds about a second to a first
-        fit's compile at K = 10 (the split scan holds the other), and each copy of a custom
-        penalty's Newton steps is a loop compiled on its own."""
+    def level_values(level, child_gradients, child_hessians):
+        """The values of a level's nodes and of their children (no learning rate; a custom
+        penalty's without bounds, which the caller clips), in one traced copy of the solve: each
+        copy of the vector solve adds about a second to a first fit's compile at K = 10 (the
+        split scan holds the other), and each copy of a custom penalty's Newton steps is a loop
+        compiled on its own (the split scan leaves the children's values within their parent's
+        bounds, for monotone constraints, to this one too)."""
         capacity = level.level_gradients.shape[0]
-
-        def both(field):
-            return jnp.concatenate([getattr(level, field), child_fields[field]])
-
+        gradients = jnp.concatenate([level.level_gradients, child_gradients])
+        hessians = jnp.concatenate([level.level_hessians, child_hessians])
         if leaves is None:
-            values = leaf_value(both("level_gradients"), both("level_hessians"), params.reg, both("lower"),
-                                both("upper"))
+            values = unbounded_leaf_value(gradients, hessians, params.reg)
         else:
-            values, _ = vector_value_and_score(both("level_gradients"), both("level_hessians"), params.reg, leaves)
+            values, _ = vector_value_and_score(gradients, hessians, params.reg, leaves)
         return values[:capacity], values[capacity:]
 
     def split_level(depth, carry, children_are_leaves=None, parent_slots: int | None = None):
@@ -517,9 +517,11 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         live_nodes = _two_to_the(depth)
         # Nodes too light to split are not scanned: their choices stay empty, no split.
         scanned = active & splittable(state.level_hessians, leaves, params.min_child_weight)
+        # A custom penalty's level solve gives the winner's children's values too (below).
+        solves_level = leaves is not None or params.reg.penalty is not None
         split = find_best_splits_over_devices(state.histograms, in_slots(node_features) & slot_in_sample, slot_reg,
                                               params.min_child_weight, axis_name, level_bounds, leaves, live_nodes,
-                                              missing_values, scanned)
+                                              missing_values, scanned, children_values=not solves_level)
         if slot_feature is not None:
             split = split._replace(feature=slot_feature[split.feature])
         # Scanned, not active: an active node too light to split may hold no histogram.
@@ -589,10 +591,19 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         else:
             child_of_row, histograms = with_the_route()
         lower, upper = state.lower, state.upper
+        values = children_values = None
+        if solves_level:
+            values, children_values = level_values(state, all_children(split.left_gradients, split.right_gradients),
+                                                   all_children(split.left_hessians, split.right_hessians))
         left_lower, left_upper, right_lower, right_upper = lower, upper, lower, upper
         if monotone is not None:
+            left_value, right_value = split.left_value, split.right_value
+            if solves_level:
+                # Within the parent's bounds, as the split scan gives them (scalar leaves only).
+                left_value, right_value = (clip_leaf_value(children_values.reshape(capacity, 2)[:, side], params.reg,
+                                                           lower, upper) for side in (0, 1))
             # Children split the parent's range at the midpoint of their values (XGBoost's rule).
-            middle = 0.5 * (split.left_value + split.right_value)
+            middle = 0.5 * (left_value + right_value)
             direction = monotone[split.feature]
             left_upper = jnp.where(direction > 0, middle, upper)
             right_lower = jnp.where(direction > 0, middle, lower)
@@ -606,9 +617,9 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
                             level_gradients=all_children(split.left_gradients, split.right_gradients),
                             level_hessians=all_children(split.left_hessians, split.right_hessians),
                             lower=all_children(left_lower, right_lower), upper=all_children(left_upper, right_upper))
-        values = children_values = None
-        if leaves is not None or params.reg.penalty is not None:
-            values, children_values = level_values(state, child_fields)
+        if solves_level and leaves is None:
+            values = clip_leaf_value(values, params.reg, lower, upper)
+            children_values = clip_leaf_value(children_values, params.reg, child_fields["lower"], child_fields["upper"])
         tree, bounds, _ = record_values(tree, bounds, depth, state, values=values)
         if children_are_leaves is not None:
             # The children are written as leaves at every level of the loop, not only where

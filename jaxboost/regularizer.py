@@ -333,11 +333,17 @@ def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize])
 
 
+def unbounded_leaf_value(sum_gradients: jax.Array, sum_hessians: jax.Array, reg: Regularization) -> jax.Array:
+    """The minimiser of ``G w + 1/2 H w^2 + penalty(w)`` without bounds: ``leaf_value`` is it
+    clipped to them (``clip_leaf_value``), so one solve serves several bounds."""
+    return _unbounded_leaf_value(sum_gradients, sum_hessians, reg)[0]
+
+
 def leaf_value(sum_gradients: jax.Array, sum_hessians: jax.Array, reg: Regularization,
                lower: jax.Array | None = None, upper: jax.Array | None = None) -> jax.Array:
     """The minimiser of ``G w + 1/2 H w^2 + penalty(w)`` within the bounds (before the
     learning rate)."""
-    return clip_leaf_value(_unbounded_leaf_value(sum_gradients, sum_hessians, reg)[0], reg, lower, upper)
+    return clip_leaf_value(unbounded_leaf_value(sum_gradients, sum_hessians, reg), reg, lower, upper)
 
 
 def objective_at(w: jax.Array, sum_gradients: jax.Array, sum_hessians: jax.Array, reg: Regularization) -> jax.Array:

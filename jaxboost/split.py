@@ -54,7 +54,7 @@ class SplitChoice(NamedTuple):
     right_gradients: jax.Array
     right_hessians: jax.Array
     # The children's leaf values within the node's bounds (no learning rate), for monotone
-    # constraints; zeros without them.
+    # constraints; zeros without them, or where the caller solves them (``children_values``).
     left_value: jax.Array
     right_value: jax.Array
 
@@ -240,7 +240,7 @@ def _best_of_contenders(lefts: list, children: Callable, node_sums: tuple[jax.Ar
 def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
                      min_child_weight: jax.Array, bounds: NodeBounds | None = None,
                      leaves: VectorLeaves | None = None, missing_values: bool = True,
-                     prune: bool = True) -> SplitChoice:
+                     prune: bool = True, children_values: bool = True) -> SplitChoice:
     """Best split per node.
 
     Args:
@@ -256,6 +256,9 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         choice) is scanned: the same split for half the candidates.
       prune: for a custom penalty (scalar leaves), solve only the candidates that
         can win (``_best_of_contenders``); False: every candidate. The same split either way.
+      children_values: False: with ``bounds``, the winner's children's values are left zeros,
+        for a caller that solves them itself (the grower, a custom penalty's in its level's
+        solve: each call of the Newton steps is a loop of its own to compile).
     """
     num_nodes, n_features, max_bin, _ = histograms.shape
     n_value_bins = max_bin - 1
@@ -364,7 +367,7 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
     right_sums = node_total[nodes, feature, 0] - left_sums
     left_gradients, left_hessians, _ = channels(left_sums)
     right_gradients, right_hessians, _ = channels(right_sums)
-    if bounds is not None:
+    if bounds is not None and children_values:
         # Both in one call: a custom penalty's every call is a loop of Newton steps to compile.
         left_value, right_value = leaf_value(jnp.stack([left_gradients, right_gradients]),
                                              jnp.stack([left_hessians, right_hessians]), reg, bounds.lower, bounds.upper)
@@ -442,7 +445,7 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
                                    min_child_weight: jax.Array, bounds: NodeBounds | None = None,
                                    leaves: VectorLeaves | None = None, live_nodes: jax.Array | None = None,
                                    missing_values: bool = True, active: jax.Array | None = None,
-                                   kernel: str = "auto") -> SplitChoice:
+                                   kernel: str = "auto", children_values: bool = True) -> SplitChoice:
     """``find_best_splits`` for the first ``live_nodes`` node slots only (traced; None: all),
     and of those, when ``active`` (bool, one flag per slot) is given, for the chunks that hold
     an active node.
@@ -473,7 +476,8 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
 
         def xla():
             return find_best_splits_of_live_nodes(histograms, feature_allowed, reg, min_child_weight, bounds, leaves,
-                                                  live_nodes, missing_values, active, kernel="xla")
+                                                  live_nodes, missing_values, active, kernel="xla",
+                                                  children_values=children_values)
 
         return per_platform(cpu=native, default=xla)
 
@@ -485,7 +489,7 @@ def find_best_splits_of_live_nodes(histograms: jax.Array, feature_allowed: jax.A
 
         node_bounds = None if bounds is None else bounds._replace(lower=cut(bounds.lower), upper=cut(bounds.upper))
         return find_best_splits(cut(histograms), cut(feature_allowed), reg, min_child_weight, node_bounds, leaves,
-                                missing_values)
+                                missing_values, children_values=children_values)
 
     if live_nodes is None or num_nodes <= chunk or num_nodes % chunk:
         return scan_nodes(0, num_nodes)
@@ -576,7 +580,7 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
                                   min_child_weight: jax.Array, axis_name: str | None,
                                   bounds: NodeBounds | None = None, leaves: VectorLeaves | None = None,
                                   live_nodes: jax.Array | None = None, missing_values: bool = True,
-                                  active: jax.Array | None = None) -> SplitChoice:
+                                  active: jax.Array | None = None, children_values: bool = True) -> SplitChoice:
     """``find_best_splits_of_live_nodes`` with the features divided among the devices of ``axis_name``.
 
     With rows sharded over ``m`` devices, ``histograms`` hold this device's block of ``b``
@@ -589,7 +593,8 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     devices = axis_devices(axis_name)
     if devices == 1:
         return find_best_splits_of_live_nodes(histograms, feature_allowed, reg, min_child_weight, bounds, leaves,
-                                              live_nodes, missing_values=missing_values, active=active)
+                                              live_nodes, missing_values=missing_values, active=active,
+                                              children_values=children_values)
     block = histograms.shape[1]
     start = jax.lax.axis_index(axis_name) * block
 
@@ -603,7 +608,8 @@ def find_best_splits_over_devices(histograms: jax.Array, feature_allowed: jax.Ar
     local_bounds = None if bounds is None else bounds._replace(monotone=features_of_block(bounds.monotone))
     local = find_best_splits_of_live_nodes(histograms, features_of_block(feature_allowed, axis=1), local_reg,
                                            min_child_weight, local_bounds, leaves, live_nodes,
-                                           missing_values=missing_values, active=active)
+                                           missing_values=missing_values, active=active,
+                                           children_values=children_values)
     local = local._replace(feature=local.feature + start)
     # One collective for all fields.
     gathered = jax.lax.all_gather(_packed_choice(local).T, axis_name)  # (devices, channels, nodes)

@@ -190,12 +190,18 @@ def regression_data():
     return X, y
 
 
-def test_custom_quadratic_penalty_trains_like_reg_lambda(regression_data):
+@pytest.mark.parametrize("constraints", [{}, dict(monotone_constraints=(1, -1, 0, 0)),
+                                         dict(monotone_constraints=(1, -1, 0, 0), max_delta_step=0.6)])
+def test_custom_quadratic_penalty_trains_like_reg_lambda(regression_data, constraints):
+    """A custom quadratic penalty grows reg_lambda's trees: unbounded, and under monotone
+    constraints, whose children's bounds come from their values within their parent's bounds
+    (a custom penalty's from its level's one solve, the built-in's from the split scan)."""
     X, y = regression_data
     quadratic = jb.regularizers.custom(lambda w, strength: 0.5 * strength * w * w, 3.0)
-    custom = jb.train(X, y, num_rounds=5, max_depth=3, regularizer=quadratic, max_bin=16)
-    builtin = jb.train(X, y, num_rounds=5, max_depth=3, reg_lambda=3.0, max_bin=16)
+    custom = jb.train(X, y, num_rounds=5, max_depth=4, regularizer=quadratic, max_bin=16, **constraints)
+    builtin = jb.train(X, y, num_rounds=5, max_depth=4, reg_lambda=3.0, max_bin=16, **constraints)
     np.testing.assert_array_equal(custom.trees.feature, builtin.trees.feature)
+    np.testing.assert_array_equal(custom.trees.threshold_bin, builtin.trees.threshold_bin)
     np.testing.assert_allclose(custom.predict(X), builtin.predict(X), rtol=1e-5, atol=1e-5)
 
 
