@@ -120,9 +120,9 @@ def _unravel_valid_index(flat: jax.Array, shape: tuple[int, ...]) -> tuple[jax.A
     return (flat, *reversed(indices))
 
 
-# Candidates a node that a custom penalty's split scan solves exactly (_best_of_contenders), and
-# the rounding allowed for in its bounds, relative to the sizes of their terms (float32's epsilon
-# is 1.2e-7).
+# Candidates a node that a custom penalty's split scan solves exactly in a batch
+# (_best_of_contenders), and the rounding allowed for in its bounds, relative to the sizes of
+# their terms (float32's epsilon is 1.2e-7).
 CONTENDERS_PER_NODE = 15  # top_k of 16
 BOUND_ROUNDING = 1e-5
 
@@ -134,29 +134,33 @@ def monotone_allows(direction: jax.Array, left_value: jax.Array, right_value: ja
 
 
 def _best_of_contenders(lefts: list, children: Callable, node_sums: tuple[jax.Array, jax.Array],
-                        split_cost: jax.Array, reg: Regularization, scanned: Callable[[jax.Array], tuple],
+                        split_cost: jax.Array, reg: Regularization,
                         bounds: NodeBounds | None = None) -> tuple[jax.Array, jax.Array]:
     """``first_maximum`` of a custom penalty's gains ``(K, d, dirs, B-1)``, solving few of them.
 
     Every candidate's gain is first bounded above cheaply (``node_score_bounds``: one tangent of
     the penalty a side, where the exact gain takes Newton steps until the slowest candidate
-    settles). The CONTENDERS_PER_NODE candidates of highest bounds are solved as the full scan
-    solves them, the first of their maximum winning, if the next candidate's bound is below
-    that maximum: no other candidate can then reach it. A candidate that repeats the one before
-    it is never needed. Otherwise (close gains, bounds that are not numbers) every candidate is
-    solved (``scanned``). The same split and gain either way. The penalty must be convex, as
+    settles). The candidates are then solved in batches of CONTENDERS_PER_NODE a node, in the
+    order of their bounds, as the full scan solves them, until the highest bound left unsolved
+    is below the best gain solved (no candidate left can reach it) or none is left; the first
+    of the maximum wins. Almost always the first batch settles every node (in a 20k-row fit,
+    the rest took one or two more), where every candidate had been solved in its place: the
+    full scan's code and its loops of Newton steps made a third of a first fit's compile and,
+    for a smooth L1, two thirds of a round. A candidate that repeats the one before it is never
+    needed. The same split and gain as the full scan (gains that are not numbers, from a
+    penalty that is not finite everywhere, never win). The penalty must be convex, as
     ``jb.regularizers.custom`` asks. With monotone ``bounds``, the gains' bounds take the leaf
     values within each node's bounds, a candidate whose children's value ranges certainly break
     its feature's direction is left unsolved, and a solved one whose children's values break it
     counts as not valid, as in the full scan.
 
     ``node_sums``: the node's gradient and Hessian sums as each feature's bins total them
-    ``(K, d, 1)``; ``scanned`` takes the node's scores from them ``(K, d, 1)``. Those scores are
-    solved in the contenders' call: the bounds take a lower bound of them
-    (``node_score_lower_bound``), and once solved, the highest bound left unsolved is lowered
-    by the least of the node's features' differences between the two. A call of their own had
-    been one more loop of Newton steps to compile and to run at every chunk of nodes (smooth
-    L1, 20k rows: 2.6 ms of a round's XLA time, against 2.9 for the contenders')."""
+    ``(K, d, 1)``. The node's scores from them are solved in each batch's call: the bounds take
+    a lower bound of them (``node_score_lower_bound``), and once solved, the highest bound left
+    unsolved is lowered by the least of the node's features' differences between the two. A
+    call of their own had been one more loop of Newton steps to compile and to run at every
+    chunk of nodes (smooth L1, 20k rows: 2.6 ms of a round's XLA time, against 2.9 for the
+    contenders')."""
     num_nodes = node_sums[0].shape[0]
     # (K, d, dirs, B-1), as the full scan lays out its gains (``children`` of each direction's
     # left sums ``lefts``).
@@ -192,49 +196,69 @@ def _best_of_contenders(lefts: list, children: Callable, node_sums: tuple[jax.Ar
             children(jnp.concatenate([jnp.full_like(left[..., :1, :], jnp.nan), left[..., :-1, :]], axis=-2))[:2]
             for left in lefts)))
     repeats = ((left_gradients == previous_gradients) & (left_hessians == previous_hessians)).reshape(num_nodes, -1)
-    # The upper bounds are read once, by top_k (XLA fuses their computation into every reader):
-    # -inf for the candidates that need no solving, +inf where a bound is NaN (solved, or, with
-    # more of them than the solved ones, sending the chunk to the full scan).
+    # -inf for the candidates that need no solving, +inf where a bound is NaN (solved first).
     key = jnp.where(valid & ~repeats, jnp.where(jnp.isnan(upper), jnp.inf, upper), -jnp.inf)
-    # Their indices alone, not sliced: with its values read, or its indices sliced, XLA's CPU
-    # compiler made top_k a whole sort of the candidates.
-    _, chosen = jax.lax.top_k(key, CONTENDERS_PER_NODE + 1)  # (K, M + 1), largest first
+    num_candidates = key.shape[1]
+    candidate = jnp.arange(num_candidates)
     nodes = jnp.arange(num_nodes)[:, None]
-    bound = key[nodes, chosen]
-    # The first M are solved; the last one's bound is the highest left unsolved.
-    solved_slot = jnp.arange(CONTENDERS_PER_NODE + 1) < CONTENDERS_PER_NODE
-    next_bound = jnp.max(jnp.where(solved_slot, -jnp.inf, bound), axis=1)
-
-    def at_chosen(array):
-        return jnp.broadcast_to(array, left_gradients.shape).reshape(num_nodes, -1)[nodes, chosen]
-
-    counted = solved_slot & (bound > -jnp.inf)
-    node_lower, node_upper = (None, None) if bounds is None else (bounds.lower[:, None], bounds.upper[:, None])
-    # One solve: the contenders' two sides and the node's score by each feature's totals.
     width = CONTENDERS_PER_NODE + 1
-    values, scores = value_and_score(
-        jnp.concatenate([at_chosen(left_gradients), at_chosen(right_gradients), node_sums[0][:, :, 0]], axis=1),
-        jnp.concatenate([at_chosen(left_hessians), at_chosen(right_hessians), node_sums[1][:, :, 0]], axis=1),
-        reg, node_lower, node_upper)
-    left_value, right_value = values[:, :width], values[:, width:2 * width]
-    parent_score = scores[:, 2 * width:, None]  # (K, d, 1), as node_score gives it
-    loss_change = scores[:, :width] + scores[:, width:2 * width] - at_chosen(parent_score[:, :, :, None])
-    # The unsolved candidates' bounds with the node's solved scores in place of their bound.
-    next_bound = next_bound - jnp.min((parent_score[:, :, :, None] - parent).reshape(num_nodes, -1), axis=1)
-    if bounds is not None:
-        counted = counted & monotone_allows(at_chosen(bounds.monotone[None, :, None, None]), left_value, right_value)
-    gains = jnp.where(counted, loss_change - at_chosen(cost), -jnp.inf)
-    best_value = jnp.max(gains, axis=1)
-    # The first flat index among those that reach the maximum; with no valid candidate (all
-    # -inf), index 0, as first_maximum gives.
-    at_maximum = (gains == best_value[:, None]) & counted
-    best = jnp.min(jnp.where(at_maximum, chosen, key.shape[1]), axis=1)
-    best = jnp.where(best < key.shape[1], best, 0).astype(jnp.int32)
-    # No candidate left unsolved can reach the best solved gain (a tie would need the first of
-    # them): the bound of the next one is below it, or no candidate is valid.
-    settled = (next_bound < best_value) | (bound[:, 0] == -jnp.inf)
-    solved = jnp.all(settled) & ~jnp.any(jnp.isnan(gains))
-    return jax.lax.cond(solved, lambda: (best, best_value), lambda: scanned(parent_score))
+    # The first M of a batch are solved; the last one's bound is the highest left unsolved.
+    solved_slot = jnp.arange(width) < CONTENDERS_PER_NODE
+    node_lower, node_upper = (None, None) if bounds is None else (bounds.lower[:, None], bounds.upper[:, None])
+
+    def batch(state):
+        _, _, best, best_value, last_key, last_candidate = state
+        # The candidates after the last one solved, in top_k's order: bound descending, then
+        # the lower index first (top_k's tie rule).
+        after = (key < last_key[:, None]) | ((key == last_key[:, None]) & (candidate > last_candidate[:, None]))
+        remaining = jnp.where(after, key, -jnp.inf)
+        _, chosen = jax.lax.top_k(remaining, width)  # (K, M + 1), largest first
+        bound = remaining[nodes, chosen]
+
+        def at_chosen(array):
+            return jnp.broadcast_to(array, left_gradients.shape).reshape(num_nodes, -1)[nodes, chosen]
+
+        # One solve: the batch's two sides and the node's score by each feature's totals.
+        values, scores = value_and_score(
+            jnp.concatenate([at_chosen(left_gradients), at_chosen(right_gradients), node_sums[0][:, :, 0]], axis=1),
+            jnp.concatenate([at_chosen(left_hessians), at_chosen(right_hessians), node_sums[1][:, :, 0]], axis=1),
+            reg, node_lower, node_upper)
+        left_value, right_value = values[:, :width], values[:, width:2 * width]
+        parent_score = scores[:, 2 * width:, None, None]  # (K, d, 1, 1), as node_score gives it
+        loss_change = scores[:, :width] + scores[:, width:2 * width] - at_chosen(parent_score)
+        counted = solved_slot & (bound > -jnp.inf) & ~jnp.isnan(loss_change)
+        if bounds is not None:
+            counted = counted & monotone_allows(at_chosen(bounds.monotone[None, :, None, None]), left_value,
+                                                right_value)
+        gains = jnp.where(counted, loss_change - at_chosen(cost), -jnp.inf)
+        # The batch's first maximum (the lowest index at it), kept if it beats the best so far or
+        # ties it at a lower index: first_maximum's choice over the candidates solved.
+        batch_value = jnp.max(gains, axis=1)
+        batch_best = jnp.min(jnp.where((gains == batch_value[:, None]) & counted, chosen, num_candidates), axis=1)
+        better = (batch_value > best_value) | ((batch_value == best_value) & (batch_best < best))
+        best = jnp.where(better, batch_best, best).astype(jnp.int32)
+        best_value = jnp.where(better, batch_value, best_value)
+        # The unsolved candidates' bounds, with the node's solved scores in place of their lower
+        # bound: none can reach the best gain (a tie would need a lower index), or none is left.
+        # (Read by reductions over the slots: with its indices sliced, or its values read, XLA's
+        # CPU compiler made top_k a whole sort of the candidates.)
+        highest_unsolved = jnp.max(jnp.where(solved_slot, -jnp.inf, bound), axis=1)
+        next_bound = highest_unsolved - jnp.min((parent_score - parent).reshape(num_nodes, -1), axis=1)
+        settled = (next_bound < best_value) | (highest_unsolved == -jnp.inf)
+        last_solved = jnp.arange(width) == CONTENDERS_PER_NODE - 1
+        last_key = jnp.max(jnp.where(last_solved, bound, -jnp.inf), axis=1)
+        last_candidate = jnp.max(jnp.where(last_solved, chosen, -1), axis=1).astype(jnp.int32)
+        return jnp.all(settled), state[1] + 1, best, best_value, last_key, last_candidate
+
+    def unsettled(state):
+        # Every batch takes M more candidates of each node: at most all of them.
+        return ~state[0] & (state[1] * CONTENDERS_PER_NODE < num_candidates)
+
+    # With no valid candidate: index 0 and -inf, as first_maximum gives.
+    start = (jnp.bool_(False), jnp.int32(0), jnp.zeros(num_nodes, jnp.int32), jnp.full(num_nodes, -jnp.inf),
+             jnp.full(num_nodes, jnp.inf), jnp.full(num_nodes, -1, jnp.int32))
+    _, _, best, best_value, _, _ = jax.lax.while_loop(unsettled, batch, start)
+    return best, best_value
 
 
 def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Regularization,
@@ -332,7 +356,9 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
         lefts = [jnp.concatenate([left, node_total], axis=2) for left in lefts]
     # (K, d, dirs, B-1), or (K, d, B-1) for one direction; first_maximum reads it as it is
     # (see there: merged into one axis, the gains were not vectorised).
-    def scanned(parent_score: jax.Array | None):
+    def scanned():
+        # The node's score by each feature's totals (K, d, 1).
+        parent_score = None if leaves is not None else node_score(*channels(node_total)[:2], reg, lower, upper)
         if not missing_values:
             loss_change = gains(lefts[0], parent_score)
         elif leaves is not None:
@@ -342,18 +368,14 @@ def find_best_splits(histograms: jax.Array, feature_allowed: jax.Array, reg: Reg
             loss_change = jnp.stack([gains(left, parent_score) for left in lefts], axis=2)
         return first_maximum(loss_change)
 
-    def scores_scanned():
-        # The node's score by each feature's totals (K, d, 1).
-        return scanned(None if leaves is not None else node_score(*channels(node_total)[:2], reg, lower, upper))
-
     if leaves is None and reg.penalty is not None and prune:
-        # On a CPU; elsewhere the full scan, as before (a GPU's conditional reads its predicate
-        # back to the host, not measured against the solves it would save there).
+        # On a CPU; elsewhere the full scan, as before (a GPU's loop whose length is traced
+        # reads its condition back to the host, not measured against the solves it would save).
         best, best_value = per_platform(
-            cpu=lambda: _best_of_contenders(lefts, children, channels(node_total)[:2], split_cost, reg, scanned, bounds),
-            default=scores_scanned)
+            cpu=lambda: _best_of_contenders(lefts, children, channels(node_total)[:2], split_cost, reg, bounds),
+            default=scanned)
     else:
-        best, best_value = scores_scanned()
+        best, best_value = scanned()
     # The flat index is a valid one (0 <= best < its size): unsigned, its unravelling and the
     # gathers below skip jnp's handling of negative and out-of-range indices, code that every
     # fusion reading the winner had repeated.

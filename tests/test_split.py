@@ -840,84 +840,85 @@ def test_custom_penalty_scan_of_the_contenders_chooses_as_the_full_scan(monkeypa
     assert (full.loss_change[4] == -np.inf) == (min_child_weight > 4), "the smallest node splits unless its weight is too low"
 
 
+def _nodes_with_a_signal(seed, n_features, sizes, signal, max_bin=32, code_step=1):
+    """Histograms ``(nodes, n_features, max_bin, 2)`` of nodes of ``sizes`` rows: random bin
+    codes (multiples of ``code_step``), gradients N(0, 1) plus ``signal(codes)``, Hessians in
+    [0.2, 1]."""
+    rng = np.random.default_rng(seed)
+    node_index = np.repeat(np.arange(len(sizes)), sizes)
+    codes = code_step * rng.integers(0, (max_bin - 1) // code_step, size=(len(node_index), n_features))
+    g = (rng.normal(size=len(node_index)) + signal(codes)).astype(np.float32)
+    h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
+    return jnp.asarray(_node_histograms(node_index, codes, g, h, max_bin))
+
+
+def _custom_penalty(name):
+    """``_CUSTOM_PENALTIES[name]`` as a regularizer with leaves known unbounded."""
+    from jaxboost import regularizers
+
+    penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES[name]
+    return regularizers.custom(penalty, params, reg_lambda=reg_lambda, reg_alpha=reg_alpha).with_max_delta_step(0.0)
+
+
+def _contenders_give_the_full_scans_choice(monkeypatch, histograms, reg, bounds=None):
+    """The full scan's choice (every feature allowed, no missing values) and the batches of
+    contenders that the pruned scan solved, after checking that it gives that choice bit for
+    bit (each batch's solve counted by a callback)."""
+    from jaxboost import split as split_module
+
+    arguments = (histograms, jnp.ones(histograms.shape[:2], bool))
+    full = jax.jit(partial(find_best_splits, reg=reg, missing_values=False, bounds=bounds, prune=False))(
+        *arguments, min_child_weight=F32(1.0))
+    batches = []
+    solve = split_module.value_and_score
+
+    def counted_solve(*args, **kwargs):
+        jax.debug.callback(lambda: batches.append(1))
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(split_module, "value_and_score", counted_solve)
+    pruned = jax.jit(partial(find_best_splits, reg=reg, missing_values=False, bounds=bounds))(
+        *arguments, min_child_weight=F32(1.0))
+    jax.effects_barrier()
+    for field, value in pruned._asdict().items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(getattr(full, field)), err_msg=field)
+    return full, len(batches)
+
+
 @pytest.mark.parametrize("value_ranges", ["bracketed", "unknown"])
 def test_custom_penalty_contenders_keep_monotone_constraints(monkeypatch, value_ranges):
     """Under monotone constraints the strongest feature here is one whose split would break its
-    direction, and the contenders' scan takes the best allowed one alone (the full scan replaced
-    by one that returns a marker gain): with the children's value ranges, the candidates that
-    certainly break it are never solved and 15 contenders a node suffice; with the ranges
-    unknown, 63 contenders reach both features' best and the solved values rule out the
-    breaking ones."""
-    from jaxboost import regularizers, split as split_module
+    direction, and one batch of contenders finds the best allowed one: with the children's
+    value ranges, the candidates that certainly break it are never solved and 15 contenders a
+    node suffice; with the ranges unknown, 63 contenders reach both features' best and the
+    solved values rule out the breaking ones."""
+    from jaxboost import split as split_module
 
     if value_ranges == "unknown":
         monkeypatch.setattr(split_module, "CONTENDERS_PER_NODE", 63)
         monkeypatch.setattr(split_module, "leaf_value_range",
                             lambda g, *_: (jnp.full(g.shape, -jnp.inf), jnp.full(g.shape, jnp.inf)))
-    rng = np.random.default_rng(4)
-    n_features, max_bin, sizes = 6, 32, [3000, 1500]
-    node_index = np.repeat(np.arange(len(sizes)), sizes)
-    codes = rng.integers(0, max_bin - 1, size=(len(node_index), n_features))
     # Higher gradients, so lower leaf values, with higher codes: both features' splits decrease,
     # feature 3's along a trend that many of its thresholds split about as well.
-    g = (rng.normal(size=len(node_index)) + 2.0 * (codes[:, 1] > 15) + 0.25 * codes[:, 3]).astype(np.float32)
-    h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
-    histograms = _node_histograms(node_index, codes, g, h, max_bin)
-    penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES["smooth_l1"]
-    reg = regularizers.custom(penalty, params, reg_lambda=reg_lambda, reg_alpha=reg_alpha).with_max_delta_step(0.0)
-    bounds = NodeBounds(jnp.asarray([0, -1, 0, 1, 0, 0], jnp.int32), jnp.full(len(sizes), -np.inf, jnp.float32),
-                        jnp.full(len(sizes), np.inf, jnp.float32))
-    arguments = (jnp.asarray(histograms), jnp.ones((len(sizes), n_features), bool))
-    free = jax.jit(partial(find_best_splits, reg=reg, missing_values=False))(*arguments, min_child_weight=F32(1.0))
+    histograms = _nodes_with_a_signal(4, 6, [3000, 1500], lambda codes: 2.0 * (codes[:, 1] > 15) + 0.25 * codes[:, 3])
+    reg = _custom_penalty("smooth_l1")
+    free = jax.jit(partial(find_best_splits, reg=reg, missing_values=False))(
+        histograms, jnp.ones(histograms.shape[:2], bool), min_child_weight=F32(1.0))
     np.testing.assert_array_equal(np.asarray(free.feature), 3)  # without the constraints
-    marker = np.float32(-123.0)
-    monkeypatch.setattr(split_module, "first_maximum",
-                        lambda values: (jnp.zeros(values.shape[0], jnp.int32), jnp.full(values.shape[0], marker)))
-    choice = jax.jit(partial(find_best_splits, reg=reg, missing_values=False, bounds=bounds))(
-        *arguments, min_child_weight=F32(1.0))
-    assert np.all(np.asarray(choice.loss_change) != marker)
+    bounds = NodeBounds(jnp.asarray([0, -1, 0, 1, 0, 0], jnp.int32), jnp.full(2, -np.inf, jnp.float32),
+                        jnp.full(2, np.inf, jnp.float32))
+    choice, batches = _contenders_give_the_full_scans_choice(monkeypatch, histograms, reg, bounds)
     np.testing.assert_array_equal(np.asarray(choice.feature), 1)
+    assert batches == 1
 
 
-def test_custom_penalty_scan_solves_the_contenders_alone_where_a_split_stands_out(monkeypatch):
-    """Where each node's best split stands out from the rest, the scan takes the contenders'
-    result and never runs the full scan (here replaced by one that returns a marker gain)."""
-    from jaxboost import regularizers, split as split_module
-
-    rng = np.random.default_rng(3)
-    n_features, max_bin, sizes = 8, 32, [3000, 800, 300]
-    node_index = np.repeat(np.arange(len(sizes)), sizes)
-    codes = rng.integers(0, max_bin - 1, size=(len(node_index), n_features))
-    g = (rng.normal(size=len(node_index)) + 3.0 * (codes[:, 1] > 15)).astype(np.float32)
-    h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
-    histograms = _node_histograms(node_index, codes, g, h, max_bin)
-    penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES["prior"]
-    reg = regularizers.custom(penalty, params, reg_lambda=reg_lambda, reg_alpha=reg_alpha).with_max_delta_step(0.0)
-    marker = np.float32(-123.0)
-    monkeypatch.setattr(split_module, "first_maximum",
-                        lambda values: (jnp.zeros(values.shape[0], jnp.int32), jnp.full(values.shape[0], marker)))
-    choice = jax.jit(partial(find_best_splits, reg=reg, missing_values=False))(
-        jnp.asarray(histograms), jnp.ones((len(sizes), n_features), bool), min_child_weight=F32(1.0))
-    assert np.all(np.asarray(choice.loss_change) != marker)
+def test_custom_penalty_scan_solves_one_batch_of_contenders_where_a_split_stands_out(monkeypatch):
+    """Where each node's best split stands out from the rest, one batch of contenders settles
+    the scan."""
+    histograms = _nodes_with_a_signal(3, 8, [3000, 800, 300], lambda codes: 3.0 * (codes[:, 1] > 15))
+    choice, batches = _contenders_give_the_full_scans_choice(monkeypatch, histograms, _custom_penalty("prior"))
     np.testing.assert_array_equal(np.asarray(choice.feature), 1)
-
-
-def _contenders_alone_give_the_full_scans_choice(monkeypatch, histograms, reg):
-    """The full scan's choice (every feature allowed, no missing values), after checking that
-    the contenders' scan gives it bit for bit without the full scan (replaced by one that
-    returns a marker gain)."""
-    from jaxboost import split as split_module
-
-    arguments = (histograms, jnp.ones(histograms.shape[:2], bool))
-    full = jax.jit(partial(find_best_splits, reg=reg, missing_values=False, prune=False))(
-        *arguments, min_child_weight=F32(1.0))
-    marker = np.float32(-123.0)
-    monkeypatch.setattr(split_module, "first_maximum",
-                        lambda values: (jnp.zeros(values.shape[0], jnp.int32), jnp.full(values.shape[0], marker)))
-    pruned = jax.jit(partial(find_best_splits, reg=reg, missing_values=False))(*arguments, min_child_weight=F32(1.0))
-    for field, value in pruned._asdict().items():
-        np.testing.assert_array_equal(np.asarray(value), np.asarray(getattr(full, field)), err_msg=field)
-    return full
+    assert batches == 1
 
 
 def test_custom_penalty_contenders_take_the_node_score_solved_with_them(monkeypatch):
@@ -925,39 +926,39 @@ def test_custom_penalty_contenders_take_the_node_score_solved_with_them(monkeypa
     value); solved with the contenders, the node's score takes its place in the highest bound
     left unsolved. A linear penalty (its tangent exact, the children's bounds tight) moves the
     node's leaf value far from the elastic net's, and with one contender a node the next bound
-    settles the scan only with the node's solved score: the contenders alone give the full
-    scan's choice and gain (the full scan replaced by a marker)."""
+    settles the scan at the first batch only with the node's solved score."""
     from jaxboost import regularizers, split as split_module
 
     monkeypatch.setattr(split_module, "CONTENDERS_PER_NODE", 1)
-    rng = np.random.default_rng(6)
-    n_features, max_bin, sizes = 6, 32, [3000, 900]
-    node_index = np.repeat(np.arange(len(sizes)), sizes)
-    codes = rng.integers(0, max_bin - 1, size=(len(node_index), n_features))
-    g = (rng.normal(size=len(node_index)) + 3.0 * (codes[:, 4] > 15)).astype(np.float32)
-    h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
-    histograms = jnp.asarray(_node_histograms(node_index, codes, g, h, max_bin))
+    histograms = _nodes_with_a_signal(6, 6, [3000, 900], lambda codes: 3.0 * (codes[:, 4] > 15))
     reg = regularizers.custom(lambda w, slope: slope * w, jnp.float32(300.0)).with_max_delta_step(0.0)
-    full = _contenders_alone_give_the_full_scans_choice(monkeypatch, histograms, reg)
-    np.testing.assert_array_equal(np.asarray(full.feature), [4, 2])
+    choice, batches = _contenders_give_the_full_scans_choice(monkeypatch, histograms, reg)
+    np.testing.assert_array_equal(np.asarray(choice.feature), [4, 2])
+    assert batches == 1
 
 
 def test_custom_penalty_contenders_skip_repeated_candidates_only(monkeypatch):
     """Rows only in every other bin: each threshold past an empty bin repeats the one before it,
     and the contenders' scan skips it. The best split is the first threshold, which repeats
-    nothing, and the contenders alone find it (the full scan replaced by a marker), as the full
-    scan does."""
-    from jaxboost import regularizers
+    nothing, and the contenders find it, as the full scan does."""
+    histograms = _nodes_with_a_signal(5, 4, [2000, 700], lambda codes: 4.0 * (codes[:, 1] == 0), code_step=2)
+    choice, batches = _contenders_give_the_full_scans_choice(monkeypatch, histograms, _custom_penalty("smooth_l1"))
+    np.testing.assert_array_equal(np.asarray(choice.feature), 1)
+    np.testing.assert_array_equal(np.asarray(choice.threshold_bin), 0)
+    assert batches == 1
 
-    rng = np.random.default_rng(5)
-    n_features, max_bin, sizes = 4, 32, [2000, 700]
-    node_index = np.repeat(np.arange(len(sizes)), sizes)
-    codes = 2 * rng.integers(0, (max_bin - 1) // 2, size=(len(node_index), n_features))
-    g = (rng.normal(size=len(node_index)) + 4.0 * (codes[:, 1] == 0)).astype(np.float32)
-    h = rng.uniform(0.2, 1.0, size=len(node_index)).astype(np.float32)
-    histograms = jnp.asarray(_node_histograms(node_index, codes, g, h, max_bin))
-    penalty, params, reg_lambda, reg_alpha = _CUSTOM_PENALTIES["smooth_l1"]
-    reg = regularizers.custom(penalty, params, reg_lambda=reg_lambda, reg_alpha=reg_alpha).with_max_delta_step(0.0)
-    full = _contenders_alone_give_the_full_scans_choice(monkeypatch, histograms, reg)
-    np.testing.assert_array_equal(np.asarray(full.feature), 1)
-    np.testing.assert_array_equal(np.asarray(full.threshold_bin), 0)
+
+def test_custom_penalty_contenders_walk_every_candidate_where_the_bounds_tell_nothing(monkeypatch):
+    """Bounds that tell nothing (every candidate's the same, as a huge constant makes them):
+    the batches take the candidates in index order, the lower index first among equal bounds,
+    as top_k orders them, until every candidate is solved, and give the full scan's choice."""
+    from jaxboost import split as split_module
+
+    monkeypatch.setattr(split_module, "node_score_bounds", lambda g, *_: (jnp.full(g.shape, 1e30), jnp.zeros(g.shape)))
+    n_features, max_bin = 6, 32
+    histograms = _nodes_with_a_signal(7, n_features, [2000, 600], lambda codes: 1.0 * (codes[:, 3] > 20), max_bin)
+    choice, batches = _contenders_give_the_full_scans_choice(monkeypatch, histograms, _custom_penalty("smooth_l1"))
+    np.testing.assert_array_equal(np.asarray(choice.feature), 3)
+    # Every threshold but the last (its right side empty) is valid in both nodes.
+    candidates = n_features * (max_bin - 2)
+    assert batches == -(-candidates // split_module.CONTENDERS_PER_NODE)
