@@ -205,6 +205,21 @@ def test_custom_quadratic_penalty_trains_like_reg_lambda(regression_data, constr
     np.testing.assert_allclose(custom.predict(X), builtin.predict(X), rtol=1e-5, atol=1e-5)
 
 
+def test_custom_penalty_trains_on_fewer_split_candidates_than_a_batch(regression_data):
+    """One feature of 8 bins: 7 split candidates a node, fewer than a batch of contenders
+    (``split.CONTENDERS_PER_NODE``), trained as reg_lambda's trees."""
+    from jaxboost import split as split_module
+
+    X, y = regression_data
+    X = X[:, :1]
+    assert X.shape[1] * (8 - 1) < split_module.CONTENDERS_PER_NODE
+    quadratic = jb.regularizers.custom(lambda w, strength: 0.5 * strength * w * w, 3.0)
+    custom = jb.train(X, y, num_rounds=3, max_depth=3, regularizer=quadratic, max_bin=8)
+    builtin = jb.train(X, y, num_rounds=3, max_depth=3, reg_lambda=3.0, max_bin=8)
+    np.testing.assert_array_equal(custom.trees.threshold_bin, builtin.trees.threshold_bin)
+    np.testing.assert_allclose(custom.predict(X), builtin.predict(X), rtol=1e-5, atol=1e-5)
+
+
 def test_an_unhashable_penalty_object_trains_as_its_function_does(regression_data):
     class Quadratic:  # a callable object that cannot be hashed, as a dataclass with eq=True
         __hash__ = None

@@ -894,8 +894,8 @@ def test_custom_penalty_contenders_keep_monotone_constraints(monkeypatch, value_
     solved values rule out the breaking ones."""
     from jaxboost import split as split_module
 
+    monkeypatch.setattr(split_module, "CONTENDERS_PER_NODE", 15 if value_ranges == "bracketed" else 63)
     if value_ranges == "unknown":
-        monkeypatch.setattr(split_module, "CONTENDERS_PER_NODE", 63)
         monkeypatch.setattr(split_module, "leaf_value_range",
                             lambda g, *_: (jnp.full(g.shape, -jnp.inf), jnp.full(g.shape, jnp.inf)))
     # Higher gradients, so lower leaf values, with higher codes: both features' splits decrease,
