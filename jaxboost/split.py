@@ -122,10 +122,11 @@ def _unravel_valid_index(flat: jax.Array, shape: tuple[int, ...]) -> tuple[jax.A
 
 # Candidates a node that a custom penalty's split scan solves exactly in a batch
 # (_best_of_contenders), and the rounding allowed for in its bounds, relative to the sizes of
-# their terms (float32's epsilon is 1.2e-7). Batches of 63 against 15: the same time a round
-# unbounded, under monotone constraints 12-13 against 16-17 ms (20k rows, depth 6), where some
-# nodes take hundreds of batches of 15; 127 and 255 were slower.
-CONTENDERS_PER_NODE = 63  # top_k of 64
+# their terms (float32's epsilon is 1.2e-7). With one node a step (20k rows, depth 6, ms a
+# round): batches of 15 took 6.9-7.0 unbounded but 11.9-13.5 under monotone constraints, where
+# some nodes need hundreds of candidates solved; 63, 7.6-8.3 and 10.0-10.7; 31, 7.1-7.4 and
+# 10.4-11.5. (With two nodes a step, 127 and 255 had been slower than 63.)
+CONTENDERS_PER_NODE = 31  # top_k of 32
 BOUND_ROUNDING = 1e-5
 
 
@@ -145,12 +146,12 @@ def _best_of_contenders(lefts: list, children: Callable, node_sums: tuple[jax.Ar
     settles). The candidates are then solved in batches of CONTENDERS_PER_NODE a node, in the
     order of their bounds, as the full scan solves them, until the highest bound left unsolved
     is below the best gain solved (no candidate left can reach it) or none is left; the first
-    of the maximum wins. The first batch mostly settles every node: in a 10-round fit of 20k
-    rows, 298 of 313 chunks of nodes (a quadratic penalty) and 309 of 310 (smooth L1), the rest
-    in 2 to 6 batches; under monotone constraints, 271 of 308 and 282 of 301, a few in up to 54
-    and 81. Where it did not, every candidate had been solved (the full scan): its code and its
-    loops of Newton steps made a third of a first fit's compile and, for a smooth L1, two
-    thirds of a round. A candidate that repeats the one before it is never needed. The same split and gain as the full scan (gains that are not numbers, from a
+    of the maximum wins. The first batch mostly settles a node: in a 10-round fit of 20k rows,
+    572 of 593 nodes (a quadratic penalty) and 587 of 592 (smooth L1), the rest in 2 to 12
+    batches; under monotone constraints, 536 of 584 and 550 of 582, a few in up to 109 and 165.
+    Where it did not, every candidate had been solved (the full scan): its code and its loops
+    of Newton steps made a third of a first fit's compile and, for a smooth L1, two thirds of a
+    round. A candidate that repeats the one before it is never needed. The same split and gain as the full scan (gains that are not numbers, from a
     penalty that is not finite everywhere, never win). The penalty must be convex, as
     ``jb.regularizers.custom`` asks. With monotone ``bounds``, the gains' bounds take the leaf
     values within each node's bounds, a candidate whose children's value ranges certainly break
