@@ -190,13 +190,18 @@ def regression_data():
     return X, y
 
 
-@pytest.mark.parametrize("constraints", [{}, dict(monotone_constraints=(1, -1, 0, 0)),
-                                         dict(monotone_constraints=(1, -1, 0, 0), max_delta_step=0.6)])
-def test_custom_quadratic_penalty_trains_like_reg_lambda(regression_data, constraints):
+@pytest.mark.parametrize("constraints,missing_share", [
+    ({}, 0.0), (dict(monotone_constraints=(1, -1, 0, 0)), 0.0),
+    (dict(monotone_constraints=(1, -1, 0, 0), max_delta_step=0.6), 0.0),
+    (dict(monotone_constraints=(1, -1, 0, 0)), 0.1), (dict(colsample_bytree=0.5, colsample_bynode=0.7, seed=3), 0.0)])
+def test_custom_quadratic_penalty_trains_like_reg_lambda(regression_data, constraints, missing_share):
     """A custom quadratic penalty grows reg_lambda's trees: unbounded, and under monotone
     constraints, whose children's bounds come from their values within their parent's bounds
-    (a custom penalty's from its level's one solve, the built-in's from the split scan)."""
+    (a custom penalty's from its level's one solve, the built-in's from the split scan); with
+    values missing (both directions scanned) and with sampled features."""
     X, y = regression_data
+    if missing_share:
+        X = np.where(np.random.default_rng(1).uniform(size=X.shape) < missing_share, np.nan, X).astype(np.float32)
     quadratic = jb.regularizers.custom(lambda w, strength: 0.5 * strength * w * w, 3.0)
     custom = jb.train(X, y, num_rounds=5, max_depth=4, regularizer=quadratic, max_bin=16, **constraints)
     builtin = jb.train(X, y, num_rounds=5, max_depth=4, reg_lambda=3.0, max_bin=16, **constraints)
