@@ -37,7 +37,8 @@ from jax import lax
 
 from .fixed_point import float_piece_bits, float_pieces_needed, from_pieces, magnitude_scale, to_pieces
 from .native import (CHANNEL_HISTOGRAM_TARGET, CUMULATIVE_BINS_TARGET, FIRST_MAXIMUM_TARGET, HISTOGRAM_TARGET,
-                     KERNELS, ROUTE_HISTOGRAM_TARGET, as_varying_as, available_native_target, per_platform)
+                     KERNELS, ROUTE_HISTOGRAM_TARGET, TOP_AFTER_TARGET, as_varying_as, available_native_target,
+                     per_platform)
 
 
 def _choose_native_target(name: str, what: str, kernel: str, threads: int, X_binned_T: jax.Array,
@@ -312,6 +313,47 @@ def first_maximum(values: jax.Array, kernel: str = "auto") -> tuple[jax.Array, j
         return tuple(as_varying_as(output, (v,)) for output in outputs)
 
     return per_platform(values, cpu=native, default=xla)
+
+
+def top_after(values: jax.Array, last_value: jax.Array, last_index: jax.Array, k: int,
+              kernel: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """The indices and values of the ``k`` largest of each row of float32 ``(..., n)`` values
+    that come after the row's ``last_value`` at ``last_index`` in ``lax.top_k``'s order (value
+    descending, the lower index first among equal values); the others read as -inf: the indices
+    that ``lax.top_k`` gives of the values so masked. Values must not be NaN. ``kernel`` as for
+    ``build_histogram``.
+
+    On CPU a native kernel keeps each row's k best in one pass, where XLA's TopK sorted the
+    row's (value, index) pairs (a custom penalty's batches of candidates,
+    ``split._best_of_contenders``)."""
+    values = jnp.asarray(values, jnp.float32)
+    last_value = jnp.asarray(last_value, jnp.float32)
+    last_index = jnp.asarray(last_index, jnp.int32)
+    if values.ndim < 1 or not 0 < k <= values.shape[-1] or last_value.shape != values.shape[:-1]:
+        raise ValueError(f"values must be (..., n) with 0 < k <= n and one last value a row; got {values.shape}, "
+                         f"k={k}, last values {last_value.shape}")
+    target = available_native_target(TOP_AFTER_TARGET, "top-after", kernel)
+
+    def xla(v, last, last_at):
+        candidate = jnp.arange(v.shape[-1])
+        after = (v < last[..., None]) | ((v == last[..., None]) & (candidate > last_at[..., None]))
+        remaining = jnp.where(after, v, -jnp.inf)
+        # The indices alone, the values read through them: with its values read, or its indices
+        # sliced, XLA's CPU compiler made top_k a whole sort of each row.
+        _, chosen = jax.lax.top_k(remaining, k)
+        return chosen, jnp.take_along_axis(remaining, chosen, axis=-1)
+
+    if target is None:
+        return xla(values, last_value, last_index)
+
+    def native(v, last, last_at):
+        results = (jax.ShapeDtypeStruct(v.shape[:-1] + (k,), jnp.int32),
+                   jax.ShapeDtypeStruct(v.shape[:-1] + (k,), jnp.float32))
+        # Leading axes are more rows to the kernel, so a vmapped call is one call.
+        outputs = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")(v, last, last_at)
+        return tuple(as_varying_as(output, (v,)) for output in outputs)
+
+    return per_platform(values, last_value, last_index, cpu=native, default=xla)
 
 
 def _offset_operand(X_binned_T, row_offset, rows: jax.Array) -> jax.Array:

@@ -2298,6 +2298,65 @@ ffi::Error FirstMaximumImpl(ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi:
   return ffi::Error::Success();
 }
 
+// The k largest values of every row of a (..., n) array that come after the row's last taken
+// one (last_value, last_index) in lax.top_k's order: value descending, the lower index first
+// among equal values. The others read as -inf, as a mask before lax.top_k would make them.
+// Their indices and values, in that order. Values must not be NaN. A custom penalty's split scan
+// takes its batches of candidates so; XLA's TopK sorted each row's (value, index) pairs, where
+// one pass keeping the k best in a heap rejects almost every value with one comparison.
+ffi::Error TopAfterImpl(ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> last_value,
+                        ffi::Buffer<ffi::S32> last_index, ffi::ResultBuffer<ffi::S32> index,
+                        ffi::ResultBuffer<ffi::F32> top) {
+  const auto dims = values.dimensions();
+  const auto top_dims = index->dimensions();
+  if (dims.size() < 1 || top_dims.size() != dims.size()) {
+    return ffi::Error::InvalidArgument("top-after kernel: values (..., n) and results (..., k) expected");
+  }
+  const int64_t n = dims[dims.size() - 1];
+  const int64_t k = top_dims[top_dims.size() - 1];
+  const int64_t rows = n == 0 ? 0 : static_cast<int64_t>(values.element_count()) / n;
+  if (k < 1 || k > n || static_cast<int64_t>(last_value.element_count()) != rows ||
+      static_cast<int64_t>(last_index.element_count()) != rows ||
+      static_cast<int64_t>(index->element_count()) != rows * k ||
+      static_cast<int64_t>(top->element_count()) != rows * k) {
+    return ffi::Error::InvalidArgument("top-after kernel: expected 0 < k <= n and one last value and index a row");
+  }
+  using Entry = std::pair<float, int32_t>;
+  // a before b: a comes first in the order (a larger value, or the same at a lower index).
+  const auto before = [](const Entry& a, const Entry& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::vector<Entry> kept(k);
+  const float minus_infinity = -std::numeric_limits<float>::infinity();
+  for (int64_t row = 0; row < rows; ++row) {
+    const float* v = values.typed_data() + row * n;
+    const float last = last_value.typed_data()[row];
+    const int32_t last_at = last_index.typed_data()[row];
+    const auto read = [&](int64_t i) {
+      const float x = v[i];
+      return (x < last || (x == last && i > last_at)) ? x : minus_infinity;
+    };
+    for (int64_t i = 0; i < k; ++i) kept[i] = Entry(read(i), static_cast<int32_t>(i));
+    // A heap whose front is the last of the k kept in the order: the one a later value replaces.
+    std::make_heap(kept.begin(), kept.end(), before);
+    for (int64_t i = k; i < n; ++i) {
+      const float x = read(i);
+      // Later indices lose ties: only a larger value than the last kept enters.
+      if (x > kept.front().first) {
+        std::pop_heap(kept.begin(), kept.end(), before);
+        kept.back() = Entry(x, static_cast<int32_t>(i));
+        std::push_heap(kept.begin(), kept.end(), before);
+      }
+    }
+    std::sort(kept.begin(), kept.end(), before);
+    for (int64_t j = 0; j < k; ++j) {
+      index->typed_data()[row * k + j] = kept[j].second;
+      top->typed_data()[row * k + j] = kept[j].first;
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // The split scan of scalar leaves (split.find_best_splits without a custom penalty), a whole
 // level in one call: per node and feature the running sums over the bins, then
 // every candidate's gain, then the node's first maximum. As XLA code each step of two nodes was
@@ -2706,6 +2765,14 @@ XLA_FFI_DEFINE_HANDLER(kCompactFlagsHandler, CompactFlagsImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER(kTopAfterHandler, TopAfterImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::F32>>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER(kFirstMaximumHandler, FirstMaximumImpl,
                        ffi::Ffi::Bind()
@@ -3345,6 +3412,10 @@ extern "C" XLA_FFI_Error* JaxboostRouteHistogram(XLA_FFI_CallFrame* call_frame) 
 
 extern "C" XLA_FFI_Error* JaxboostCompactFlags(XLA_FFI_CallFrame* call_frame) {
   return kCompactFlagsHandler(call_frame);
+}
+
+extern "C" XLA_FFI_Error* JaxboostTopAfter(XLA_FFI_CallFrame* call_frame) {
+  return kTopAfterHandler(call_frame);
 }
 
 extern "C" XLA_FFI_Error* JaxboostFirstMaximum(XLA_FFI_CallFrame* call_frame) {

@@ -54,6 +54,7 @@ ROUTE_HISTOGRAM_TARGET = "jaxboost_route_histogram"
 CHANNEL_HISTOGRAM_TARGET = "jaxboost_channel_histogram"
 CUMULATIVE_BINS_TARGET = "jaxboost_cumulative_bins"
 FIRST_MAXIMUM_TARGET = "jaxboost_first_maximum"
+TOP_AFTER_TARGET = "jaxboost_top_after"
 ADD_POSITION_VALUES_TARGET = "jaxboost_add_position_values"
 SORT_BY_KEY_TARGET = "jaxboost_sort_by_key"
 DAMPED_SOLVE_TARGET = "jaxboost_damped_solve"
@@ -67,6 +68,7 @@ _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
 _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
             CHANNEL_HISTOGRAM_TARGET: "JaxboostChannelHistogram",
             CUMULATIVE_BINS_TARGET: "JaxboostCumulativeBins", FIRST_MAXIMUM_TARGET: "JaxboostFirstMaximum",
+            TOP_AFTER_TARGET: "JaxboostTopAfter",
             ADD_POSITION_VALUES_TARGET: "JaxboostAddPositionValues", SORT_BY_KEY_TARGET: "JaxboostSortByKey",
             DAMPED_SOLVE_TARGET: "JaxboostDampedSolve", VECTOR_SPLIT_SCAN_TARGET: "JaxboostVectorSplitScan",
             SCALAR_SPLIT_SCAN_TARGET: "JaxboostScalarSplitScan",

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from .devices import axis_devices, in_steps_on_cpu, update_leading_chunks
-from .histogram import cumulative_over_bins, first_maximum
+from .histogram import cumulative_over_bins, first_maximum, top_after
 from .native import (SCALAR_SPLIT_SCAN_TARGET, VECTOR_SPLIT_SCAN_TARGET, as_varying_as, available_native_target,
                      per_platform)
 from .regularizer import (MAX_FULL_TO_DIAGONAL_SCORE, PSD_TOLERANCE, Regularization, VectorLeaves, leaf_value,
@@ -207,7 +207,6 @@ def _best_of_contenders(lefts: list, children: Callable, node_sums: tuple[jax.Ar
     if num_candidates < width:
         # Fewer candidates than a batch: slots past them, never valid, fill it.
         key = jnp.pad(key, ((0, 0), (0, width - num_candidates)), constant_values=-jnp.inf)
-    candidate = jnp.arange(key.shape[1])
     nodes = jnp.arange(num_nodes)[:, None]
     # The first M of a batch are solved; the last one's bound is the highest left unsolved.
     solved_slot = jnp.arange(width) < CONTENDERS_PER_NODE
@@ -215,12 +214,9 @@ def _best_of_contenders(lefts: list, children: Callable, node_sums: tuple[jax.Ar
 
     def batch(state):
         _, _, best, best_value, last_key, last_candidate = state
-        # The candidates after the last one solved, in top_k's order: bound descending, then
-        # the lower index first (top_k's tie rule).
-        after = (key < last_key[:, None]) | ((key == last_key[:, None]) & (candidate > last_candidate[:, None]))
-        remaining = jnp.where(after, key, -jnp.inf)
-        _, chosen = jax.lax.top_k(remaining, width)  # (K, M + 1), largest first
-        bound = remaining[nodes, chosen]
+        # The next M + 1 candidates after the last one solved: bound descending, then the
+        # lower index first.
+        chosen, bound = top_after(key, last_key, last_candidate, width)  # (K, M + 1)
 
         def at_chosen(array):
             # (A padding slot reads the last candidate: not counted.)
@@ -249,8 +245,8 @@ def _best_of_contenders(lefts: list, children: Callable, node_sums: tuple[jax.Ar
         best_value = jnp.where(better, batch_value, best_value)
         # The unsolved candidates' bounds, with the node's solved scores in place of their lower
         # bound: none can reach the best gain (a tie would need a lower index), or none is left.
-        # (Read by reductions over the slots: with its indices sliced, or its values read, XLA's
-        # CPU compiler made top_k a whole sort of the candidates.)
+        # (Read by reductions over the slots: with its indices sliced, XLA's CPU compiler made
+        # top_k, where it serves, a whole sort of the candidates.)
         highest_unsolved = jnp.max(jnp.where(solved_slot, -jnp.inf, bound), axis=1)
         next_bound = highest_unsolved - jnp.min((parent_score - parent).reshape(num_nodes, -1), axis=1)
         settled = (next_bound < best_value) | (highest_unsolved == -jnp.inf)

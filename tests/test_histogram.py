@@ -19,7 +19,7 @@ from conftest import needs_repeatable_sums
 
 from jaxboost import native
 from jaxboost.grower import MIN_LOSS_CHANGE, GrowthParams, grow_tree
-from jaxboost.histogram import (HISTOGRAM_TARGET, build_histogram, cumulative_over_bins, first_maximum,
+from jaxboost.histogram import (HISTOGRAM_TARGET, build_histogram, cumulative_over_bins, first_maximum, top_after,
                                 route_and_build_histogram)
 from jaxboost.regularizer import Regularization
 from jaxboost.tree import num_heap_nodes
@@ -1621,6 +1621,50 @@ def test_cumulative_over_bins_matches_numpy(kernel):
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="bin and a channel axis"):
         cumulative_over_bins(jnp.zeros(5), kernel=kernel)
+
+
+def _np_top_after(values, last_value, last_index, k):
+    """NumPy's order of each row's values after (last value, last index): value descending,
+    the lower index first; the others as -inf."""
+    flat = values.reshape(-1, values.shape[-1])
+    indices, tops = [], []
+    for row, last, last_at in zip(flat, last_value.reshape(-1), last_index.reshape(-1)):
+        position = np.arange(len(row))
+        masked = np.where((row < last) | ((row == last) & (position > last_at)), row, -np.inf)
+        order = np.lexsort((position, -masked))[:k]  # the last key sorts first
+        indices.append(order)
+        tops.append(masked[order])
+    shape = values.shape[:-1] + (k,)
+    return np.reshape(indices, shape), np.reshape(tops, shape)
+
+
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
+def test_top_after_matches_numpy_order(kernel):
+    """The k values after each row's last taken one, in lax.top_k's order (value descending,
+    the lower index first): many ties, infinities, rows that start anew (last +inf) or continue
+    after a tie, k of 1 and of every value, leading axes and vmap."""
+    rng = np.random.default_rng(8)
+    values = rng.integers(0, 6, size=(5, 50)).astype(np.float32)
+    values[1, :10] = -np.inf
+    values[2, 5] = np.inf
+    values[3] = -np.inf
+    last_value = np.array([np.inf, 3.0, 4.0, -np.inf, 2.0], np.float32)
+    last_index = np.array([-1, 17, 30, 10, 49], np.int32)
+    top = jax.jit(partial(top_after, kernel=kernel), static_argnums=3)
+    for k in (1, 7, 32, 50):
+        index, value = top(jnp.asarray(values), jnp.asarray(last_value), jnp.asarray(last_index), k)
+        expected_index, expected_value = _np_top_after(values, last_value, last_index, k)
+        np.testing.assert_array_equal(np.asarray(index), expected_index, err_msg=f"k={k}")
+        np.testing.assert_array_equal(np.asarray(value), expected_value, err_msg=f"k={k}")
+    stacked = np.stack([values, values[::-1]])  # (2, 5, 50): leading axes are rows
+    lasts = np.stack([last_value, last_value[::-1]]), np.stack([last_index, last_index[::-1]])
+    index, value = top(jnp.asarray(stacked), jnp.asarray(lasts[0]), jnp.asarray(lasts[1]), 9)
+    np.testing.assert_array_equal(np.asarray(index), _np_top_after(stacked, *lasts, 9)[0])
+    batched, _ = jax.vmap(lambda v, lv, li: top(v, lv, li, 9))(jnp.asarray(stacked), jnp.asarray(lasts[0]),
+                                                                jnp.asarray(lasts[1]))
+    np.testing.assert_array_equal(np.asarray(batched), _np_top_after(stacked, *lasts, 9)[0])
+    with pytest.raises(ValueError, match="0 < k <= n"):
+        top_after(jnp.asarray(values), jnp.asarray(last_value), jnp.asarray(last_index), 51, kernel=kernel)
 
 
 @pytest.mark.parametrize("kernel", ["xla", pytest.param("native", marks=needs_native)])
