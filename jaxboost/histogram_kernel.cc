@@ -2445,27 +2445,57 @@ inline __attribute__((always_inline)) void ScalarFeatureGains(const float* __res
   }
 }
 
-// Whether a node's value bins that hold some row (a channel not zero) are fewer than a quarter
-// of them, counted over its features (`cells`: d x bins x 2).
+// Whether a feature's bin holds some row (`cell`: its bins x (gradient, Hessian) sums): a channel
+// not zero.
+inline __attribute__((always_inline)) bool HoldsRows(const float* cell, int64_t bin) {
+  return (cell[bin * 2] != 0.0f) | (cell[bin * 2 + 1] != 0.0f);
+}
+
+// Whether a node's value bins that hold some row (HoldsRows) are fewer than half of
+// them, counted over its features (`cells`: d x bins x 2). Scanned at its held bins alone, a
+// level of 32 nodes x 28 features x 255 bins took about as long as scanned whole with half of
+// them held (18.7 against 17.8 us a node), and 10.6 against 17.8 with a third held.
 inline __attribute__((always_inline)) bool MostlyEmptyBins(const float* cells, int64_t d, int64_t bins) {
   int64_t held = 0;
   for (int64_t f = 0; f < d; ++f) {
     const float* cell = cells + f * bins * 2;
-    for (int64_t bin = 0; bin < bins - 1; ++bin) held += (cell[bin * 2] != 0.0f) | (cell[bin * 2 + 1] != 0.0f);
+    for (int64_t bin = 0; bin < bins - 1; ++bin) held += HoldsRows(cell, bin);
   }
-  return held * 4 < d * (bins - 1);
+  return held * 2 < d * (bins - 1);
 }
 
-// One feature's bins that hold some row, and bin 0, in order, into `kept`, and their running sums
-// into `running` (pairs); returns how many. The running sums are those over every bin: the bins
-// left out add exact zeros (sums that start at +0 never reach -0).
-inline __attribute__((always_inline)) int64_t HeldBinSums(const float* cell, int64_t values, int32_t* __restrict kept,
-                                                          float* __restrict running) {
+// Per value bin of each of a node's features (`cells`: d x bins x 2), 1 where it holds some row
+// and 0 elsewhere, into `held` (d rows of `stride` bytes, zero past the values). One compare a
+// channel and no branch: the loop is vectorised.
+inline __attribute__((always_inline)) void HeldBins(const float* cells, int64_t d, int64_t bins, int64_t stride,
+                                                    uint8_t* __restrict held) {
+  for (int64_t f = 0; f < d; ++f) {
+    const float* cell = cells + f * bins * 2;
+    uint8_t* row = held + f * stride;
+    for (int64_t bin = 0; bin < bins - 1; ++bin) row[bin] = HoldsRows(cell, bin);
+  }
+}
+
+// One feature's bins that hold some row (`held`: its row of HeldBins' flags), and bin 0, in
+// order, into `kept`, and their running sums into `running` (pairs); returns how many. The
+// running sums are those over every bin: the bins left out add exact zeros (sums that start at
+// +0 never reach -0). The flags are read eight at a time, a run of empty bins costing one test
+// per eight; a held one is found by its bit's place in the word (little-endian, as every
+// platform of jaxlib is). Bin by bin, the list had taken 70% of a sparse node's scan (10.8
+// against 4.8 us a node of 28 features with 6 rows).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "HeldBinSums reads flags as little-endian words");
+inline __attribute__((always_inline)) int64_t HeldBinSums(const float* cell, const uint8_t* held, int64_t values,
+                                                          int32_t* __restrict kept, float* __restrict running) {
   kept[0] = 0;
   int64_t count = 1;
-  for (int64_t bin = 1; bin < values; ++bin) {
-    kept[count] = static_cast<int32_t>(bin);
-    count += (cell[bin * 2] != 0.0f) | (cell[bin * 2 + 1] != 0.0f);
+  for (int64_t first = 0; first < values; first += 8) {
+    uint64_t flags;
+    std::memcpy(&flags, held + first, sizeof flags);
+    if (first == 0) flags &= ~uint64_t{0xff};  // bin 0 is kept already
+    while (flags != 0) {
+      kept[count++] = static_cast<int32_t>(first + (__builtin_ctzll(flags) >> 3));
+      flags &= flags - 1;  // each flag is one bit: the lowest of its byte
+    }
   }
   float g = 0.0f, h = 0.0f;
   for (int64_t j = 0; j < count; ++j) {
@@ -2483,6 +2513,9 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
   std::vector<float> running(static_cast<size_t>(d * bins * 2));
   std::vector<float> gains(static_cast<size_t>(candidates));
   std::vector<int32_t> kept(static_cast<size_t>(values));
+  // A node's HeldBins flags, each feature's row padded with zeros to whole 8-byte words.
+  const int64_t held_stride = (values + 7) / 8 * 8;
+  std::vector<uint8_t> held(static_cast<size_t>(d * held_stride), 0);
   for (int64_t node = 0; node < p.nodes; ++node) {
     float* left = p.left + node * 3;
     float* right = p.right + node * 3;
@@ -2499,6 +2532,7 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
     // candidate before them, sums and gain bit for bit, and the first maximum takes that one,
     // so only the bins that hold rows are scanned.
     const bool sparse = MostlyEmptyBins(histogram, d, bins);
+    if (sparse) HeldBins(histogram, d, bins, held_stride, held.data());
     if (!sparse) {
       for (int64_t run = 0; run < d; run += kRunsAtOnce) {
         CumulativeRuns<2>(histogram, running.data(), run, std::min(kRunsAtOnce, d - run), bins);
@@ -2514,7 +2548,8 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
       const int64_t pair = node * d + f;
       const float* cells = histogram + f * bins * 2;
       const float* sums = running.data() + f * bins * 2;
-      const int64_t count = sparse ? HeldBinSums(cells, values, kept.data(), running.data()) : values;
+      const int64_t count =
+          sparse ? HeldBinSums(cells, held.data() + f * held_stride, values, kept.data(), running.data()) : values;
       if (sparse) sums = running.data();
       const float* missing = cells + values * 2;
       if (p.constrained || setting[2] > 0.0f) {

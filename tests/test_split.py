@@ -610,7 +610,7 @@ def _sparse_histograms(rng, shape, empty_fraction=0.5):
     return histograms
 
 
-@pytest.mark.parametrize("empty_fraction", [0.5, 0.85], ids=["dense", "sparse"])
+@pytest.mark.parametrize("empty_fraction", [0.25, 0.85], ids=["dense", "sparse"])
 @pytest.mark.parametrize("missing_values", [True, False])
 @pytest.mark.parametrize("reg_lambda,reg_alpha,max_delta_step,form_known",
                          [(1.0, 0.0, 0.0, True), (0.0, 0.0, 0.0, True), (2.0, 0.7, 0.0, True), (1.0, 0.5, 0.4, True),
@@ -647,7 +647,8 @@ def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_
                    for kernel in ("xla", "native"))
     assert np.isfinite(xla.loss_change).sum() >= nodes // 2, "most nodes should have a valid candidate"
     held = (histograms[..., :-1, :] != 0).any(axis=-1).mean(axis=(1, 2))
-    assert ((held < 0.25) if empty_fraction > 0.5 else (held > 0.25)).sum() >= nodes - 2
+    # The kernel scans a node at its held bins alone where fewer than half of them hold rows.
+    assert ((held < 0.5) if empty_fraction > 0.5 else (held > 0.5)).sum() >= nodes - 2
     assert np.isnan(xla.loss_change[4]) and np.isfinite(xla.loss_change[5]) and xla.loss_change[3] == -np.inf
     _assert_same_choices(native, xla, bounded=max_delta_step > 0)
 
@@ -666,7 +667,7 @@ def _assert_same_choices(got, expected, bounded):
             np.testing.assert_array_equal(value, want, err_msg=name)
 
 
-@pytest.mark.parametrize("empty_fraction", [0.5, 0.85], ids=["dense", "sparse"])
+@pytest.mark.parametrize("empty_fraction", [0.3, 0.85], ids=["dense", "sparse"])
 @pytest.mark.parametrize("max_delta_step", [0.0, 0.4])
 def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_step, empty_fraction):
     """Monotone constraints in the native scan: each node's values bounded (some bounds finite,
@@ -702,7 +703,7 @@ def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_ste
     assert (lower[valid] <= np.minimum(xla.left_value, xla.right_value)[valid]).all()
 
 
-@pytest.mark.parametrize("empty_fraction", [0.7, 0.95], ids=["dense", "sparse"])
+@pytest.mark.parametrize("empty_fraction", [0.3, 0.95], ids=["dense", "sparse"])
 def test_native_scan_of_live_nodes_scans_the_live_active_nodes_alone(empty_fraction):
     """On a CPU the native kernel scans a level in one call: the first ``live`` slots' active
     nodes get exactly the whole XLA scan's choice, every other slot the empty choice (zeros),
