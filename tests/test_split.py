@@ -610,23 +610,25 @@ def _sparse_histograms(rng, shape, empty_fraction=0.5):
     return histograms
 
 
+@pytest.mark.parametrize("max_bin", [16, 40])
 @pytest.mark.parametrize("empty_fraction", [0.25, 0.85], ids=["dense", "sparse"])
 @pytest.mark.parametrize("missing_values", [True, False])
 @pytest.mark.parametrize("reg_lambda,reg_alpha,max_delta_step,form_known",
                          [(1.0, 0.0, 0.0, True), (0.0, 0.0, 0.0, True), (2.0, 0.7, 0.0, True), (1.0, 0.5, 0.4, True),
                           (1.0, 0.5, 0.4, False), (1.0, 0.0, 0.0, False)])
 def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_delta_step, form_known,
-                                                    missing_values, empty_fraction):
+                                                    missing_values, empty_fraction, max_bin):
     """The native scan of a level (CPU) follows the XLA scan's arithmetic: the same choice, the
     same children's sums and, in the closed form of the score, the same gain bit for bit, with
     per-feature split costs, masked features, empty bins (each repeating the candidate before
     it: the first one must win), nodes with no valid candidate, and NaN sums (a NaN first gain
     holds candidate 0, any other NaN never wins), in nodes whose bins mostly hold rows and in
-    nodes whose bins mostly do not (scanned at the bins that hold rows alone). Bounded leaves'
-    scores (the objective at the clipped value) differ in their last bit where the compilers
-    fuse a multiply and an add differently."""
+    nodes whose bins mostly do not (scanned at the bins that hold rows alone), with fewer values
+    than a block of the kernel's lanes (16) and with whole blocks and a last one that overlaps
+    them (40). Bounded leaves' scores (the objective at the clipped value) differ in their last
+    bit where the compilers fuse a multiply and an add differently."""
     rng = np.random.default_rng(7)
-    nodes, n_features, max_bin = 12, 5, 16
+    nodes, n_features = 12, 5
     histograms = _sparse_histograms(rng, (nodes, n_features, max_bin), empty_fraction)
     if not missing_values:
         histograms[:, :, -1] = 0.0
@@ -667,9 +669,10 @@ def _assert_same_choices(got, expected, bounded):
             np.testing.assert_array_equal(value, want, err_msg=name)
 
 
+@pytest.mark.parametrize("max_bin", [16, 40])
 @pytest.mark.parametrize("empty_fraction", [0.3, 0.85], ids=["dense", "sparse"])
 @pytest.mark.parametrize("max_delta_step", [0.0, 0.4])
-def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_step, empty_fraction):
+def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_step, empty_fraction, max_bin):
     """Monotone constraints in the native scan: each node's values bounded (some bounds finite,
     some not), the candidates whose children's values go against their feature's direction
     left out, and the winner's children's values returned, as the XLA scan does (scores and
@@ -677,7 +680,7 @@ def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_ste
     from jaxboost.split import NodeBounds
 
     rng = np.random.default_rng(11)
-    nodes, n_features, max_bin = 16, 6, 16
+    nodes, n_features = 16, 6
     histograms = _sparse_histograms(rng, (nodes, n_features, max_bin), empty_fraction)
     monotone = jnp.asarray([1, -1, 0, 1, -1, 1], jnp.int32)
     lower = np.where(rng.uniform(size=nodes) < 0.5, rng.uniform(-1.0, 0.0, nodes), -np.inf).astype(np.float32)
