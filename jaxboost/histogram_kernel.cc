@@ -1568,6 +1568,86 @@ void CumulativeRuns(const float* __restrict in, float* __restrict out, int64_t f
   }
 }
 
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+// Eight runs of (gradient, Hessian) pairs at once: a block of 8 bins of each run, read whole,
+// transposed so that one vector holds a bin of all eight runs, summed vector by vector (each
+// lane adds its run's bins in order, as CumulativeRuns does, so the sums are the same bit for
+// bit), and transposed back. CumulativeRuns reads and writes every float alone: two memory
+// operations an addition, where this takes a vector load and store per 8 pairs (a dense node's
+// scan, 28 features x 256 bins: 7.9 -> 5.9 us).
+typedef float PairLanes __attribute__((vector_size(64)));     // 8 runs x (gradient, Hessian)
+typedef uint64_t PairWords __attribute__((vector_size(64)));  // the same, a pair a word
+
+// rows[i] lane j -> rows[j] lane i, for 8 rows of 8 words: swaps of 1, 2 and 4 words.
+inline __attribute__((always_inline)) void TransposePairs(PairWords* rows) {
+  PairWords swapped[8];
+  for (int i = 0; i < 8; i += 2) {
+    swapped[i] = __builtin_shufflevector(rows[i], rows[i + 1], 0, 8, 2, 10, 4, 12, 6, 14);
+    swapped[i + 1] = __builtin_shufflevector(rows[i], rows[i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  for (int i : {0, 1, 4, 5}) {
+    rows[i] = __builtin_shufflevector(swapped[i], swapped[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    rows[i + 2] = __builtin_shufflevector(swapped[i], swapped[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {
+    swapped[i] = __builtin_shufflevector(rows[i], rows[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    swapped[i + 4] = __builtin_shufflevector(rows[i], rows[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 8; ++i) rows[i] = swapped[i];
+}
+
+// CumulativeRuns<2> of kRunsAtOnce (8) runs from `first_run`.
+inline __attribute__((always_inline)) void CumulativePairRuns(const float* __restrict in, float* __restrict out,
+                                                              int64_t first_run, int64_t bins) {
+  static_assert(kRunsAtOnce == 8, "a vector holds a pair of each of 8 runs");
+  const int64_t run_stride = bins * 2;
+  const float* source = in + first_run * run_stride;
+  float* target = out + first_run * run_stride;
+  PairLanes sums = {};
+  const int64_t whole = bins - bins % 8;
+  for (int64_t bin = 0; bin < whole; bin += 8) {
+    PairWords rows[8];
+    for (int r = 0; r < 8; ++r) std::memcpy(&rows[r], source + r * run_stride + bin * 2, sizeof(PairWords));
+    TransposePairs(rows);
+    for (int j = 0; j < 8; ++j) {
+      PairLanes pairs;
+      std::memcpy(&pairs, &rows[j], sizeof pairs);
+      sums += pairs;
+      std::memcpy(&rows[j], &sums, sizeof sums);
+    }
+    TransposePairs(rows);
+    for (int r = 0; r < 8; ++r) std::memcpy(target + r * run_stride + bin * 2, &rows[r], sizeof(PairWords));
+  }
+  float running[16];
+  std::memcpy(running, &sums, sizeof running);
+  for (int64_t bin = whole; bin < bins; ++bin) {
+    for (int64_t r = 0; r < 8; ++r) {
+      for (int64_t c = 0; c < 2; ++c) {
+        target[r * run_stride + bin * 2 + c] = running[r * 2 + c] += source[r * run_stride + bin * 2 + c];
+      }
+    }
+  }
+}
+#define JAXBOOST_PAIR_RUNS 1
+#endif
+
+// CumulativeRuns<2> over `runs` runs, eight at a time; with `VectorPairs` (code for AVX-512, whose
+// registers hold the eight runs' pairs; under AVX2 the same vectors took 2.7x the scalar runs'
+// time) by CumulativePairRuns where eight remain.
+template <bool VectorPairs>
+inline __attribute__((always_inline)) void CumulativePairs(const float* __restrict in, float* __restrict out,
+                                                           int64_t runs, int64_t bins) {
+  for (int64_t run = 0; run < runs; run += kRunsAtOnce) {
+#ifdef JAXBOOST_PAIR_RUNS
+    if (VectorPairs && runs - run >= kRunsAtOnce) {
+      CumulativePairRuns(in, out, run, bins);
+      continue;
+    }
+#endif
+    CumulativeRuns<2>(in, out, run, std::min(kRunsAtOnce, runs - run), bins);
+  }
+}
+
 ffi::Error CumulativeBinsImpl(ffi::Buffer<ffi::F32> histogram, ffi::ResultBuffer<ffi::F32> cumulative) {
   const auto dims = histogram.dimensions();
   if (dims.size() < 2 || cumulative->element_count() != histogram.element_count()) {
@@ -1578,9 +1658,7 @@ ffi::Error CumulativeBinsImpl(ffi::Buffer<ffi::F32> histogram, ffi::ResultBuffer
   const float* in = histogram.typed_data();
   float* out = cumulative->typed_data();
   if (channels == 2) {
-    for (int64_t run = 0; run < runs; run += kRunsAtOnce) {
-      CumulativeRuns<2>(in, out, run, std::min(kRunsAtOnce, runs - run), bins);
-    }
+    CumulativePairs<false>(in, out, runs, bins);
     return ffi::Error::Success();
   }
   // Other channel counts (vector leaves): as for pairs, a bin's cells of the runs side by side,
@@ -2535,6 +2613,7 @@ inline __attribute__((always_inline)) int64_t HeldBinSums(const float* cell, con
   return count;
 }
 
+template <bool VectorPairs>
 inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProblem& p) {
   const int64_t d = p.d, bins = p.bins, values = bins - 1, candidates = p.directions * values;
   // A node's running sums, (d, bins, 2) as the cumulative-bins kernel forms them (its features'
@@ -2563,11 +2642,7 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
     // so only the bins that hold rows are scanned.
     const bool sparse = MostlyEmptyBins(histogram, d, bins);
     if (sparse) HeldBins(histogram, d, bins, held_stride, held.data());
-    if (!sparse) {
-      for (int64_t run = 0; run < d; run += kRunsAtOnce) {
-        CumulativeRuns<2>(histogram, running.data(), run, std::min(kRunsAtOnce, d - run), bins);
-      }
-    }
+    if (!sparse) CumulativePairs<VectorPairs>(histogram, running.data(), d, bins);
     const float* setting = p.settings + node * kSplitSettings;
     // Candidates in order feature, direction, bin: first_maximum's over the XLA scan's gains,
     // taken feature by feature while its gains are in cache. The node's very first gain opens
@@ -2633,10 +2708,10 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
   }
 }
 
-void ScalarScan(const ScalarScanProblem& p) { ScalarScanBody(p); }
+void ScalarScan(const ScalarScanProblem& p) { ScalarScanBody<false>(p); }
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-__attribute__((target("avx2,fma"))) void ScalarScanAvx2(const ScalarScanProblem& p) { ScalarScanBody(p); }
-__attribute__((target("avx512f"))) void ScalarScanAvx512(const ScalarScanProblem& p) { ScalarScanBody(p); }
+__attribute__((target("avx2,fma"))) void ScalarScanAvx2(const ScalarScanProblem& p) { ScalarScanBody<false>(p); }
+__attribute__((target("avx512f"))) void ScalarScanAvx512(const ScalarScanProblem& p) { ScalarScanBody<true>(p); }
 #endif
 
 // histograms (..., N, d, B, 2), allowed, split_cost and monotone (..., N, d), settings (..., N, 6)

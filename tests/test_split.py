@@ -610,7 +610,7 @@ def _sparse_histograms(rng, shape, empty_fraction=0.5):
     return histograms
 
 
-@pytest.mark.parametrize("max_bin", [16, 40])
+@pytest.mark.parametrize("max_bin", [16, 43])
 @pytest.mark.parametrize("empty_fraction", [0.25, 0.85], ids=["dense", "sparse"])
 @pytest.mark.parametrize("missing_values", [True, False])
 @pytest.mark.parametrize("reg_lambda,reg_alpha,max_delta_step,form_known",
@@ -625,10 +625,12 @@ def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_
     holds candidate 0, any other NaN never wins), in nodes whose bins mostly hold rows and in
     nodes whose bins mostly do not (scanned at the bins that hold rows alone), with fewer values
     than a block of the kernel's lanes (16) and with whole blocks and a last one that overlaps
-    them (40). Bounded leaves' scores (the objective at the clipped value) differ in their last
-    bit where the compilers fuse a multiply and an add differently."""
+    them (43 bins: also whole blocks of 8 bins in the running sums and 3 past them), over 9
+    features (the running sums take 8 features at once where 8 remain). Bounded leaves' scores
+    (the objective at the clipped value) differ in their last bit where the compilers fuse a
+    multiply and an add differently."""
     rng = np.random.default_rng(7)
-    nodes, n_features = 12, 5
+    nodes, n_features = 12, 9
     histograms = _sparse_histograms(rng, (nodes, n_features, max_bin), empty_fraction)
     if not missing_values:
         histograms[:, :, -1] = 0.0
@@ -669,7 +671,7 @@ def _assert_same_choices(got, expected, bounded):
             np.testing.assert_array_equal(value, want, err_msg=name)
 
 
-@pytest.mark.parametrize("max_bin", [16, 40])
+@pytest.mark.parametrize("max_bin", [16, 43])
 @pytest.mark.parametrize("empty_fraction", [0.3, 0.85], ids=["dense", "sparse"])
 @pytest.mark.parametrize("max_delta_step", [0.0, 0.4])
 def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_step, empty_fraction, max_bin):
