@@ -2559,17 +2559,27 @@ inline __attribute__((always_inline)) bool HoldsRows(const float* cell, int64_t 
   return (cell[bin * 2] != 0.0f) | (cell[bin * 2 + 1] != 0.0f);
 }
 
-// Whether a node's value bins that hold some row (HoldsRows) are fewer than half of
-// them, counted over its features (`cells`: d x bins x 2). Scanned at its held bins alone, a
-// level of 32 nodes x 28 features x 255 bins took about as long as scanned whole with half of
-// them held (18.7 against 17.8 us a node), and 10.6 against 17.8 with a third held.
-inline __attribute__((always_inline)) bool MostlyEmptyBins(const float* cells, int64_t d, int64_t bins) {
+// Whether fewer than 1 / `parts` of a node's value bins hold some row (HoldsRows), counted over
+// its features (`cells`: d x bins x 2).
+inline __attribute__((always_inline)) bool MostlyEmptyBins(const float* cells, int64_t d, int64_t bins,
+                                                           int64_t parts) {
   int64_t held = 0;
   for (int64_t f = 0; f < d; ++f) {
     const float* cell = cells + f * bins * 2;
     for (int64_t bin = 0; bin < bins - 1; ++bin) held += HoldsRows(cell, bin);
   }
-  return held * 2 < d * (bins - 1);
+  return held * parts < d * (bins - 1);
+}
+
+// 1 / the share of a node's bins held under which it is scanned at its held bins alone: about
+// where that takes as long as the whole scan (experiments/bench_split_scan.py: a level of 32
+// nodes x 28 features x 256 bins). With the running sums in vectors (AVX-512) the whole scan
+// took 6.2-6.4 us a node with one direction and 8.4-8.6 with two whatever the rows, the held bins
+// alone 5.4 and 5.7 with 13-15% of them held, 6.1 and 6.5 with 19-21%, 6.8 and 7.2 with 25-27%,
+// 7.4 and 7.7 with 30-33%, 8.4 and 8.8 with 37-40%. Without them (AVX2) the whole scan takes
+// about 1.6x as long.
+inline int64_t SparseParts(bool vector_pairs, int64_t directions) {
+  return vector_pairs && directions == 1 ? 5 : 3;
 }
 
 // Per value bin of each of a node's features (`cells`: d x bins x 2), 1 where it holds some row
@@ -2640,7 +2650,7 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
     // A node of few rows holds them in few bins: its candidates at the empty bins repeat the
     // candidate before them, sums and gain bit for bit, and the first maximum takes that one,
     // so only the bins that hold rows are scanned.
-    const bool sparse = MostlyEmptyBins(histogram, d, bins);
+    const bool sparse = MostlyEmptyBins(histogram, d, bins, SparseParts(VectorPairs, p.directions));
     if (sparse) HeldBins(histogram, d, bins, held_stride, held.data());
     if (!sparse) CumulativePairs<VectorPairs>(histogram, running.data(), d, bins);
     const float* setting = p.settings + node * kSplitSettings;
