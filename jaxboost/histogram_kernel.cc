@@ -43,25 +43,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// A kernel's hot loop is compiled for the baseline and, on x86, for AVX2 (with FMA) and
-// AVX-512; ChooseForCpu picks the widest this CPU runs. X86_VARIANTS lists the x86 variants as
-// its trailing arguments (none elsewhere, where the baseline is the only one).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define JAXBOOST_X86_DISPATCH 1
-#define X86_VARIANTS(avx2, avx512) , avx2, avx512
-template <typename Function>
-Function ChooseForCpu(Function baseline, Function avx2, Function avx512) {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2;
-  return baseline;
-}
-#else
-#define X86_VARIANTS(avx2, avx512)
-template <typename Function>
-Function ChooseForCpu(Function baseline) {
-  return baseline;
-}
 #endif
 
 // The kernels written with intrinsics (the predictor's walks, the route kernel's node passes):
@@ -81,6 +64,32 @@ SimdKernel ChooseSimdKernel(const char* variable) {
 #endif
   return SimdKernel::kScalar;
 }
+
+// A kernel's hot loop is compiled for the baseline and, on x86, for AVX2 (with FMA) and
+// AVX-512; ChooseForCpu picks the widest this CPU runs, or a narrower one that
+// JAXBOOST_KERNEL_SIMD asks for (=avx2 or =none, read at each call: the tests run every variant
+// on one machine). X86_VARIANTS lists the x86 variants as its trailing arguments (none
+// elsewhere, where the baseline is the only one).
+#ifdef JAXBOOST_X86_DISPATCH
+#define X86_VARIANTS(avx2, avx512) , avx2, avx512
+template <typename Function>
+Function ChooseForCpu(Function baseline, Function avx2, Function avx512) {
+  switch (ChooseSimdKernel("JAXBOOST_KERNEL_SIMD")) {
+    case SimdKernel::kAvx512:
+      return avx512;
+    case SimdKernel::kAvx2:
+      return __builtin_cpu_supports("fma") ? avx2 : baseline;
+    default:
+      return baseline;
+  }
+}
+#else
+#define X86_VARIANTS(avx2, avx512)
+template <typename Function>
+Function ChooseForCpu(Function baseline) {
+  return baseline;
+}
+#endif
 
 // Large blocks: each feature's pass over a block then runs long (measured: 2048 -> 32768 rows
 // made a level 10-20% faster; 131072 no faster).
@@ -1428,7 +1437,7 @@ using FeaturePassFunction = void (*)(const FeaturePass&);
 
 void AccumulateChannelFeatures(const ChannelProblem& p, const RowsByNode& grouped, int64_t feature_begin,
                                int64_t feature_end) {
-  static const FeaturePassFunction add_feature_pass = ChooseForCpu<FeaturePassFunction>(
+  const FeaturePassFunction add_feature_pass = ChooseForCpu<FeaturePassFunction>(
       AddFeaturePass X86_VARIANTS(AddFeaturePassAvx2, AddFeaturePassAvx512));
   const int64_t summed = p.columns - p.channel;
   const int64_t second_columns = p.columns - p.first_columns;
@@ -1946,7 +1955,7 @@ ffi::Error DampedSolveImpl(ffi::Buffer<ffi::F32> packed, ffi::Buffer<ffi::F32> g
   threads = std::max<int64_t>(1, std::min(threads, blocks));
   std::vector<std::thread> workers;
   auto range = [&](int64_t t) { return std::min(n, t * blocks / threads * kSolveLanes); };
-  static const SolveBlocks solve_blocks =
+  const SolveBlocks solve_blocks =
       ChooseForCpu<SolveBlocks>(DampedSolveBlocks X86_VARIANTS(DampedSolveBlocksAvx2, DampedSolveBlocksAvx512));
   for (int64_t t = 1; t < threads; ++t) workers.emplace_back(solve_blocks, std::cref(problem), range(t), range(t + 1));
   solve_blocks(problem, 0, range(1));
@@ -2251,7 +2260,7 @@ ffi::Error VectorSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi
                             general_objective != 0, pair_gain.data(), pair_candidate.data(), pair_first_nan.get(),
                             pair_sums.data()};
   threads = std::max<int64_t>(1, std::min(threads, count));
-  static const ScanPairs scan_pairs =
+  const ScanPairs scan_pairs =
       ChooseForCpu<ScanPairs>(VectorScanPairs X86_VARIANTS(VectorScanPairsAvx2, VectorScanPairsAvx512));
   std::vector<std::thread> workers;
   auto range = [&](int64_t t) { return t * count / threads; };
@@ -2871,7 +2880,7 @@ ffi::Error ScalarSplitScanImpl(ffi::Buffer<ffi::F32> histograms, ffi::Buffer<ffi
                                   left_sums->typed_data(),
                                   right_sums->typed_data()};
   using Scan = void (*)(const ScalarScanProblem&);
-  static const Scan scan_nodes = ChooseForCpu<Scan>(ScalarScan X86_VARIANTS(ScalarScanAvx2, ScalarScanAvx512));
+  const Scan scan_nodes = ChooseForCpu<Scan>(ScalarScan X86_VARIANTS(ScalarScanAvx2, ScalarScanAvx512));
   scan_nodes(problem);
   return ffi::Error::Success();
 }

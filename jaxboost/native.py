@@ -18,7 +18,10 @@ sets alone and chosen at run time by what the CPU has. ``JAXBOOST_PREDICT_SIMD=a
 route kernel routes a level's rows by node passes, sixteen rows at a time on AVX-512 and eight
 on AVX2, and by gathers where a block's rows lie in more than a few nodes;
 ``JAXBOOST_ROUTE_SIMD=passes`` (no gathers), ``=avx2``, ``=avx2-passes`` or ``=none`` (one row at
-a time) narrows that choice, the same results.
+a time) narrows that choice, the same results. The other kernels compiled for AVX2 and AVX-512
+besides the baseline (the split scans, the damped solve, the histogram's channel pass) take the
+widest this CPU runs, or a narrower one that ``JAXBOOST_KERNEL_SIMD=avx2`` or ``=none`` asks for,
+read at each call (the tests check each variant against the XLA code on one machine).
 """
 
 from __future__ import annotations

@@ -80,6 +80,20 @@ def cpu_argument(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]))
 
 
+# The native kernels compiled for several instruction sets (the split scans, the channel
+# histogram's feature pass, the damped solve) run the widest this CPU has (""), or a narrower one
+# that JAXBOOST_KERNEL_SIMD asks for, read at each call: one machine checks every variant it can
+# run, without compiling the program again.
+KERNEL_SIMD = ("", "avx2", "none")
+
+
+def each_kernel_simd(monkeypatch):
+    """Sets JAXBOOST_KERNEL_SIMD to each of ``KERNEL_SIMD`` in turn, yielding it."""
+    for simd in KERNEL_SIMD:
+        monkeypatch.setenv("JAXBOOST_KERNEL_SIMD", simd)
+        yield simd
+
+
 # For tests of two trainings that must grow the same trees: near ties in a GPU's sums may not.
 needs_repeatable_sums = pytest.mark.skipif(
     not repeatable_sums(), reason="a GPU's float atomic adds sum the rows in a varying order, so near ties may "

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import needs_repeatable_sums
+from conftest import each_kernel_simd, needs_repeatable_sums
 
 from jaxboost import native
 from jaxboost.grower import MIN_LOSS_CHANGE, GrowthParams, grow_tree
@@ -428,9 +428,10 @@ def test_native_root_histogram_of_repeated_codes(max_bin, used):
 
 
 @needs_native
-def test_native_root_histogram_of_repeated_codes_into_wider_cells():
+def test_native_root_histogram_of_repeated_codes_into_wider_cells(monkeypatch):
     """Pairs added into cells of four channels (the second pair into the first's result) alternate
-    a root's rows alike: each channel holds its sums."""
+    a root's rows alike: each channel holds its sums, the same bit for bit from every variant of
+    the kernel's feature pass this CPU runs (AVX-512, AVX2, the baseline)."""
     n_rows = 40_001
     X_binned = repeated_codes(n_rows, 256)
     rng = np.random.default_rng(7)
@@ -448,6 +449,8 @@ def test_native_root_histogram_of_repeated_codes_into_wider_cells():
         expected = naive_histogram(X_binned, np.zeros(n_rows, np.int32), values[pair].astype(np.float64),
                                    values[pair + 1].astype(np.float64), 1, 256)
         np.testing.assert_allclose(actual[..., pair:pair + 2], expected, rtol=1e-5, atol=1e-3, err_msg=f"pair {pair}")
+    for simd in each_kernel_simd(monkeypatch):
+        np.testing.assert_array_equal(np.asarray(four_channels(jnp.asarray(values))), actual, err_msg=simd or "widest")
 
 
 @pytest.mark.parametrize("kernel,max_bin,threads,result_features", [

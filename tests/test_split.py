@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import each_kernel_simd
 
 from jaxboost.grower import GrowthParams, grow_tree, prune_by_gamma
 from jaxboost.regularizer import Regularization, leaf_value, node_score
@@ -625,7 +626,7 @@ def _empty_fraction(sparse: bool, max_bin: int) -> float:
                          [(1.0, 0.0, 0.0, True), (0.0, 0.0, 0.0, True), (2.0, 0.7, 0.0, True), (1.0, 0.5, 0.4, True),
                           (1.0, 0.5, 0.4, False), (1.0, 0.0, 0.0, False)])
 def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_delta_step, form_known,
-                                                    missing_values, sparse, max_bin):
+                                                    missing_values, sparse, max_bin, monkeypatch):
     """The native scan of a level (CPU) follows the XLA scan's arithmetic: the same choice, the
     same children's sums and, in the closed form of the score, the same gain bit for bit, with
     per-feature split costs, masked features, empty bins (each repeating the candidate before
@@ -636,7 +637,8 @@ def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_
     them (43 bins: also whole blocks of 8 bins in the running sums and 3 past them), over 9
     features (the running sums take 8 features at once where 8 remain). Bounded leaves' scores
     (the objective at the clipped value) differ in their last bit where the compilers fuse a
-    multiply and an add differently."""
+    multiply and an add differently. Every variant of the kernel this CPU runs (AVX-512, AVX2,
+    the baseline) gives the same."""
     rng = np.random.default_rng(7)
     nodes, n_features = 12, 9
     empty_fraction = _empty_fraction(sparse, max_bin)
@@ -656,19 +658,22 @@ def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_
         return find_best_splits_of_live_nodes(histograms, allowed, reg, F32(0.5), missing_values=missing_values,
                                               kernel=kernel)
 
-    xla, native = (jax.tree.map(np.asarray, jax.jit(partial(scans, kernel=kernel))(histograms, allowed))
-                   for kernel in ("xla", "native"))
+    xla_scan, native_scan = (jax.jit(partial(scans, kernel=kernel)) for kernel in ("xla", "native"))
+    xla = jax.tree.map(np.asarray, xla_scan(histograms, allowed))
     assert np.isfinite(xla.loss_change).sum() >= nodes // 2, "most nodes should have a valid candidate"
     held = (histograms[..., :-1, :] != 0).any(axis=-1).mean(axis=(1, 2))
     assert ((held < (0.2 if max_bin > 16 else 0.25)) if sparse else (held > 2 / 3)).sum() >= nodes - 2
     assert np.isnan(xla.loss_change[4]) and np.isfinite(xla.loss_change[5]) and xla.loss_change[3] == -np.inf
-    _assert_same_choices(native, xla, bounded=max_delta_step > 0)
-
     # vmapped (several models' levels at once): one call whose batch is more nodes.
     batch = np.stack([histograms, _sparse_histograms(rng, histograms.shape[:-1], empty_fraction)])
-    xla, native = (jax.tree.map(np.asarray, jax.jit(jax.vmap(partial(scans, kernel=kernel), (0, None)))(batch, allowed))
-                   for kernel in ("xla", "native"))
-    _assert_same_choices(native, xla, bounded=max_delta_step > 0)
+    xla_batch, native_batch = (jax.jit(jax.vmap(partial(scans, kernel=kernel), (0, None)))
+                               for kernel in ("xla", "native"))
+    xla_of_batch = jax.tree.map(np.asarray, xla_batch(batch, allowed))
+    for _ in each_kernel_simd(monkeypatch):
+        _assert_same_choices(jax.tree.map(np.asarray, native_scan(histograms, allowed)), xla,
+                             bounded=max_delta_step > 0)
+        _assert_same_choices(jax.tree.map(np.asarray, native_batch(batch, allowed)), xla_of_batch,
+                             bounded=max_delta_step > 0)
 
 
 def _assert_same_choices(got, expected, bounded):
@@ -682,7 +687,7 @@ def _assert_same_choices(got, expected, bounded):
 @pytest.mark.parametrize("max_bin", [16, 43])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("max_delta_step", [0.0, 0.4])
-def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_step, sparse, max_bin):
+def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_step, sparse, max_bin, monkeypatch):
     """Monotone constraints in the native scan: each node's values bounded (some bounds finite,
     some not), the candidates whose children's values go against their feature's direction
     left out, and the winner's children's values returned, as the XLA scan does (scores and
@@ -702,9 +707,10 @@ def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_ste
     def scans(histograms, bounds, kernel):
         return find_best_splits_of_live_nodes(histograms, allowed, reg, F32(0.5), bounds, kernel=kernel)
 
-    xla, native = (jax.tree.map(np.asarray, jax.jit(partial(scans, kernel=kernel))(histograms, bounds))
-                   for kernel in ("xla", "native"))
-    _assert_same_choices(native, xla, bounded=True)
+    xla = jax.tree.map(np.asarray, jax.jit(partial(scans, kernel="xla"))(histograms, bounds))
+    native_scan = jax.jit(partial(scans, kernel="native"))
+    for _ in each_kernel_simd(monkeypatch):  # every variant of the kernel this CPU runs
+        _assert_same_choices(jax.tree.map(np.asarray, native_scan(histograms, bounds)), xla, bounded=True)
     free = jax.tree.map(np.asarray, scans(histograms, None, "xla"))
     assert (free.feature != xla.feature).any() or (free.threshold_bin != xla.threshold_bin).any(), (
         "the constraints should change some choices")
@@ -717,7 +723,7 @@ def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_ste
 
 
 @pytest.mark.parametrize("empty_fraction", [0.3, 0.95], ids=["dense", "sparse"])
-def test_native_scan_of_live_nodes_scans_the_live_active_nodes_alone(empty_fraction):
+def test_native_scan_of_live_nodes_scans_the_live_active_nodes_alone(empty_fraction, monkeypatch):
     """On a CPU the native kernel scans a level in one call: the first ``live`` slots' active
     nodes get exactly the whole XLA scan's choice, every other slot the empty choice (zeros),
     whatever its histogram holds."""
@@ -729,15 +735,17 @@ def test_native_scan_of_live_nodes_scans_the_live_active_nodes_alone(empty_fract
     histograms[~active] = np.nan
     allowed = jnp.ones((slots, n_features), bool)
     reg = make_reg(1.0, form_known=True)
-    got = jax.tree.map(np.asarray, jax.jit(
+    native_scan = jax.jit(
         lambda hist, act: find_best_splits_of_live_nodes(hist, allowed, reg, F32(1.0), live_nodes=jnp.int32(live),
-                                                         active=act, kernel="native"))(histograms, active))
+                                                         active=act, kernel="native"))
     whole = jax.tree.map(np.asarray, find_best_splits(jnp.asarray(histograms), allowed, reg, F32(1.0)))
     scanned = active & (np.arange(slots) < live)
     assert 5 < scanned.sum() < live
-    for name, expected, value in zip(whole._fields, whole, got):
-        np.testing.assert_array_equal(value[scanned], expected[scanned], err_msg=name)
-        np.testing.assert_array_equal(value[~scanned], 0, err_msg=name)
+    for simd in each_kernel_simd(monkeypatch):  # every variant of the kernel this CPU runs
+        got = jax.tree.map(np.asarray, native_scan(histograms, active))
+        for name, expected, value in zip(whole._fields, whole, got):
+            np.testing.assert_array_equal(value[scanned], expected[scanned], err_msg=f"{name} ({simd or 'widest'})")
+            np.testing.assert_array_equal(value[~scanned], 0, err_msg=f"{name} ({simd or 'widest'})")
 
 
 def test_splittable_is_twice_min_child_weight_on_the_weight_the_scan_holds_to_it():

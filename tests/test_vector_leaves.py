@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import xgboost as xgb
 
-from conftest import assert_same_training, cpu_argument, round_shape_and_arguments
+from conftest import assert_same_training, cpu_argument, each_kernel_simd, round_shape_and_arguments
 
 import jaxboost as jb
 from jaxboost.grower import GrowthParams, grow_tree
@@ -93,12 +93,13 @@ def test_a_packed_hessian_holds_its_diagonal_first_and_every_entry_once(K):
                     reason="native kernels not built here, or JAX's default backend is not the CPU")
 @pytest.mark.parametrize("reg_lambda", [1.0, 0.0])
 @pytest.mark.parametrize("K", [1, 2, 3, 10])
-def test_native_damped_solve_is_the_element_wise_solve(K, reg_lambda):
+def test_native_damped_solve_is_the_element_wise_solve(K, reg_lambda, monkeypatch):
     """The CPU's native solve of full Hessians against the element-wise XLA one that the
     accelerators run: the same verdicts (positive definite, semi-definite only, indefinite,
     a zeroed row, no rows at all) and the same solutions up to rounding; candidates marked
     inactive come out 0 and not solvable; a vmapped call is the flat call. "auto" takes the
-    native solve at every output count."""
+    native solve at every output count. Every variant of the kernel this CPU runs (AVX-512,
+    AVX2, the baseline) solves alike."""
     from jaxboost.regularizer import PSD_TOLERANCE, damped_solve
 
     rng = np.random.default_rng(K)
@@ -117,8 +118,6 @@ def test_native_damped_solve_is_the_element_wise_solve(K, reg_lambda):
     assert jb.native.DAMPED_SOLVE_TARGET in jax.jit(
         lambda g, p, t: damped_solve(g, p, reg_lambda, t, leaves)).lower(G, packed, tolerance).as_text()
     w_xla, ok_xla = (np.asarray(a) for a in solve("xla"))
-    w_native, ok_native = (np.asarray(a) for a in solve("native"))
-    np.testing.assert_array_equal(ok_native, ok_xla)
     assert 0 < ok_xla.sum() < n and ok_xla[100:120].all()
     # Rounding apart: on nearly singular systems (lambda 0) either path's solution is rounding.
     # Two float32 solves of a system of condition number c agree to about c x 6e-8 (10 outputs
@@ -126,7 +125,13 @@ def test_native_damped_solve_is_the_element_wise_solve(K, reg_lambda):
     conditioned = ok_xla & (np.linalg.cond(H.astype(np.float64) + reg_lambda * np.eye(K)) < 1e4)
     assert conditioned.sum() > n // 3
     scale = np.abs(w_xla[conditioned]).max()
-    np.testing.assert_allclose(w_native[conditioned], w_xla[conditioned], rtol=1e-4, atol=1e-5 * scale)
+    for simd in each_kernel_simd(monkeypatch):
+        w_native, ok_native = (np.asarray(a) for a in solve("native"))
+        np.testing.assert_array_equal(ok_native, ok_xla, err_msg=simd or "widest")
+        np.testing.assert_allclose(w_native[conditioned], w_xla[conditioned], rtol=1e-4, atol=1e-5 * scale,
+                                   err_msg=simd or "widest")
+    monkeypatch.delenv("JAXBOOST_KERNEL_SIMD")
+    w_native, ok_native = (np.asarray(a) for a in solve("native"))
     active = rng.random(n) < 0.3
     active[:40] = False  # whole blocks of 16 skipped too
     w_some, ok_some = (np.asarray(a) for a in solve("native", jnp.asarray(active)))
@@ -163,7 +168,8 @@ def _softmax_level_histograms(rng, K, num_nodes, n_features, max_bin):
 @pytest.mark.parametrize("K, bound, missing_values, per_feature_cost, threads", [
     (2, False, True, True, 1), (3, None, False, False, 2), (5, False, True, True, 1), (10, False, True, False, 1),
     (10, None, False, True, 3), (10, True, True, False, 1)])
-def test_native_vector_split_scan_is_the_xla_scan(K, bound, missing_values, per_feature_cost, threads):
+def test_native_vector_split_scan_is_the_xla_scan(K, bound, missing_values, per_feature_cost, threads,
+                                                 monkeypatch):
     """The native scan of a level of full-Hessian vector leaves chooses what the XLA scan around
     the native solve chooses (feature, bin, direction, and the children's sums bit for bit; the
     gain to float32 rounding, as the two sum a candidate's outputs in their own order), on nodes
@@ -172,7 +178,9 @@ def test_native_vector_split_scan_is_the_xla_scan(K, bound, missing_values, per_
     the calls one by one. Bounded leaves (max_delta_step) and unknown bounds score the full
     objective, known unbounded ones half its linear term. Threads share a level's (node,
     feature) pairs. Every output count takes the native kernels under "auto" (below 5 outputs
-    the XLA code had compiled 0.4-0.8 s slower, and run no faster)."""
+    the XLA code had compiled 0.4-0.8 s slower, and run no faster). Every variant of the kernel
+    this CPU runs (AVX-512, AVX2, the baseline) chooses the same (their gains, summed over the
+    outputs in vectors of their own widths, may differ in the last bit)."""
     from jaxboost.split import find_best_splits_of_live_nodes
 
     rng = np.random.default_rng(K)
@@ -199,16 +207,22 @@ def test_native_vector_split_scan_is_the_xla_scan(K, bound, missing_values, per_
         return find_best_splits_of_live_nodes(histograms, jnp.asarray(allowed), reg, F32(5.0), None, leaves,
                                               jnp.int32(live), missing_values, jnp.asarray(active), kernel=kernel)
 
-    native, xla = (jax.tree_util.tree_map(np.asarray, jax.jit(partial(scan, kernel))(histograms, reg))
-                   for kernel in ("native", "xla"))
+    native_scan = jax.jit(partial(scan, "native"))
+    xla = jax.tree_util.tree_map(np.asarray, jax.jit(partial(scan, "xla"))(histograms, reg))
     chosen = jax.jit(partial(scan, "auto")).lower(histograms, reg).as_text()
     assert jb.native.VECTOR_SPLIT_SCAN_TARGET in chosen
-    for field in ("feature", "threshold_bin", "default_left", "left_gradients", "left_hessians", "right_gradients",
-                  "right_hessians"):
-        np.testing.assert_array_equal(getattr(native, field)[scanned], getattr(xla, field)[scanned], err_msg=field)
-        assert not getattr(native, field)[~scanned].any(), field
-    np.testing.assert_allclose(native.loss_change[scanned], xla.loss_change[scanned], rtol=2e-6)
-    assert not native.loss_change[~scanned].any()
+    for simd in each_kernel_simd(monkeypatch):
+        native = jax.tree_util.tree_map(np.asarray, native_scan(histograms, reg))
+        for field in ("feature", "threshold_bin", "default_left", "left_gradients", "left_hessians",
+                      "right_gradients", "right_hessians"):
+            np.testing.assert_array_equal(getattr(native, field)[scanned], getattr(xla, field)[scanned],
+                                          err_msg=f"{field} ({simd or 'widest'})")
+            assert not getattr(native, field)[~scanned].any(), field
+        np.testing.assert_allclose(native.loss_change[scanned], xla.loss_change[scanned], rtol=2e-6,
+                                   err_msg=simd or "widest")
+        assert not native.loss_change[~scanned].any()
+    monkeypatch.delenv("JAXBOOST_KERNEL_SIMD")
+    native = jax.tree_util.tree_map(np.asarray, native_scan(histograms, reg))
     assert native.loss_change[2] == -np.inf and native.feature[2] == 0 and native.threshold_bin[2] == 0
     assert np.isnan(native.loss_change[6]) and native.feature[6] == 0 and native.threshold_bin[6] == 0
     assert np.isfinite(native.loss_change[scanned]).sum() >= 3
