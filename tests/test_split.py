@@ -669,19 +669,21 @@ def test_native_scan_equals_the_xla_scan_bit_for_bit(reg_lambda, reg_alpha, max_
     xla_batch, native_batch = (jax.jit(jax.vmap(partial(scans, kernel=kernel), (0, None)))
                                for kernel in ("xla", "native"))
     xla_of_batch = jax.tree.map(np.asarray, xla_batch(batch, allowed))
-    for _ in each_kernel_simd(monkeypatch):
+    for simd in each_kernel_simd(monkeypatch):
         _assert_same_choices(jax.tree.map(np.asarray, native_scan(histograms, allowed)), xla,
-                             bounded=max_delta_step > 0)
+                             bounded=max_delta_step > 0, variant=simd)
         _assert_same_choices(jax.tree.map(np.asarray, native_batch(batch, allowed)), xla_of_batch,
-                             bounded=max_delta_step > 0)
+                             bounded=max_delta_step > 0, variant=simd)
 
 
-def _assert_same_choices(got, expected, bounded):
+def _assert_same_choices(got, expected, bounded, variant=""):
+    """``variant``: the JAXBOOST_KERNEL_SIMD setting ``got`` came from, named in a failure."""
     for name, want, value in zip(expected._fields, expected, got):
+        message = f"{name} ({variant or 'widest'})"
         if name in ("loss_change", "left_value", "right_value") and bounded:
-            np.testing.assert_allclose(value, want, rtol=1e-6, atol=1e-7, err_msg=name)
+            np.testing.assert_allclose(value, want, rtol=1e-6, atol=1e-7, err_msg=message)
         else:
-            np.testing.assert_array_equal(value, want, err_msg=name)
+            np.testing.assert_array_equal(value, want, err_msg=message)
 
 
 @pytest.mark.parametrize("max_bin", [16, 43])
@@ -709,8 +711,9 @@ def test_native_scan_with_monotone_constraints_equals_the_xla_scan(max_delta_ste
 
     xla = jax.tree.map(np.asarray, jax.jit(partial(scans, kernel="xla"))(histograms, bounds))
     native_scan = jax.jit(partial(scans, kernel="native"))
-    for _ in each_kernel_simd(monkeypatch):  # every variant of the kernel this CPU runs
-        _assert_same_choices(jax.tree.map(np.asarray, native_scan(histograms, bounds)), xla, bounded=True)
+    for simd in each_kernel_simd(monkeypatch):  # every variant of the kernel this CPU runs
+        _assert_same_choices(jax.tree.map(np.asarray, native_scan(histograms, bounds)), xla, bounded=True,
+                             variant=simd)
     free = jax.tree.map(np.asarray, scans(histograms, None, "xla"))
     assert (free.feature != xla.feature).any() or (free.threshold_bin != xla.threshold_bin).any(), (
         "the constraints should change some choices")
