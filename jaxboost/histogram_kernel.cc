@@ -2571,6 +2571,20 @@ inline __attribute__((always_inline)) float ScalarFeatureGains(const float* __re
       }
     }
   }
+  if (OneVector) {
+    // The lanes' maxima (never NaN) halved pairwise, in vectors: one lane after another they
+    // had been a chain of 15 dependent compares a feature, a sixth of the scan of a node of 6
+    // rows (2.44 -> 2.28 us a node; 25 rows 2.84 -> 2.58). The order may pick -0 or +0 where
+    // both are there: the callers compare the maximum and look it up in `gains` by == and >,
+    // where the two are equal. In AVX2's and SSE's narrower vectors the halving was slower.
+    for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+      for (int64_t lane = 0; lane < width; ++lane) {
+        lane_maximum[lane] = lane_maximum[lane + width] > lane_maximum[lane] ? lane_maximum[lane + width]
+                                                                            : lane_maximum[lane];
+      }
+    }
+    return lane_maximum[0];
+  }
   float maximum = lane_maximum[0];
   for (int64_t lane = 1; lane < kLanes; ++lane) maximum = lane_maximum[lane] > maximum ? lane_maximum[lane] : maximum;
   return maximum;
