@@ -2701,6 +2701,38 @@ __attribute__((target("avx512f"))) inline int64_t HeldBitsAvx512(const float* ce
   return held;
 }
 
+// HeldBits for AVX2: a bin's pair tested as one 64-bit word with its channels' sign bits left out
+// (as HeldBitsAvx512), four bins a vector, their bits taken by a movemask; the last bins past
+// whole fours one by one. Against the byte flags packed by multiplication, in a harness on an
+// AVX-512 host: a node of 6 rows 3.10-3.16 -> 2.84-2.93 us, 25 rows 4.05-4.13 -> 3.76-3.78, a
+// dense node 8.98-9.09 -> 8.47-8.77.
+__attribute__((target("avx2"))) inline int64_t HeldBitsAvx2(const float* cells, int64_t d, int64_t bins,
+                                                            int64_t words, uint64_t* __restrict bits) {
+  const int64_t values = bins - 1;
+  const __m256i magnitudes = _mm256_set1_epi64x(0x7fffffff7fffffffLL);
+  const __m256i zero = _mm256_setzero_si256();
+  int64_t held = 0;
+  for (int64_t f = 0; f < d; ++f) {
+    const float* cell = cells + f * bins * 2;
+    for (int64_t w = 0; w < words; ++w) {
+      const int64_t first = w * 64, last = std::min<int64_t>(values, first + 64);
+      const int64_t fours = (last - first) / 4;
+      uint64_t word = 0;
+      for (int64_t four = 0; four < fours; ++four) {
+        const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cell + (first + four * 4) * 2));
+        const __m256i empty = _mm256_cmpeq_epi64(_mm256_and_si256(pairs, magnitudes), zero);
+        word |= static_cast<uint64_t>(~_mm256_movemask_pd(_mm256_castsi256_pd(empty)) & 0xF) << (four * 4);
+      }
+      for (int64_t bin = first + fours * 4; bin < last; ++bin) {
+        word |= static_cast<uint64_t>(HoldsRows(cell, bin)) << (bin - first);
+      }
+      bits[f * words + w] = word;
+      held += __builtin_popcountll(word);
+    }
+  }
+  return held;
+}
+
 // HeldBinSums for AVX-512: the held bins and bin 0 compressed into `kept` 16 bins at a time, no
 // branch a bin (`kept` has 16 slots' slack). Bit by bit, the list had taken a third of the scan of
 // a node of 25 rows.
@@ -2722,7 +2754,8 @@ __attribute__((target("avx512f"))) inline int64_t HeldBinSumsAvx512(const float*
 }
 #endif
 
-template <bool VectorPairs>
+// `VectorPairs`: the AVX-512 variant; `Avx2`: the AVX2 one.
+template <bool VectorPairs, bool Avx2 = false>
 inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProblem& p) {
   const int64_t d = p.d, bins = p.bins, values = bins - 1, candidates = p.directions * values;
   // A node's running sums, (d, bins, 2) as the cumulative-bins kernel forms them (its features'
@@ -2756,6 +2789,8 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
 #ifdef JAXBOOST_X86_DISPATCH
     if constexpr (VectorPairs) {
       held = HeldBitsAvx512(histogram, d, bins, words, bits.data());
+    } else if constexpr (Avx2) {
+      held = HeldBitsAvx2(histogram, d, bins, words, bits.data());
     } else
 #endif
     {
@@ -2847,7 +2882,9 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
 
 void ScalarScan(const ScalarScanProblem& p) { ScalarScanBody<false>(p); }
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-__attribute__((target("avx2,fma"))) void ScalarScanAvx2(const ScalarScanProblem& p) { ScalarScanBody<false>(p); }
+__attribute__((target("avx2,fma"))) void ScalarScanAvx2(const ScalarScanProblem& p) {
+  ScalarScanBody<false, true>(p);
+}
 __attribute__((target("avx512f"))) void ScalarScanAvx512(const ScalarScanProblem& p) { ScalarScanBody<true>(p); }
 #endif
 
