@@ -2767,9 +2767,10 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
   // (kept: a word's slack for HeldBinSumsAvx512's compressed stores.)
   const int64_t words = (values + 63) / 64;
   std::vector<int32_t> kept(static_cast<size_t>(words * 64 + kGainLanes));
-  // A node's HeldBits, and a feature's flags as they are formed (zero past its values).
+  // A node's HeldBits, and a feature's flags as the baseline's HeldBits forms them (zero past its
+  // values; the AVX2 and AVX-512 variants take the bits directly).
   std::vector<uint64_t> bits(static_cast<size_t>(d * words));
-  std::vector<uint8_t> flags(static_cast<size_t>(words * 64), 0);
+  std::vector<uint8_t> flags(VectorPairs || Avx2 ? 0 : static_cast<size_t>(words * 64), 0);
   for (int64_t node = 0; node < p.nodes; ++node) {
     float* left = p.left + node * 3;
     float* right = p.right + node * 3;
@@ -2818,8 +2819,8 @@ inline __attribute__((always_inline)) void ScalarScanBody(const ScalarScanProble
         {
           count = HeldBinSums(cells, bits.data() + f * words, words, kept.data(), running.data());
         }
+        sums = running.data();
       }
-      if (sparse) sums = running.data();
       const float* missing = cells + values * 2;
       float feature_best;
       if (p.constrained || setting[2] > 0.0f) {
