@@ -730,15 +730,15 @@ def train_with_patches(monkeypatch, patches, X, y, settings, train=None):
 
     for owner, name, value in patches:
         monkeypatch.setattr(owner, name, value)
-    rounds = (boosting.compiled_round, boosting.compiled_many_rounds)
-    for cache in rounds:
-        cache.cache_clear()  # kernels are chosen when a round is traced
+    # Kernels are chosen when a round's programs are traced: every compiled one is forgotten
+    # (clearing only the whole round's cache had left a fit's statistics and trees programs,
+    # compiled apart, to the first fit of a process, whatever the later ones patched).
+    boosting.clear_compiled_rounds()
     try:
         return (train or jb.train)(X, y, **settings)
     finally:
         monkeypatch.undo()
-        for cache in rounds:
-            cache.cache_clear()
+        boosting.clear_compiled_rounds()
 
 
 def train_with_kernel(monkeypatch, X, y, settings, kernel):
@@ -800,9 +800,13 @@ GROWTH_CASES = [
 @needs_native
 @pytest.mark.parametrize("settings", GROWTH_CASES)
 def test_training_with_native_kernel_matches_xla_kernel(monkeypatch, settings):
+    """The native kernels and XLA's sum the rows in different orders, so two candidates whose
+    gains tie to a few units in the last place may swap: at depth 9 with monotone bounds one node
+    of 511 in the first tree did (gains 0.0113676 and 0.0113673), and 8 of 3000 predictions moved.
+    The same splits elsewhere, and 99% of the predictions the same."""
     X, y = kernel_training_data(settings)
     assert_same_models(train_with_kernel(monkeypatch, X, y, settings, "native"),
-                       train_with_kernel(monkeypatch, X, y, settings, "xla"), X, settings)
+                       train_with_kernel(monkeypatch, X, y, settings, "xla"), X, settings, agreeing_predictions=0.99)
 
 
 @pytest.mark.parametrize("settings,sharded", [

@@ -2050,9 +2050,16 @@ def test_a_cpu_round_traces_only_the_cpu_kernels(monkeypatch):
     for module, name in [(histogram, "_pair_scatter_histogram"), (histogram, "_complex_scatter_histogram"),
                          (regularizer, "_damped_solve_xla")]:
         monkeypatch.setattr(module, name, not_traced)
-    # A row count no other test uses: the rounds are traced afresh, with the kernels above replaced
-    # (and the programs left behind hold no trace of them).
+    # The rounds are traced afresh, with the kernels above replaced: a row count of its own did
+    # not ensure it (777 rows pad to 832, as every count from 769 does, and the trees' program
+    # does not depend on the loss).
+    from jaxboost import boosting
+
     X, y = _regression_data(seed=12, n=777)
     y5 = np.digitize(y, [-2.0, -0.7, 0.7, 2.0]).astype(np.float32)
-    jb.train(X, y5, loss="softmax", num_rounds=2, max_depth=3, multi_strategy="multi_output_tree")
-    jb.train(X, y, num_rounds=2, max_depth=3)
+    boosting.clear_compiled_rounds()
+    try:
+        jb.train(X, y5, loss="softmax", num_rounds=2, max_depth=3, multi_strategy="multi_output_tree")
+        jb.train(X, y, num_rounds=2, max_depth=3)
+    finally:
+        boosting.clear_compiled_rounds()
