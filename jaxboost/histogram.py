@@ -409,7 +409,8 @@ def _routed_to_smaller_child(node_of_row, child_of_row, splits, left_is_smaller,
 
 
 # The native kernels' result layouts, major to minor: node-major or feature-major.
-_HISTOGRAM_LAYOUTS = {False: (0, 1, 2, 3), True: (1, 0, 2, 3)}
+FEATURE_MAJOR_LAYOUT = (1, 0, 2, 3)
+_HISTOGRAM_LAYOUTS = {False: (0, 1, 2, 3), True: FEATURE_MAJOR_LAYOUT}
 
 
 def _native_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin,

@@ -66,6 +66,7 @@ SCALAR_SPLIT_SCAN_TARGET = "jaxboost_scalar_split_scan"
 SEGMENT_SUM_TARGET = "jaxboost_segment_sum"
 SORTED_AUC_SUMS_TARGET = "jaxboost_sorted_auc_sums"
 COMPACT_FLAGS_TARGET = "jaxboost_compact_flags"
+SIBLING_HISTOGRAMS_TARGET = "jaxboost_sibling_histograms"
 UNINITIALIZED_TARGET = "jaxboost_uninitialized"
 _SOURCE = Path(__file__).with_name("histogram_kernel.cc")
 _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "JaxboostRouteHistogram",
@@ -77,6 +78,7 @@ _SYMBOLS = {HISTOGRAM_TARGET: "JaxboostHistogram", ROUTE_HISTOGRAM_TARGET: "Jaxb
             SCALAR_SPLIT_SCAN_TARGET: "JaxboostScalarSplitScan",
             SEGMENT_SUM_TARGET: "JaxboostSegmentSum",
             SORTED_AUC_SUMS_TARGET: "JaxboostSortedAucSums", COMPACT_FLAGS_TARGET: "JaxboostCompactFlags",
+            SIBLING_HISTOGRAMS_TARGET: "JaxboostSiblingHistograms",
             UNINITIALIZED_TARGET: "JaxboostUninitialized"}
 # No trapping math: nothing reads the floating-point exception flags, and without it GCC may not
 # evaluate both sides of a select in vectors (the scalar split scan's gains stayed scalar on AVX2).

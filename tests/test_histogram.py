@@ -742,13 +742,16 @@ def train_with_patches(monkeypatch, patches, X, y, settings, train=None):
 
 
 def train_with_kernel(monkeypatch, X, y, settings, kernel):
-    from jaxboost import histogram
+    from jaxboost import grower, histogram
 
     # Every histogram the grower builds goes through these three, called by the statistics
-    # wrappers it uses: all go to the chosen kernel.
+    # wrappers it uses, and every children's subtraction through the fourth: all go to the
+    # chosen kernel.
     names = ("build_histogram", "route_and_build_histogram", "build_channels_histogram")
-    return train_with_patches(monkeypatch, [(histogram, name, partial(getattr(histogram, name), kernel=kernel))
-                                            for name in names], X, y, settings)
+    patches = [(histogram, name, partial(getattr(histogram, name), kernel=kernel)) for name in names]
+    patches.append((grower, "children_histograms_over_parents",
+                    partial(grower.children_histograms_over_parents, kernel=kernel)))
+    return train_with_patches(monkeypatch, patches, X, y, settings)
 
 
 def kernel_training_data(settings):
@@ -807,6 +810,24 @@ def test_training_with_native_kernel_matches_xla_kernel(monkeypatch, settings):
     X, y = kernel_training_data(settings)
     assert_same_models(train_with_kernel(monkeypatch, X, y, settings, "native"),
                        train_with_kernel(monkeypatch, X, y, settings, "xla"), X, settings, agreeing_predictions=0.99)
+
+
+@needs_native
+@pytest.mark.parametrize("settings", GROWTH_CASES)
+def test_native_sibling_subtraction_grows_the_trees_of_xlas(monkeypatch, settings):
+    """On one device the children's histograms (the smaller child's, and the parent's minus it)
+    are written by a native kernel, which leaves the slots of parents that do not split as they
+    were; XLA's steps write zeros there. Both grow the same trees, bit for bit, with the native
+    histogram kernel either way (with vector leaves on CPU each step builds its own smaller
+    children, and XLA's steps remain)."""
+    from jaxboost import grower
+
+    X, y = kernel_training_data(settings)
+    trees = {kernel: train_with_patches(monkeypatch, [(grower, "children_histograms_over_parents",
+                                                       partial(grower.children_histograms_over_parents, kernel=kernel))],
+                                        X, y, settings).trees
+             for kernel in ("native", "xla")}
+    assert_same_trees(trees["native"], trees["xla"])
 
 
 @pytest.mark.parametrize("settings,sharded", [

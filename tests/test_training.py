@@ -1417,19 +1417,22 @@ def test_sum_scattered_over_devices():
         np.testing.assert_array_equal(out[device], local[:, :, 2 * device:2 * device + 2].sum(axis=0))
 
 
-@pytest.mark.parametrize("at_once", [False, True], ids=["cpu-steps", "accelerator-at-once"])
+@pytest.mark.parametrize("kernel, at_once", [("xla", False), ("xla", True), ("native", False)],
+                         ids=["xla-cpu-steps", "accelerator-at-once", "native"])
 @pytest.mark.parametrize("n_devices, slots", [(1, 32), (2, 32), (2, 2), (2, 1), (2, 128)])
-def test_children_histograms_over_parents_matches_sibling_subtraction(monkeypatch, n_devices, slots, at_once):
+def test_children_histograms_over_parents_matches_sibling_subtraction(monkeypatch, n_devices, slots, kernel, at_once):
     """A looped level's children histograms: for the chunks of parents (8, or 32 in the deep
     levels' wide buffers) holding the first ``live`` slots and a parent that splits, children
     ``2 p, 2 p + 1`` of a splitting parent are the smaller child summed over devices and the
     parent minus it (left or right as ``left_is_smaller`` says), those of a parent that does not
-    split are zeros; slots past those chunks, and those of chunks without a split, keep their
-    contents; a count of 0 (children that are leaves) changes nothing, nor does a single slot
-    (depth-1 trees, whose children are leaves). A wide buffer's smaller children cover only its
-    first half, where parents lie; the smaller children of parents that do not split may hold
-    anything (the native kernel leaves them unwritten). Off the CPU (``at_once``) every parent's
-    children are written in one step, whatever ``live`` says."""
+    split are zeros in XLA's steps and keep their contents in the native kernel's; slots past
+    those chunks, and those of chunks without a split, keep their contents; a count of 0
+    (children that are leaves) changes nothing, nor does a single slot (depth-1 trees, whose
+    children are leaves). A wide buffer's smaller children cover only its first half, where
+    parents lie; the smaller children of parents that do not split may hold anything (the route
+    kernel leaves them unwritten). Off the CPU (``at_once``) every parent's children are written
+    in one step, whatever ``live`` says. The native kernel runs on one device in one call, and
+    with rows sharded a call a step, reading the summed children feature-major."""
     from jax.sharding import Mesh, PartitionSpec
 
     from jaxboost import grower
@@ -1442,6 +1445,8 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(monkeypatc
     devices = jax.devices()[:n_devices]
     if len(devices) < n_devices:
         pytest.skip("needs two devices (jaxboost sets up one per core; this machine has one core)")
+    if kernel == "native" and jb.native.native_target(jb.native.SIBLING_HISTOGRAMS_TARGET) is None:
+        pytest.skip("native kernels unavailable (JAXBOOST_NATIVE=0 or no compiler)")
     mesh = Mesh(np.array(devices), ("rows",))
     rng = np.random.default_rng(0)
     features, bins = 4, 3
@@ -1459,7 +1464,7 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(monkeypatc
         axis = "rows" if n_devices > 1 else None
         level = jax.shard_map(
             lambda p, s, left, splits: children_histograms_over_parents(p[0], s[0], left, splits, jnp.int32(live),
-                                                                        axis)[None],
+                                                                        axis, kernel=kernel)[None],
             mesh=mesh, in_specs=(PartitionSpec("rows"), PartitionSpec("rows"), PartitionSpec(), PartitionSpec()),
             out_specs=PartitionSpec("rows"))
         out = np.asarray(jax.jit(level)(parents, local_smaller, left_is_smaller, parent_splits))
@@ -1474,12 +1479,60 @@ def test_children_histograms_over_parents_matches_sibling_subtraction(monkeypatc
                                  np.where(splits, np.where(choose, larger, smaller), 0.0)], axis=1)
             children = children.reshape((2 * slots,) + children.shape[2:])
             expected = parents[device].copy()
-            if at_once and slots > 1:
+            if kernel == "native":
+                for parent in reversed(range(min(live, slots // 2))):
+                    if parent_splits[parent]:
+                        expected[2 * parent:2 * parent + 2] = children[2 * parent:2 * parent + 2]
+            elif at_once and slots > 1:
                 expected = children[:slots]
-            for start in range(0, 0 if at_once else read_chunks * chunk, chunk):
+            for start in range(0, 0 if at_once or kernel == "native" else read_chunks * chunk, chunk):
                 if parent_splits[start:start + chunk].any():
                     expected[2 * start:2 * (start + chunk)] = children[2 * start:2 * (start + chunk)]
             np.testing.assert_allclose(out[device], expected, rtol=1e-6, atol=1e-6, err_msg=f"live={live}")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel runs on CPU")
+@pytest.mark.parametrize("slots, smaller_slots", [(1, 1), (2, 2), (32, 16), (32, 32), (128, 64)])
+def test_native_children_histograms_write_the_splitting_parents_children(slots, smaller_slots):
+    """The native form on one device: parents ``p`` below ``live`` (and below half the slots, and
+    the smaller children given) that split get their smaller child and the parent minus it in
+    slots ``2 p, 2 p + 1`` (left or right as ``left_is_smaller`` says), over the buffer in place,
+    the later parents first (each is read before a child lands over it); every other slot keeps
+    what it held, those of parents that do not split too; also under vmap, one call a member."""
+    from jaxboost.grower import children_histograms_over_parents
+    from jaxboost.native import SIBLING_HISTOGRAMS_TARGET, native_target
+
+    if native_target(SIBLING_HISTOGRAMS_TARGET) is None:
+        pytest.skip("native kernels unavailable (JAXBOOST_NATIVE=0 or no compiler)")
+    rng = np.random.default_rng(3)
+    cells = (5, 3, 2)  # features, bins, channels: 30 cells a slot, not a whole number of blocks
+    parents = rng.normal(size=(2, slots) + cells).astype(np.float32)
+    smaller = rng.normal(size=(2, smaller_slots) + cells).astype(np.float32)
+    parent_splits = rng.uniform(size=(2, slots)) < 0.7
+    parent_splits[:, 0] = True  # parent 0, one of whose children lands over it
+    smaller[~parent_splits[:, :smaller_slots]] = np.nan  # never built: never read
+    left_is_smaller = rng.uniform(size=(2, slots)) < 0.5
+
+    def children(p, s, left, splits, live):
+        return children_histograms_over_parents(p, s, left, splits, live, None, kernel="native")
+
+    for live in [0, 1, 2, 3, 9, 16, 64]:
+        expected = parents.copy()
+        for member in range(2):
+            for parent in reversed(range(min(live, slots // 2, smaller_slots))):
+                if parent_splits[member, parent]:
+                    small = smaller[member, parent]
+                    larger = parents[member, parent] - small
+                    left, right = (small, larger) if left_is_smaller[member, parent] else (larger, small)
+                    expected[member, 2 * parent], expected[member, 2 * parent + 1] = left, right
+        one = [np.asarray(jax.jit(children)(*(jnp.asarray(a[member]) for a in
+                                              (parents, smaller, left_is_smaller, parent_splits)), jnp.int32(live)))
+               for member in range(2)]
+        batched = np.asarray(jax.jit(jax.vmap(children, in_axes=(0, 0, 0, 0, None)))(
+            parents, smaller, left_is_smaller, parent_splits, jnp.int32(live)))
+        for member in range(2):
+            np.testing.assert_array_equal(one[member], expected[member], err_msg=f"live={live}")
+            np.testing.assert_array_equal(batched[member], expected[member], err_msg=f"vmap, live={live}")
 
 
 @pytest.mark.parametrize("kernel", ["xla", "auto"])
