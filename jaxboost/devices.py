@@ -335,11 +335,20 @@ _warned_single_device = False
 _warned_extra_devices = False
 
 
-# Below this many rows per device, the collectives of a sharded round cost more than the
-# histogram work they split. Measured on a 2-core machine, 28 features, ms/tree on one / two
+# Below this many training rows per device, the collectives of a sharded round cost more than
+# the histogram work they split. Measured on a 2-core AMD EPYC, 28 features, ms/tree on one / two
 # devices at depth 6: 10k rows 2.17 / 2.36, 20k 2.50 / 2.64, 24k 2.93 / 2.78, 32k 3.18 / 2.98,
-# 40k 3.44 / 3.09, 70k 4.82 / 4.01; at depth 8, 40k rows 7.66 / 6.25 (medians of 5).
-MIN_ROWS_PER_DEVICE = 12_000
+# 40k 3.44 / 3.09, 70k 4.82 / 4.01; at depth 8, 40k rows 7.66 / 6.25 (medians of 5): 12k rows a
+# device. Since a level's children histograms are written by a native kernel (one call a level
+# on one device, a call a step of parents after each step's sum when rows are sharded), on a
+# 2-core Intel Xeon: 30k rows 2.32 / 3.61, 40k 2.85 / 3.94, 48k 3.30 / 4.33, 60k 3.70 / 4.58,
+# 100k 5.70 / 5.91, 140k 7.34 / 7.25; at depth 8, 40k 5.20 / 7.65, 100k 10.02 / 11.13; at depth
+# 10, 48k 13.7 / 28.9, 100k 21.3 / 34.9, 200k 33.2 / 31.1; 100 features 60k 9.62 / 9.44 (medians
+# of 5 alternating fits). 24k rows a device, where neither host lost by the evidence.
+MIN_ROWS_PER_DEVICE = 24_000
+# Rows per thread of the native predictor, and per device of a prediction's rows on an
+# accelerator: a rule of its own (predicting has no collectives).
+MIN_PREDICT_ROWS_PER_DEVICE = 12_000
 
 
 # Above this many bytes of histogram cells a node (features x bins x (g, h) in float32), rows
@@ -377,15 +386,17 @@ def training_row_mesh(n_rows: int, n_features: int, max_bin: int) -> Mesh:
     return row_mesh(n_rows, n_features, max_bin)
 
 
-def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = None) -> Mesh:
+def row_mesh(n_rows: int, n_features: int | None = None, max_bin: int | None = None,
+             min_rows: int | None = None) -> Mesh:
     """A 1-D mesh that rows are sharded along: every local device of the default backend when
-    each gets at least ``MIN_ROWS_PER_DEVICE`` rows, fewer devices for smaller data, on CPU no
+    each gets at least ``min_rows`` rows (default ``MIN_ROWS_PER_DEVICE``: training's; a
+    prediction passes ``MIN_PREDICT_ROWS_PER_DEVICE``), fewer devices for smaller data, on CPU no
     more devices than the process has cores (``cores.available_cpu_cores``), and one CPU device
     for wide data (``is_wide``, when ``n_features`` and ``max_bin`` are given; its histogram
     kernel then uses ``kernel_threads``)."""
     global _warned_extra_devices
     devices = jax.local_devices()
-    used = _devices_for_rows(n_rows, len(devices))
+    used = _devices_for_rows(n_rows, len(devices), MIN_ROWS_PER_DEVICE if min_rows is None else min_rows)
     if devices[0].platform == "cpu":
         if n_features is not None and max_bin is not None and is_wide(n_features, max_bin):
             used = 1
@@ -420,13 +431,13 @@ def predictor_threads(mesh: Mesh, n_rows: int) -> int:
     many as a CPU mesh would have had."""
     if mesh_platform(mesh) == "cpu":
         return mesh.devices.size
-    return _devices_for_rows(n_rows, available_cpu_cores())
+    return _devices_for_rows(n_rows, available_cpu_cores(), MIN_PREDICT_ROWS_PER_DEVICE)
 
 
-def _devices_for_rows(n_rows: int, available: int) -> int:
-    """Devices (or threads) for ``n_rows``: at least ``MIN_ROWS_PER_DEVICE`` rows each, at most
+def _devices_for_rows(n_rows: int, available: int, min_rows: int) -> int:
+    """Devices (or threads) for ``n_rows``: at least ``min_rows`` rows each, at most
     ``available``, at least one."""
-    return max(1, min(available, n_rows // MIN_ROWS_PER_DEVICE))
+    return max(1, min(available, n_rows // min_rows))
 
 
 def kernel_threads(mesh: Mesh, n_features: int, max_bin: int) -> int:

@@ -300,6 +300,33 @@ def test_position_values_added_by_the_kernel_equal_a_numpy_gather(outputs, monke
     np.testing.assert_array_equal(np.asarray(gather(*on_cpu)), expected)
 
 
+def test_predictions_split_rows_over_the_cores_from_fewer_rows_than_training(data, monkeypatch):
+    """Training shards rows over devices from ``MIN_ROWS_PER_DEVICE`` rows a device (below it a
+    sharded round's collectives cost more than the work they split); predicting has no
+    collectives, and its native predictor takes a thread a core from ``MIN_PREDICT_ROWS_PER_DEVICE``
+    rows a thread. Rows between the two train on one device and are predicted on every core."""
+    import jax
+
+    from jaxboost import devices
+    from jaxboost.native import NativeForest
+
+    if min(len(jax.local_devices()), devices.available_cpu_cores()) < 2:
+        pytest.skip("needs two CPU devices and two cores")
+    assert devices.MIN_PREDICT_ROWS_PER_DEVICE < devices.MIN_ROWS_PER_DEVICE
+    X, signal = data
+    model = jb.train(X, signal, num_rounds=3, max_depth=3)
+    threads_used = []
+    add_to = NativeForest.add_to
+    monkeypatch.setattr(NativeForest, "add_to", lambda self, rows, raw, threads: (threads_used.append(threads),
+                                                                                 add_to(self, rows, raw, threads)))
+    rows = 2 * devices.MIN_PREDICT_ROWS_PER_DEVICE
+    assert rows < 2 * devices.MIN_ROWS_PER_DEVICE
+    many = np.repeat(X, -(-rows // len(X)), axis=0)[:rows]
+    np.testing.assert_array_equal(model.predict_raw(many), binned_prediction(model, many))
+    assert threads_used == [2]
+    assert devices.training_row_mesh(rows, X.shape[1], 256).devices.size == 1
+
+
 def test_an_accelerators_default_backend_still_predicts_on_the_host(data, monkeypatch):
     """With a GPU as JAX's default backend the rows and the result are still host arrays: the
     native predictor walks them on the host's cores (threads as a CPU mesh would have)."""
