@@ -300,6 +300,17 @@ def test_position_values_added_by_the_kernel_equal_a_numpy_gather(outputs, monke
     np.testing.assert_array_equal(np.asarray(gather(*on_cpu)), expected)
 
 
+def native_predictor_threads(monkeypatch) -> list:
+    """The thread counts that the native predictor's calls are given, appended as they come."""
+    from jaxboost.native import NativeForest
+
+    threads_used = []
+    add_to = NativeForest.add_to
+    monkeypatch.setattr(NativeForest, "add_to", lambda self, rows, raw, threads: (threads_used.append(threads),
+                                                                                 add_to(self, rows, raw, threads)))
+    return threads_used
+
+
 def test_predictions_split_rows_over_the_cores_from_fewer_rows_than_training(data, monkeypatch):
     """Training shards rows over devices from ``MIN_ROWS_PER_DEVICE`` rows a device (below it a
     sharded round's collectives cost more than the work they split); predicting has no
@@ -308,17 +319,13 @@ def test_predictions_split_rows_over_the_cores_from_fewer_rows_than_training(dat
     import jax
 
     from jaxboost import devices
-    from jaxboost.native import NativeForest
 
     if min(len(jax.local_devices()), devices.available_cpu_cores()) < 2:
         pytest.skip("needs two CPU devices and two cores")
     assert devices.MIN_PREDICT_ROWS_PER_DEVICE < devices.MIN_ROWS_PER_DEVICE
     X, signal = data
     model = jb.train(X, signal, num_rounds=3, max_depth=3)
-    threads_used = []
-    add_to = NativeForest.add_to
-    monkeypatch.setattr(NativeForest, "add_to", lambda self, rows, raw, threads: (threads_used.append(threads),
-                                                                                 add_to(self, rows, raw, threads)))
+    threads_used = native_predictor_threads(monkeypatch)
     rows = 2 * devices.MIN_PREDICT_ROWS_PER_DEVICE
     assert rows < 2 * devices.MIN_ROWS_PER_DEVICE
     many = np.repeat(X, -(-rows // len(X)), axis=0)[:rows]
@@ -331,17 +338,13 @@ def test_an_accelerators_default_backend_still_predicts_on_the_host(data, monkey
     """With a GPU as JAX's default backend the rows and the result are still host arrays: the
     native predictor walks them on the host's cores (threads as a CPU mesh would have)."""
     from jaxboost import devices
-    from jaxboost.native import NativeForest
 
     X, signal = data
     model = jb.train(X, signal, num_rounds=5, max_depth=3)
-    threads_used = []
-    add_to = NativeForest.add_to
-    monkeypatch.setattr(NativeForest, "add_to", lambda self, rows, raw, threads: (threads_used.append(threads),
-                                                                                 add_to(self, rows, raw, threads)))
+    threads_used = native_predictor_threads(monkeypatch)
     monkeypatch.setattr(devices, "mesh_platform", lambda mesh: "gpu")
     monkeypatch.setattr(devices, "available_cpu_cores", lambda: 4)
     np.testing.assert_array_equal(model.predict_raw(X), binned_prediction(model, X))
-    many = np.repeat(X, 20, axis=0)  # 60k rows: 5 x MIN_ROWS_PER_DEVICE, capped by the 4 cores
+    many = np.repeat(X, 20, axis=0)  # 60k rows: 5 x MIN_PREDICT_ROWS_PER_DEVICE, capped by the 4 cores
     np.testing.assert_array_equal(model.predict_raw(many), binned_prediction(model, many))
     assert threads_used == [1, 4]
