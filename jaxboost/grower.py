@@ -7,8 +7,8 @@ masked, never branched on; the scan and the subtraction run in fixed-size steps 
 slots, and a step whose slots hold no node that may split (most of a deep level's, on small
 data) is left out of the loop rather than computed and masked (on one CPU device a native
 kernel subtracts the splitting parents' children alone, in one call). A node whose Hessian
-weight is under twice ``min_child_weight`` cannot split: it is not scanned, and the split of a node
-under three times it, whose children are then both such, builds them no histograms
+weight is under twice ``min_child_weight`` cannot split: it is not scanned, and the split of a
+node under three times it, whose children are then both such, builds them no histograms
 (``split.splittable``, ``split.children_splittable``). Afterwards, splits whose two children
 are leaves and whose ``loss_chg`` is below ``gamma`` are pruned bottom-up (XGBoost's
 ``min_split_loss``).
@@ -181,9 +181,9 @@ def children_histograms_over_parents(parent_histograms: jax.Array, local_smaller
     Parent ``p``'s children land in slots ``2 p`` and ``2 p + 1``; in XLA's form the children
     of a parent that does not split get zeros. Only the chunks of ``parent_chunk_nodes``
     parents that hold one of the first ``live_parents`` slots (traced) and a parent that splits
-    are summed over devices and subtracted, so a level's cost follows its splitting nodes rather than its
-    buffer's slots (a level holds 2^depth nodes in 32 slots, or in the deep levels' wider
-    buffer, and on few rows most deep nodes do not split); the other slots keep what they held,
+    are summed over devices and subtracted, so a level's cost follows its splitting nodes rather
+    than its buffer's slots (a level holds 2^depth nodes in 32 slots, or in the deep levels'
+    wider buffer, and on few rows most deep nodes do not split); the other slots keep what they held,
     and no node there is active. The chunks go last first: a chunk's children land past every
     parent not yet read, so the buffer is updated in place. Off the CPU every parent's children
     are written in one step (``in_steps_on_cpu``).

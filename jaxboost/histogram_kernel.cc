@@ -3084,10 +3084,10 @@ XLA_FFI_DEFINE_HANDLER(kCompactFlagsHandler, CompactFlagsImpl,
                            .Ret<ffi::Buffer<ffi::S32>>());
 
 // One parent's children: its smaller child's cells as built, and the larger one's, the parent's
-// minus them. One child may land over the parent (parent 0's): each block is read whole before it
-// is written, so the loops hold no dependence between the pointers and vectorise. Compiled for
-// the baseline alone: the passes wait on memory (AVX2 or AVX-512 forms took the same time, 0.17-0.21
-// ms a 10k-row round).
+// minus them. One child may land over the parent (parent 0's): each block is read whole before
+// it is written, so the loops hold no dependence between the pointers and vectorise. Compiled
+// for the baseline alone: the passes wait on memory (AVX2 or AVX-512 forms took the same time,
+// 0.17-0.21 ms a 10k-row round).
 void WriteSiblings(const float* parent, const float* small, float* to_small, float* to_larger, int64_t cells) {
   constexpr int64_t kBlock = 64;
   int64_t i = 0;
