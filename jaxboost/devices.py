@@ -344,9 +344,9 @@ _warned_extra_devices = False
 # 2-core Intel Xeon: 30k rows 2.32 / 3.61, 40k 2.85 / 3.94, 48k 3.30 / 4.33, 60k 3.70 / 4.58,
 # 100k 5.70 / 5.91, 140k 7.34 / 7.25; at depth 8, 40k 5.20 / 7.65, 100k 10.02 / 11.13; at depth
 # 10, 48k 13.7 / 28.9, 100k 21.3 / 34.9, 200k 33.2 / 31.1; 100 features 60k 9.62 / 9.44 (medians
-# of 5 alternating fits). 24k rows a device: a large gain on the Intel host, and on the AMD host
-# (not measured there since) two devices' 5-11% lead at 24k-40k rows was about what the
-# children's kernel took off a one-device round.
+# of 5 alternating fits; experiments/device_threshold.py). 24k rows a device: a large gain on
+# the Intel host, and on the AMD host (not measured there since) two devices' 5-11% lead at
+# 24k-40k rows was about what the children's kernel took off a one-device round.
 MIN_ROWS_PER_DEVICE = 24_000
 # Rows per thread of the native predictor, and per device of a prediction's rows on an
 # accelerator: a rule of its own (predicting has no collectives).
