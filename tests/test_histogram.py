@@ -806,10 +806,13 @@ def test_training_with_native_kernel_matches_xla_kernel(monkeypatch, settings):
     """The native kernels and XLA's sum the rows in different orders, so two candidates whose
     gains tie to a few units in the last place may swap: at depth 9 with monotone bounds one node
     of 511 in the first tree did (gains 0.0113676 and 0.0113673), and 8 of 3000 predictions moved.
-    The same splits elsewhere, and 99% of the predictions the same."""
+    That case asks for the same splits elsewhere and 99% of the predictions; the others for every
+    prediction."""
     X, y = kernel_training_data(settings)
+    agreeing = 0.99 if settings.get("max_depth", 0) >= 9 else 1.0
     assert_same_models(train_with_kernel(monkeypatch, X, y, settings, "native"),
-                       train_with_kernel(monkeypatch, X, y, settings, "xla"), X, settings, agreeing_predictions=0.99)
+                       train_with_kernel(monkeypatch, X, y, settings, "xla"), X, settings,
+                       agreeing_predictions=agreeing)
 
 
 @needs_native
