@@ -97,6 +97,7 @@ class RoundShape(NamedTuple):
     # The devices share one code table, each reading it from its row offset (else each holds its rows).
     shared_codes: bool = False
     kernel_threads: int = 1  # threads of the CPU histogram kernel (devices.kernel_threads)
+    kernel_row_ranges: int = 1  # ranges of rows the CPU kernels sum apart (devices.kernel_row_ranges)
     # colsample_bylevel or colsample_bynode below 1: the grower samples every level's and node's
     # features (else a tree's sample is every level's: the per-level draws, 0.3-0.5 ms of a
     # 2.5 ms round at 40k rows when they sorted, are left out of the program).
@@ -597,7 +598,9 @@ def _grow_vector_tree(shape: RoundShape, growth: GrowthParams, X_binned_T, row_o
     tree, row_leaves, bounds, histogram_buffer = grow_tree(
         X_binned_T, gradients, packed_hessians, feature_allowed, tree_key, growth, shape.max_depth,
         shape.max_bin, ROW_AXIS, shape.sample_level_columns, shape.vector_leaves, shape.missing_values, row_offset,
-        histogram_buffer, shape.kernel_threads, shape.feature_slots, shape.deterministic_histogram, shape.prune_splits)
+        histogram_buffer, kernel_threads=shape.kernel_threads, kernel_row_ranges=shape.kernel_row_ranges,
+        feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram,
+        prune_splits=shape.prune_splits)
     shared = [jnp.broadcast_to(field, (K,) + field.shape) for field in tree]
     trees = Tree(*shared)._replace(value=tree.value.T, sum_hessians=tree.sum_hessians.T)
     leading = partial(jax.tree_util.tree_map, lambda array: array[None])
@@ -615,7 +618,7 @@ def _grow_scalar_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_
             derived_keys(tree_key, output, 1)[0], growth, shape.max_depth, shape.max_bin, ROW_AXIS,
             shape.sample_level_columns, missing_values=shape.missing_values, row_offset=row_offset,
             histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads,
-            feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram,
+            kernel_row_ranges=shape.kernel_row_ranges, feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram,
             prune_splits=shape.prune_splits)
         return histogram_buffer, GrownTrees(tree, row_leaves, bounds)
 

@@ -450,6 +450,23 @@ def kernel_threads(mesh: Mesh, n_features: int, max_bin: int) -> int:
     return solve_threads(mesh) if is_wide(n_features, max_bin) else 1
 
 
+# Whether the CPU kernels of one device sum its rows in ranges, one a core (``kernel_row_ranges``);
+# False: in one pass (``experiments/device_threshold.py`` compares them).
+ROWS_IN_RANGES = True
+
+
+def kernel_row_ranges(mesh: Mesh, n_features: int, max_bin: int, vector_leaves: bool = False) -> int:
+    """Ranges of rows that the CPU kernels of a tree's root and routed levels sum apart, on the
+    threads of XLA's CPU runtime, when rows train on one device: one per local CPU device (the
+    cores jaxboost was given), at most one per core the process may use; 1 for wide data (its
+    kernel takes features in threads: ``kernel_threads``), for vector leaves (their channels
+    are summed in one pass), when rows are sharded, and when ``ROWS_IN_RANGES`` is off. The
+    sums depend on it, so ``train`` and ``train_many`` take the same."""
+    if vector_leaves or is_wide(n_features, max_bin) or not ROWS_IN_RANGES:
+        return 1
+    return solve_threads(mesh)
+
+
 def float32_jax(function):
     """``function`` run with JAX's 64-bit mode off, whatever the caller's ``jax_enable_x64``:
     jaxboost computes in float32 and int32 (its kernels, trees and models), and with 64-bit

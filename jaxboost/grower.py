@@ -423,7 +423,8 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
               kernel_threads: int = 1,
               feature_slots: int | None = None,
               deterministic_histogram: bool = False,
-              prune_splits: bool = True) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
+              prune_splits: bool = True,
+              kernel_row_ranges: int = 1) -> tuple[Tree, RowLeaves, tuple, jax.Array | None]:
     """Grow one tree.
 
     Args:
@@ -458,6 +459,9 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
         does not depend on the order of the atomic adds (``build_histogram``).
       prune_splits: False when ``params.gamma`` cannot prune a split (``prunes_splits``): the
         pruning is left out of the program.
+      kernel_row_ranges: ranges of rows that the CPU kernels of the root and of the routed
+        levels sum apart on the device's threads (``devices.kernel_row_ranges``: one device of
+        a multi-core CPU); 1 when rows are sharded. Scalar leaves only (vector leaves: 1).
 
     Returns:
       ``(tree, row_leaves, (lower, upper), histogram_buffer)``: the tree's node arrays (values
@@ -599,7 +603,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
                 histogram_splits, left_is_smaller, max_bin, feature_major=sharded, result_features=summed_features,
                 row_offset=row_offset, histogram_nodes=parent_slots, live_nodes=chunk * read_chunks,
                 threads=kernel_threads, keep_padding=True, features_used=feature_allowed,
-                deterministic=deterministic_histogram)
+                deterministic=deterministic_histogram, row_ranges=kernel_row_ranges)
             return child_of_row, children_histograms_over_parents(state.histograms, smaller, left_is_smaller,
                                                                   histogram_splits, summed_nodes, axis_name)
 
@@ -738,7 +742,7 @@ def grow_tree(X_binned_T: jax.Array, gradients: jax.Array, hessians: jax.Array, 
     local_root = build_statistics_histogram(X_binned_T, root_index, statistics, 1, max_bin, feature_major=sharded,
                                             result_features=summed_features, row_offset=row_offset,
                                             threads=kernel_threads, keep_padding=True, features_used=feature_allowed,
-                                            deterministic=deterministic_histogram)
+                                            deterministic=deterministic_histogram, row_ranges=kernel_row_ranges)
     root_histogram = all_sum_scattered(local_root, axis_name, 1)[0]
     # Every row lies in one bin of each feature, so the first sampled feature's bins sum to the
     # root's totals: no separate sums over rows. Every device sums the same feature's, so all

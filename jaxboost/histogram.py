@@ -42,12 +42,13 @@ from .native import (CHANNEL_HISTOGRAM_TARGET, CUMULATIVE_BINS_TARGET, FIRST_MAX
 
 
 def _choose_native_target(name: str, what: str, kernel: str, threads: int, X_binned_T: jax.Array,
-                          max_bin: int) -> str | None:
+                          max_bin: int, row_ranges: int = 1) -> str | None:
     """The FFI target to use on CPU, or None for the XLA kernel everywhere."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ValueError(f"threads must be a positive integer; got {threads!r}")
+    for name_of_count, count in (("threads", threads), ("row_ranges", row_ranges)):
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"{name_of_count} must be a positive integer; got {count!r}")
     if X_binned_T.dtype != jnp.uint8 or max_bin > 256:
         # The native kernels read one byte per code; wider codes go to the XLA kernel.
         if kernel == "native":
@@ -63,7 +64,7 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
                     result_features: int | None = None, row_offset: jax.Array | None = None,
                     channels: int = 2, channel: int = 0, into: jax.Array | None = None,
                     features_used: jax.Array | None = None, deterministic: bool = False,
-                    row_order: bool = False) -> jax.Array:
+                    row_order: bool = False, row_ranges: int = 1) -> jax.Array:
     """Histogram of the local rows.
 
     Args:
@@ -82,6 +83,11 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
         makes "auto" mean "xla".
       threads: CPU threads of the native kernel (each takes a range of features); keep 1 when
         rows are sharded over one device per core.
+      row_ranges: the native kernel sums the rows in up to this many contiguous ranges (each of
+        at least 4096 rows), each into cells of its own, on XLA's CPU threads (those of the
+        program's device), and adds them up range by range: the sums depend on the number of
+        ranges, never on the threads that ran them. For the first pair of channels only, and
+        not with ``row_order``; 1: the rows in one pass. The XLA kernel ignores it.
       feature_major: the native kernel lays the result out in memory feature by feature (the
         array is the same; XLA's layout is ``(n_features, num_nodes, max_bin, 2)``), so that
         summing it over devices scattered by feature needs no transpose first.
@@ -114,7 +120,7 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
     """
     if row_mask is not None and jnp.shape(row_mask) != jnp.shape(node_index):
         raise ValueError(f"row_mask must hold one flag per row, shape {node_index.shape}; got {jnp.shape(row_mask)}")
-    target = _choose_native_target(HISTOGRAM_TARGET, "histogram", kernel, threads, X_binned_T, max_bin)
+    target = _choose_native_target(HISTOGRAM_TARGET, "histogram", kernel, threads, X_binned_T, max_bin, row_ranges)
     result_features = X_binned_T.shape[0] if result_features is None else result_features
     into = _earlier_channels(into, (num_nodes, result_features, max_bin), channels, channel)
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_index), node_index.astype(jnp.int32),
@@ -127,7 +133,7 @@ def build_histogram(X_binned_T: jax.Array, node_index: jax.Array, gradients: jax
         return xla(*args)
     native = partial(_native_histogram, target=target, num_nodes=num_nodes, max_bin=max_bin, threads=threads,
                      feature_major=feature_major, result_features=result_features, channels=channels,
-                     channel=channel, row_order=row_order)
+                     channel=channel, row_order=row_order, row_ranges=row_ranges)
     # Chosen when lowering: the FFI target exists only on CPU.
     return per_platform(*args, cpu=native, default=xla)
 
@@ -192,7 +198,7 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
                               row_offset: jax.Array | None = None, histogram_nodes: int | None = None,
                               live_nodes: jax.Array | None = None, channels: int = 2,
                               features_used: jax.Array | None = None,
-                              deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
+                              deterministic: bool = False, row_ranges: int = 1) -> tuple[jax.Array, jax.Array]:
     """Route the local rows to the children of a level's splits, and histogram the smaller children.
 
     One pass over the rows does what would otherwise be a gather, several element-wise ops and
@@ -235,7 +241,7 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
                         ("split_default_left", split_default_left), ("left_is_smaller", left_is_smaller)]:
         if jnp.shape(value) != (num_nodes,):
             raise ValueError(f"{name} must have shape ({num_nodes},) like splits; got {jnp.shape(value)}")
-    target = _choose_native_target(ROUTE_HISTOGRAM_TARGET, "route", kernel, threads, X_binned_T, max_bin)
+    target = _choose_native_target(ROUTE_HISTOGRAM_TARGET, "route", kernel, threads, X_binned_T, max_bin, row_ranges)
     result_features = X_binned_T.shape[0] if result_features is None else result_features
     args = (X_binned_T, _offset_operand(X_binned_T, row_offset, node_of_row), node_of_row.astype(jnp.int32),
             gradients.astype(jnp.float32), hessians.astype(jnp.float32), split_feature.astype(jnp.int32),
@@ -250,7 +256,7 @@ def route_and_build_histogram(X_binned_T: jax.Array, node_of_row: jax.Array, gra
         return xla(*args)
     native = partial(_native_route_histogram, target=target, num_nodes=histogram_nodes, max_bin=max_bin,
                      threads=threads, feature_major=feature_major, result_features=result_features,
-                     channels=channels)
+                     channels=channels, row_ranges=row_ranges)
     # Chosen when lowering: the FFI target exists only on CPU.
     return per_platform(*args, cpu=native, default=xla)
 
@@ -415,19 +421,20 @@ _HISTOGRAM_LAYOUTS = {False: (0, 1, 2, 3), True: FEATURE_MAJOR_LAYOUT}
 
 def _native_route_histogram(X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin,
                             default_left, splits, left_is_smaller, live_nodes, into, features_used, *, target,
-                            num_nodes, max_bin, threads, feature_major, result_features, channels):
+                            num_nodes, max_bin, threads, feature_major, result_features, channels, row_ranges):
     results = (jax.ShapeDtypeStruct(node_of_row.shape, jnp.int32),
                jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, channels), jnp.float32))
     inputs = (X_binned_T, row_offset, node_of_row, gradients, hessians, feature, threshold_bin, default_left,
               splits, left_is_smaller, live_nodes, into, features_used)
-    # One thread reads each row's node before writing its child, so the children may overwrite
-    # the nodes: XLA then updates the level loop's row positions in place instead of copying
-    # them into the loop state every level. Several threads all read every row's node.
+    # One thread reads each row's node before writing its child (or, with row ranges, one a
+    # range), so the children may overwrite the nodes: XLA then updates the level loop's row
+    # positions in place instead of copying them into the loop state every level. Threads
+    # that take features all read every row's node.
     outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential",
                                output_layouts=[None, _HISTOGRAM_LAYOUTS[feature_major]],
                                input_output_aliases={2: 0} if threads == 1 else None)(
-        *inputs, missing_bin=np.int64(max_bin - 1), threads=np.int64(threads), feature_major=np.int64(feature_major),
-        channel=np.int64(0))
+        *inputs, missing_bin=np.int64(max_bin - 1), threads=np.int64(threads), row_ranges=np.int64(row_ranges),
+        feature_major=np.int64(feature_major), channel=np.int64(0))
     return tuple(as_varying_as(output, inputs) for output in outputs)
 
 
@@ -446,7 +453,7 @@ def _native_channel_histogram(X_binned_T, row_offset, node_index, statistics, mo
 
 def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, features_used, *,
                       target, num_nodes, max_bin, threads, feature_major, result_features, channels, channel,
-                      row_order):
+                      row_order, row_ranges):
     result = jax.ShapeDtypeStruct((num_nodes, result_features, max_bin, channels), jnp.float32)
     inputs = (X_binned_T, row_offset, node_index, gradients, hessians, row_mask, into, features_used)
     # Under vmap (several models trained at once) the kernel runs once per batch member. Past
@@ -456,8 +463,8 @@ def _native_histogram(X_binned_T, row_offset, node_index, gradients, hessians, r
                                  input_layouts=[None] * 6 + [_HISTOGRAM_LAYOUTS[feature_major] if channel else None,
                                                              None],
                                  input_output_aliases={6: 0} if channel else None)(
-        *inputs, threads=np.int64(threads), feature_major=np.int64(feature_major), channel=np.int64(channel),
-        row_order=np.int64(row_order))
+        *inputs, threads=np.int64(threads), row_ranges=np.int64(row_ranges), feature_major=np.int64(feature_major),
+        channel=np.int64(channel), row_order=np.int64(row_order))
     return as_varying_as(histogram, inputs)
 
 
@@ -640,9 +647,11 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
                                row_mask: jax.Array | None = None, feature_major: bool = False,
                                result_features: int | None = None, row_offset: jax.Array | None = None,
                                threads: int = 1, keep_padding: bool = False,
-                               features_used: jax.Array | None = None, deterministic: bool = False) -> jax.Array:
+                               features_used: jax.Array | None = None, deterministic: bool = False,
+                               row_ranges: int = 1) -> jax.Array:
     """``build_histogram`` for any number of per-row channels (vector leaves: K gradients and
-    the packed Hessian), two channels per kernel pass.
+    the packed Hessian), two channels per kernel pass. ``row_ranges`` serves one pair of
+    channels (scalar leaves); more are summed in one pass over the rows.
 
     Returns float32 ``(num_nodes, n_features, max_bin, C)`` for ``statistics`` ``(n_rows, C)``
     (or their ``StatisticPairs``); with ``keep_padding``, ``statistics.width`` channels, the last
@@ -653,7 +662,7 @@ def build_statistics_histogram(X_binned_T: jax.Array, node_index: jax.Array,
                    row_offset=row_offset, features_used=features_used, deterministic=deterministic)
     if len(statistics.pairs) == 1:
         histogram = build_histogram(X_binned_T, node_index, *statistics.pairs[0], num_nodes, max_bin, row_mask,
-                                    **options)
+                                    row_ranges=row_ranges, **options)
     else:
         histogram = build_channels_histogram(X_binned_T, node_index, statistics, num_nodes, max_bin, row_mask,
                                              **options)
@@ -838,10 +847,11 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
                                          live_nodes: jax.Array | None = None,
                                          threads: int = 1, keep_padding: bool = False,
                                          features_used: jax.Array | None = None,
-                                         deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
+                                         deterministic: bool = False,
+                                         row_ranges: int = 1) -> tuple[jax.Array, jax.Array]:
     """``route_and_build_histogram`` for any number of channels: the first pair is histogrammed
     while routing, the others afterwards over the rows of the smaller children only.
-    ``keep_padding`` as for ``build_statistics_histogram``."""
+    ``keep_padding`` and ``row_ranges`` as for ``build_statistics_histogram``."""
     statistics = statistic_pairs(statistics)
     pairs = statistics.pairs
     nodes = jnp.shape(splits)[0] if histogram_nodes is None else histogram_nodes
@@ -851,7 +861,8 @@ def route_and_build_statistics_histogram(X_binned_T: jax.Array, node_of_row: jax
         X_binned_T, node_of_row, *pairs[0], split_feature, split_threshold_bin, split_default_left, splits,
         left_is_smaller, max_bin, threads=threads, feature_major=feature_major, result_features=result_features,
         row_offset=row_offset, histogram_nodes=histogram_nodes, live_nodes=live_nodes,
-        channels=2 if apart else statistics.width, features_used=features_used, deterministic=deterministic)
+        channels=2 if apart else statistics.width, features_used=features_used, deterministic=deterministic,
+        row_ranges=row_ranges if len(pairs) == 1 else 1)
     if len(pairs) > 1:
         in_smaller_child = _routed_to_smaller_child(node_of_row, child_of_row, splits, left_is_smaller,
                                                     histogram.shape[0])

@@ -6,8 +6,10 @@
 // Rows are taken in blocks: a block's selected rows are first gathered without branches (row
 // id, histogram offset of its node, gradient, Hessian), then a few features at a time add
 // every selected row, (g, h) as one 64-bit vector add (see kFeatureGroup for why a few).
-// Threads, when asked for, each take a range of features (disjoint cells, no reduction). A
-// level's routing runs in the gathering pass, so each row's node is read once.
+// Threads, when asked for, each take a range of features (disjoint cells, no reduction): wide
+// data. Otherwise one device's rows may be summed in ranges of rows on XLA's CPU threads, each
+// range into cells of its own, added up afterwards (RangesOfRows). A level's routing runs in the
+// gathering pass, so each row's node is read once.
 // The codes are a feature-major table that may be wider than the local rows: the devices of a
 // CPU share one table, each reading the columns from its first row on (a row offset operand).
 // A histogram of more channels than (g, h) (vector leaves: K gradients and the packed Hessian)
@@ -22,13 +24,16 @@
 // a round's update of the raw predictions, and the predictor.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1033,7 +1038,122 @@ std::vector<int64_t> WrittenNodes(const HistogramProblem& p) {
   return nodes;
 }
 
-void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, float* out) {
+// Rows a range holds at least when a call's rows are split into ranges (`RangesOfRows`), and
+// at least this many for each node whose cells the call writes: a range's own cells cost their
+// zeroing and their sum into the result, and handing a range to another thread costs a wake-up
+// of tens of microseconds. Measured (`experiments/device_threshold.py`, 28 features, 2 cores):
+// ranges from 8k rows at every level made fits of 10k-20k rows a quarter slower; with 1024 rows
+// a written node, 100k rows took 5.04 against 5.91 ms a tree at depth 6, 250k rows 10.55
+// against 13.31 (4096 a node: 5.52 and 10.69).
+constexpr int64_t kMinRangeRows = 16384;
+constexpr int64_t kRangeRowsPerWrittenNode = 1024;
+
+// The ranges that `n_rows` rows are split into when a call that writes `written_nodes` nodes'
+// cells asks for `row_ranges`: fewer when they would hold too few rows each. It depends on the
+// call alone (not on the threads at hand), so the sums, added range by range, are the same
+// whoever runs them.
+int64_t RangesOfRows(int64_t n_rows, int64_t written_nodes, int64_t row_ranges) {
+  const int64_t per_range = std::max(kMinRangeRows, kRangeRowsPerWrittenNode * written_nodes);
+  return std::max<int64_t>(1, std::min(row_ranges, n_rows / per_range));
+}
+
+// Row `r`'s range of `ranges` starts here: a multiple of 64 rows, so that a range's codes start
+// as aligned as the table's (the gathers read the aligned word that holds a code).
+int64_t RangeStart(int64_t n_rows, int64_t ranges, int64_t r) {
+  return r == ranges ? n_rows : std::min(n_rows, n_rows * r / ranges / 64 * 64);
+}
+
+// Runs task(r) for every r in [0, ranges): on the calling thread, and on as many of XLA's CPU
+// threads (its intra-op pool, where the other ops of a program run) as are free to help. The
+// tasks are claimed one at a time, so a helper that starts late takes what is left, and one that
+// starts after all are done returns at once: the call never waits for a pool thread that is busy
+// elsewhere (a pool of one thread, or the caller's own, would otherwise deadlock). Spawning a
+// thread a call instead cost 45-55 us, and the new thread then waited for a core that XLA's
+// threads held: a level of nycflights13's flights on 2 cores ran no faster with two than one.
+void RunRanges(ffi::ThreadPool* pool, int64_t ranges, const std::function<void(int64_t)>& task) {
+  struct Shared {
+    const std::function<void(int64_t)>* task;
+    int64_t ranges;
+    std::atomic<int64_t> next{0};
+    std::mutex mutex;
+    std::condition_variable idle;
+    int running = 0;
+    bool closed = false;
+    void Claim() {
+      for (int64_t r; (r = next.fetch_add(1)) < ranges;) (*task)(r);
+    }
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->task = &task;
+  shared->ranges = ranges;
+  const int64_t helpers = pool == nullptr ? 0 : std::min<int64_t>(ranges - 1, pool->num_threads());
+  for (int64_t k = 0; k < helpers; ++k) {
+    pool->Schedule([shared] {
+      {
+        std::lock_guard<std::mutex> lock(shared->mutex);
+        if (shared->closed) return;  // all done: `task` may be gone
+        ++shared->running;
+      }
+      shared->Claim();
+      {
+        std::lock_guard<std::mutex> lock(shared->mutex);
+        --shared->running;
+      }
+      shared->idle.notify_all();
+    });
+  }
+  shared->Claim();
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  shared->closed = true;
+  shared->idle.wait(lock, [&] { return shared->running == 0; });
+}
+
+// The rows of `problem` summed in `ranges` ranges (`RangeStart`), the first into
+// `problem.hist`, each other into cells of its own, then added into the first range by range
+// for the written nodes' features (every cell that the call writes). Each range routes its
+// own rows: it reads a row's node before it writes the row's child, as one thread does.
+void AccumulateRowRanges(const HistogramProblem& problem, int64_t ranges, ffi::ThreadPool* pool,
+                         const std::vector<int64_t>& written) {
+  const size_t cells = static_cast<size_t>(problem.num_nodes * problem.out_features * kCodeSlots * problem.cells.width);
+  std::vector<HistogramProblem> parts(ranges, problem);
+  std::vector<std::unique_ptr<float[]>> own_cells(ranges);
+  for (int64_t r = 0; r < ranges; ++r) {
+    const int64_t begin = RangeStart(problem.n_rows, ranges, r);
+    HistogramProblem& part = parts[r];
+    part.codes = problem.codes + begin;
+    part.node_of_row = problem.node_of_row + begin;
+    part.gradients = problem.gradients + begin;
+    part.hessians = problem.hessians + begin;
+    if (problem.row_mask != nullptr) part.row_mask = problem.row_mask + begin;
+    if (problem.child_of_row != nullptr) part.child_of_row = problem.child_of_row + begin;
+    part.n_rows = RangeStart(problem.n_rows, ranges, r + 1) - begin;
+    if (r > 0) {
+      own_cells[r].reset(new float[cells]);  // the passes zero the written cells first
+      part.hist = own_cells[r].get();
+      part.zero_nodes = &written;
+    }
+  }
+  RunRanges(pool, ranges, [&](int64_t r) { AccumulateFeatures(parts[r], 0, problem.n_features); });
+  // A (node, feature)'s cells are contiguous in either layout; those past the bins read are not
+  // zeroed by the passes, and never read. The written nodes are added up in as many shares as
+  // there are ranges, each on whichever thread takes it, every cell in range order.
+  const int64_t run = problem.cells.read_bins * problem.cells.width;
+  const int64_t count = static_cast<int64_t>(written.size());
+  RunRanges(pool, ranges, [&](int64_t share) {
+    for (int64_t i = count * share / ranges; i < count * (share + 1) / ranges; ++i) {
+      for (int64_t slot = 0; slot < FeatureSlots(problem); ++slot) {
+        float* target = problem.hist + written[i] * problem.layout.node_stride + slot * problem.layout.feature_stride;
+        for (int64_t r = 1; r < ranges; ++r) {
+          const float* source = parts[r].hist + (target - problem.hist);
+          for (int64_t k = 0; k < run; ++k) target[k] += source[k];
+        }
+      }
+    }
+  });
+}
+
+void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, float* out,
+                    int64_t row_ranges = 1, ffi::ThreadPool* pool = nullptr) {
   const size_t cells = static_cast<size_t>(problem.num_nodes * problem.out_features * kCodeSlots * 2);
   const bool first_channels = problem.channel == 0;
   if (problem.summed_nodes < 0 || problem.summed_nodes > problem.num_nodes) problem.summed_nodes = problem.num_nodes;
@@ -1061,7 +1181,13 @@ void BuildHistogram(HistogramProblem problem, int64_t max_bin, int64_t threads, 
     problem.hist = out;
   }
   threads = std::max<int64_t>(1, std::min(threads, problem.n_features));
-  if (threads == 1) {
+  // Ranges of rows take the first pair of (g, h) cells only: later pairs add to its result.
+  const int64_t ranges = first_channels && !problem.row_order
+                             ? RangesOfRows(problem.n_rows, static_cast<int64_t>(written.size()), row_ranges)
+                             : 1;
+  if (ranges > 1) {
+    AccumulateRowRanges(problem, ranges, pool, written);
+  } else if (threads == 1) {
     AccumulateFeatures(problem, 0, problem.n_features);
   } else {
     std::vector<std::thread> workers;
@@ -1160,11 +1286,12 @@ ffi::Error FindChannels(const ffi::Buffer<ffi::F32>& into, int64_t channel, int6
   return ffi::Error::Success();
 }
 
-ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset,
+ffi::Error HistogramImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset,
                          ffi::Buffer<ffi::S32> node_of_row, ffi::Buffer<ffi::F32> gradients,
                          ffi::Buffer<ffi::F32> hessians, ffi::Buffer<ffi::PRED> row_mask, ffi::Buffer<ffi::F32> into,
-                         ffi::Buffer<ffi::PRED> features_used, int64_t threads, int64_t feature_major,
-                         int64_t channel, int64_t row_order, ffi::ResultBuffer<ffi::F32> histogram) {
+                         ffi::Buffer<ffi::PRED> features_used, int64_t threads, int64_t row_ranges,
+                         int64_t feature_major, int64_t channel, int64_t row_order,
+                         ffi::ResultBuffer<ffi::F32> histogram) {
   const auto out_dims = histogram->dimensions();
   if (out_dims.size() != 4) return ffi::Error::InvalidArgument("histogram kernel: the histogram must be 4-D");
   const int64_t n_rows = static_cast<int64_t>(node_of_row.element_count());
@@ -1205,18 +1332,18 @@ ffi::Error HistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_o
     return error;
   }
   if (!slot_start.empty()) problem.slot_start = slot_start.data();
-  BuildHistogram(problem, max_bin, threads, histogram->typed_data());
+  BuildHistogram(problem, max_bin, threads, histogram->typed_data(), row_ranges, &pool);
   return ffi::Error::Success();
 }
 
-ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset,
+ffi::Error RouteHistogramImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> row_offset,
                               ffi::Buffer<ffi::S32> node_of_row,
                               ffi::Buffer<ffi::F32> gradients, ffi::Buffer<ffi::F32> hessians,
                               ffi::Buffer<ffi::S32> feature, ffi::Buffer<ffi::S32> threshold_bin,
                               ffi::Buffer<ffi::PRED> default_left, ffi::Buffer<ffi::PRED> splits,
                               ffi::Buffer<ffi::PRED> left_is_smaller, ffi::Buffer<ffi::S32> live_nodes,
                               ffi::Buffer<ffi::F32> into, ffi::Buffer<ffi::PRED> features_used,
-                              int64_t missing_bin, int64_t threads,
+                              int64_t missing_bin, int64_t threads, int64_t row_ranges,
                               int64_t feature_major, int64_t channel, ffi::ResultBuffer<ffi::S32> child_of_row,
                               ffi::ResultBuffer<ffi::F32> histogram) {
   const auto out_dims = histogram->dimensions();
@@ -1283,17 +1410,26 @@ ffi::Error RouteHistogramImpl(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::S32> 
   if (!slot_start.empty()) problem.slot_start = slot_start.data();
   if (std::none_of(splits.typed_data(), splits.typed_data() + num_nodes, [](bool split) { return split; })) {
     // No smaller children (a looped last level): routing alone, without gathering rows, and no
-    // cell is written (`WritesNode`).
-    int64_t first = 0;
+    // cell is written (`WritesNode`); in ranges of rows, each its own.
+    const int64_t ranges = RangesOfRows(n_rows, 0, row_ranges);
+    RunRanges(&pool, ranges, [&](int64_t r) {
+      const int64_t begin = RangeStart(n_rows, ranges, r);
+      HistogramProblem part = problem;
+      part.codes += begin;
+      part.node_of_row += begin;
+      part.child_of_row += begin;
+      part.n_rows = RangeStart(n_rows, ranges, r + 1) - begin;
+      int64_t first = 0;
 #ifdef JAXBOOST_X86_DISPATCH
-    if (level.packed != nullptr) {
-      first = level.route_kernel == SimdKernel::kAvx512 ? RouteRowsByGathers(problem) : RouteRowsByGathersAvx2(problem);
-    }
+      if (level.packed != nullptr) {
+        first = level.route_kernel == SimdKernel::kAvx512 ? RouteRowsByGathers(part) : RouteRowsByGathersAvx2(part);
+      }
 #endif
-    RouteRows(local.codes, local.stride, node_of_row.typed_data(), level, first, n_rows, child_of_row->typed_data());
+      RouteRows(part.codes, local.stride, part.node_of_row, level, first, part.n_rows, part.child_of_row);
+    });
     return ffi::Error::Success();
   }
-  BuildHistogram(problem, max_bin, threads, histogram->typed_data());
+  BuildHistogram(problem, max_bin, threads, histogram->typed_data(), row_ranges, &pool);
   return ffi::Error::Success();
 }
 
@@ -3193,6 +3329,7 @@ XLA_FFI_DEFINE_HANDLER(kFirstMaximumHandler, FirstMaximumImpl,
 
 XLA_FFI_DEFINE_HANDLER(kRouteHistogramHandler, RouteHistogramImpl,
                        ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
                            .Arg<ffi::Buffer<ffi::U8>>()
                            .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::Buffer<ffi::S32>>()
@@ -3208,6 +3345,7 @@ XLA_FFI_DEFINE_HANDLER(kRouteHistogramHandler, RouteHistogramImpl,
                            .Arg<ffi::Buffer<ffi::PRED>>()
                            .Attr<int64_t>("missing_bin")
                            .Attr<int64_t>("threads")
+                           .Attr<int64_t>("row_ranges")
                            .Attr<int64_t>("feature_major")
                            .Attr<int64_t>("channel")
                            .Ret<ffi::Buffer<ffi::S32>>()
@@ -3230,6 +3368,7 @@ XLA_FFI_DEFINE_HANDLER(kChannelHistogramHandler, ChannelHistogramImpl,
 
 XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
                        ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
                            .Arg<ffi::Buffer<ffi::U8>>()
                            .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::Buffer<ffi::S32>>()
@@ -3239,6 +3378,7 @@ XLA_FFI_DEFINE_HANDLER(kHistogramHandler, HistogramImpl,
                            .Arg<ffi::Buffer<ffi::F32>>()
                            .Arg<ffi::Buffer<ffi::PRED>>()
                            .Attr<int64_t>("threads")
+                           .Attr<int64_t>("row_ranges")
                            .Attr<int64_t>("feature_major")
                            .Attr<int64_t>("channel")
                            .Attr<int64_t>("row_order")

@@ -32,8 +32,9 @@ from .boosting import (HESSIAN_MODES, STARTING_VALUE_FEW_ROWS, SWEEP_TOLERANCE, 
 from .callbacks import Callback, EarlyStopping, EvaluationMonitor, TrainingState
 from .dataset import Dataset
 from .derivatives import hessian_vanishes
-from .devices import (copied_codes_on_mesh, kernel_threads, mesh_platform, pad_rows_by_device, padded_size,
-                      float32_jax, replicated, row_sharding, shared_codes_on_mesh, solve_threads, training_row_mesh)
+from .devices import (copied_codes_on_mesh, float32_jax, kernel_row_ranges, kernel_threads, mesh_platform,
+                      pad_rows_by_device, padded_size, replicated, row_sharding, shared_codes_on_mesh, solve_threads,
+                      training_row_mesh)
 from .grower import GrowthParams, prunes_splits, tree_feature_slots
 from .histogram import HISTOGRAM_TARGET
 from .host_memory import collection_paused, release_free_memory, release_free_memory_after
@@ -699,6 +700,8 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
                        hessian_mode=hessian, vector_leaves=leaves, missing_values=dataset.has_missing_values,
                        shared_codes=train_rows.shared_codes,
                        kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
+                       kernel_row_ranges=kernel_row_ranges(mesh, dataset.n_features, dataset.max_bin,
+                                                           leaves is not None),
                        sample_level_columns=min(colsample_bylevel, colsample_bynode) < 1,
                        feature_slots=tree_feature_slots(colsample_bytree, dataset.n_features),
                        deterministic_histogram=bool(deterministic_histogram), prune_splits=prunes_splits(gamma),

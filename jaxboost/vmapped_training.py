@@ -24,8 +24,8 @@ import numpy as np
 from .boosting import (HESSIAN_MODES, RoundParams, RoundShape, compiled_many_rounds, histogram_buffer,
                        round_tree_template, seed_key_data, starting_value, stored_many_rounds)
 from .dataset import Dataset
-from .devices import (float32_jax, kernel_threads, many_models_meshes, model_split, replicated, replicated_in_place,
-                      row_sharding, solve_threads)
+from .devices import (float32_jax, kernel_row_ranges, kernel_threads, many_models_meshes, model_split, replicated,
+                      replicated_in_place, row_sharding, solve_threads)
 from .grower import GrowthParams, prunes_splits, tree_feature_slots
 from .host_memory import collection_paused
 from .model import Model
@@ -239,6 +239,8 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
                        mesh=mesh, hessian_mode=hessian, vector_leaves=leaves,
                        missing_values=dataset.has_missing_values, shared_codes=rows.shared_codes,
                        kernel_threads=kernel_threads(mesh, dataset.n_features, dataset.max_bin),
+                       kernel_row_ranges=kernel_row_ranges(mesh, dataset.n_features, dataset.max_bin,
+                                                           leaves is not None),
                        sample_level_columns=min(min(v["colsample_bylevel"], v["colsample_bynode"])
                                                 for v in per_model) < 1,
                        feature_slots=many_feature_slots([v["colsample_bytree"] for v in per_model], dataset.n_features),

@@ -1466,6 +1466,68 @@ def test_routing_by_gathers_reads_a_shared_table_as_a_row_at_a_time_does(monkeyp
             np.testing.assert_array_equal(results[choice][1], results["none"][1], err_msg=choice)
 
 
+@needs_native
+@pytest.mark.parametrize("max_bin,offset", [(256, 0), (64, 3)])
+@pytest.mark.parametrize("ranges", [2, 3])
+def test_kernels_that_sum_rows_in_ranges_match_numpy(max_bin, offset, ranges):
+    """With ``row_ranges``, the native kernels sum a call's rows in ranges (each of at least
+    16384 rows, and 1024 a node whose cells the call writes), each range into cells of its own
+    on XLA's CPU threads, then add them up range by range. A tree's root, a masked histogram of
+    several nodes, and a routed level (its children and its smaller children's sums) are NumPy's,
+    read from a code table shared with other rows (the local rows from column ``offset`` on),
+    with missing codes, rows of zero gradient and Hessian, fewer than 256 bins (a scratch
+    buffer's cells) and a row count no multiple of 64; routing alone (no node splits) too. The
+    ranges are summed apart (some cell differs in its last bits from the sum in one pass), and
+    two calls give the same sums bit for bit."""
+    from jaxboost.histogram import route_and_build_histogram
+
+    n_rows, n_features, num_nodes = 50_003, 5, 6
+    X_binned, node_index, gradients, hessians, level = route_case(31, n_rows, n_features, num_nodes, max_bin)
+    rng = np.random.default_rng(32)
+    X_binned[::7, 2] = max_bin - 1  # missing codes follow the default direction
+    empty = rng.uniform(size=n_rows) < 0.1
+    gradients, hessians = np.where(empty, 0.0, gradients).astype(np.float32), np.where(empty, 0.0, hessians).astype(np.float32)
+    level["splits"][:] = True
+    row_mask = rng.uniform(size=n_rows) < 0.6
+    table = rng.integers(0, max_bin, size=(n_features, offset + n_rows + 5)).astype(np.uint8)
+    table[:, offset:offset + n_rows] = X_binned.T
+    codes, g, h = jnp.asarray(table), jnp.asarray(gradients), jnp.asarray(hessians)
+    levels = {k: jnp.asarray(v) for k, v in level.items()}
+    options = dict(kernel="native", row_offset=jnp.int32(offset))
+
+    def histograms(row_ranges):
+        root = jax.jit(partial(build_histogram, num_nodes=1, max_bin=max_bin, row_ranges=row_ranges, **options))
+        masked = jax.jit(partial(build_histogram, num_nodes=num_nodes, max_bin=max_bin, row_ranges=row_ranges,
+                                 **options))
+        route = jax.jit(partial(route_and_build_histogram, max_bin=max_bin, row_ranges=row_ranges, **options))
+        child, smaller = route(codes, jnp.asarray(node_index), g, h, **levels)
+        route_only = route(codes, jnp.asarray(node_index), g, h, **levels | dict(splits=jnp.zeros(num_nodes, bool)))
+        return (np.asarray(root(codes, jnp.zeros(n_rows, jnp.int32), g, h)),
+                np.asarray(masked(codes, jnp.asarray(node_index), g, h, row_mask=jnp.asarray(row_mask))),
+                np.asarray(child), np.asarray(smaller), np.asarray(route_only[0]))
+
+    root, masked, child, smaller, routed_alone = histograms(ranges)
+    expected_child, in_smaller = naive_route(X_binned, node_index, level, max_bin)
+    np.testing.assert_array_equal(child, expected_child)
+    np.testing.assert_array_equal(routed_alone, expected_child)
+    tolerances = dict(rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(root, masked_naive_histogram(X_binned, np.zeros(n_rows, np.int32), gradients,
+                                                            hessians, None, 1, max_bin), **tolerances)
+    np.testing.assert_allclose(masked, masked_naive_histogram(X_binned, node_index, gradients, hessians, row_mask,
+                                                              num_nodes, max_bin), **tolerances)
+    np.testing.assert_allclose(smaller, masked_naive_histogram(X_binned, node_index, gradients, hessians, in_smaller,
+                                                               num_nodes, max_bin), **tolerances)
+    one_pass = histograms(1)
+    for name, in_ranges, whole, again in zip(("root", "masked", "children", "smaller", "routed alone"),
+                                             (root, masked, child, smaller, routed_alone), one_pass,
+                                             histograms(ranges)):
+        np.testing.assert_array_equal(again, in_ranges, err_msg=name)
+        if name in ("children", "routed alone"):
+            np.testing.assert_array_equal(whole, in_ranges, err_msg=name)
+        else:
+            assert not np.array_equal(whole, in_ranges), f"the {name} histogram was summed in one pass"
+
+
 @pytest.mark.parametrize("histogram_nodes", [None, 3])
 def test_route_to_children_routes_and_picks_the_smaller_childrens_rows(histogram_nodes):
     """The routing alone (a grower that builds the smaller children's histograms a few parents
