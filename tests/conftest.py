@@ -94,6 +94,15 @@ def each_kernel_simd(monkeypatch):
         yield simd
 
 
+def shard_training_rows(monkeypatch, rows_per_device: int | None = 100):
+    """Makes ``jb.train`` shard even small data's rows over the CPU devices (``rows_per_device``
+    rows a device at least; None keeps ``MIN_ROWS_PER_DEVICE``), as it does from
+    ``MIN_ROWS_SHARDED`` rows."""
+    monkeypatch.setattr(jb.devices, "MIN_ROWS_SHARDED", 0)
+    if rows_per_device is not None:
+        monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", rows_per_device)
+
+
 # For tests of two trainings that must grow the same trees: near ties in a GPU's sums may not.
 needs_repeatable_sums = pytest.mark.skipif(
     not repeatable_sums(), reason="a GPU's float atomic adds sum the rows in a varying order, so near ties may "

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import each_kernel_simd, needs_repeatable_sums
+from conftest import each_kernel_simd, needs_repeatable_sums, shard_training_rows
 
 from jaxboost import native
 from jaxboost.grower import MIN_LOSS_CHANGE, GrowthParams, grow_tree
@@ -852,7 +852,7 @@ def test_one_level_loop_grows_the_trees_of_two(monkeypatch, settings, sharded):
     if sharded:
         if jax.default_backend() != "cpu" or len(jax.devices()) < 2:
             pytest.skip("needs two CPU devices")
-        monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+        shard_training_rows(monkeypatch)
     X, y = kernel_training_data(settings)
     settings = dict(settings)
     if settings["loss"] == "softmax":
@@ -910,7 +910,7 @@ def test_a_trees_column_sample_grows_the_same_trees_when_only_its_features_are_s
     if sharded:
         if len(jax.devices()) < 2:
             pytest.skip("needs two CPU devices")
-        monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+        shard_training_rows(monkeypatch)
     X, y = kernel_training_data(settings)
     X = np.column_stack([X, np.random.default_rng(12).normal(size=(len(X), 5)).astype(np.float32)])
     boosting.clear_compiled_rounds()
@@ -1890,7 +1890,7 @@ def test_nodes_too_light_to_split_are_skipped_and_the_trees_stay_the_same(monkey
     if sharded:
         if len(jax.devices()) < 2:
             pytest.skip("needs two CPU devices")
-        monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+        shard_training_rows(monkeypatch)
     if at_once:
         for module in (split, grower):
             monkeypatch.setattr(module, "in_steps_on_cpu", lambda in_steps, all_at_once: all_at_once())

@@ -313,34 +313,45 @@ def test_package_exports_the_estimators():
 
 @pytest.mark.parametrize("estimator_class", [JaxBoostRegressor, JaxBoostClassifier])
 def test_n_jobs_sets_the_devices_of_the_fit_and_the_threads_of_predict(estimator_class, monkeypatch):
-    """n_jobs caps the host devices a fit shards its rows over and the predictor's threads (as
-    XGBoost's n_jobs caps its threads); n_jobs=0 is refused before training."""
+    """n_jobs caps the host devices a fit shards its rows over, the ranges of rows that one
+    device's kernels sum on its cores, and the predictor's threads (as XGBoost's n_jobs caps its
+    threads); n_jobs=0 is refused before training."""
     from jaxboost import devices, model, training
 
     rows = 2 * devices.MIN_ROWS_PER_DEVICE
     X, y = make_classification(n_samples=rows, n_features=6, random_state=0)
-    meshes, threads = [], []
+    meshes, ranges, threads = [], [], []
 
     def recording_mesh(*args, **kwargs):
         mesh = devices.training_row_mesh(*args, **kwargs)
         meshes.append(mesh.devices.size)
         return mesh
 
+    def recording_ranges(*args, **kwargs):
+        ranges.append(devices.kernel_row_ranges(*args, **kwargs))
+        return ranges[-1]
+
     def recording_threads(mesh, n_rows):
         threads.append(devices.predictor_threads(mesh, n_rows))
         return threads[-1]
 
     monkeypatch.setattr(training, "training_row_mesh", recording_mesh)
+    monkeypatch.setattr(training, "kernel_row_ranges", recording_ranges)
     monkeypatch.setattr(model, "predictor_threads", recording_threads)
     # Only the native predictor has threads (without the native kernels, XLA's predicts).
     predictor_threads = jb.native.feature_predictor_available()
     estimator = estimator_class(n_estimators=2, max_depth=3, n_jobs=1).fit(X, y)
     estimator.predict(X)
-    assert meshes == [1] and (set(threads) == {1} if predictor_threads else not threads), (meshes, threads)
+    assert meshes == [1] and ranges == [1], (meshes, ranges)
+    assert set(threads) == {1} if predictor_threads else not threads, threads
     if min(len(jax.devices("cpu")), jb.available_cpu_cores()) >= 2 and jax.default_backend() == "cpu":
-        meshes.clear()
-        threads.clear()
-        clone(estimator).set_params(n_jobs=None).fit(X, y).predict(X)
-        assert meshes == [2] and (set(threads) == {2} if predictor_threads else not threads), (meshes, threads)
+        for sharded_from, expected_meshes, expected_ranges in ((devices.MIN_ROWS_SHARDED, [1], [2]), (rows, [2], [1])):
+            monkeypatch.setattr(devices, "MIN_ROWS_SHARDED", sharded_from)
+            meshes.clear()
+            ranges.clear()
+            threads.clear()
+            clone(estimator).set_params(n_jobs=None).fit(X, y).predict(X)
+            assert meshes == expected_meshes and ranges == expected_ranges, (meshes, ranges)
+            assert set(threads) == {2} if predictor_threads else not threads, threads
     with pytest.raises(ValueError, match="n_jobs must be"):
         clone(estimator).set_params(n_jobs=0).fit(X, y)

@@ -19,7 +19,8 @@ import jaxboost as jb
 from jaxboost import boosting
 from jaxboost.derivatives import gradients_and_hessians
 
-from conftest import Lowering, assert_same_training, needs_repeatable_sums, repeatable_sums, round_shape_and_arguments
+from conftest import (Lowering, assert_same_training, needs_repeatable_sums, repeatable_sums,
+                      round_shape_and_arguments, shard_training_rows)
 
 # Most tests share one shape (1000 rows -> one padded bucket, 5 features, depth 4) so the
 # compiled round is reused across them.
@@ -147,6 +148,7 @@ def test_a_custom_loss_finds_its_zero_hessians_with_the_rounds_derivatives(monke
 
     n_rows = 70_000
     assert row_mesh(n_rows).size == 2
+    shard_training_rows(monkeypatch, rows_per_device=None)
     rng = np.random.default_rng(6)
     X = rng.normal(size=(n_rows, 3)).astype(np.float32)
     y = (0.1 * rng.normal(size=n_rows)).astype(np.float32)
@@ -246,11 +248,14 @@ def test_softmax_predicts_class_probabilities():
     assert model.predict_raw(X).shape == (N_ROWS, 3)
 
 
-@pytest.mark.parametrize("n_rows", [N_ROWS, 90_000])  # one device; rows sharded over two
-def test_fits_with_eval_sets_trace_their_round_once(n_rows, monkeypatch):
+@pytest.mark.parametrize("n_rows, sharded", [(N_ROWS, False), (90_000, False), (90_000, True)])
+def test_fits_with_eval_sets_trace_their_round_once(n_rows, sharded, monkeypatch):
     """Eval sets' arrays are committed to the mesh as the round's outputs are: the second
     round takes the first's eval predictions without a new trace (and compile), in ``train``
-    and in ``train_many``, and a second fit reuses the program."""
+    and in ``train_many``, and a second fit reuses the program: on one device (with 90k rows,
+    its kernels sum them in ranges) and with rows sharded over two."""
+    if sharded:
+        shard_training_rows(monkeypatch, rows_per_device=None)
     X, y = _regression_data(seed=6, n=n_rows)
     X_eval, y_eval = _regression_data(seed=7, n=500)
     traces = []
@@ -366,12 +371,15 @@ def _split_round_grows_the_model_of_one(X, y, settings: dict, monkeypatch) -> li
 @pytest.mark.parametrize("n_rows, settings", [
     (N_ROWS, dict(loss="logistic", subsample=0.7, colsample_bynode=0.6, eval_metric=["logloss", "auc", "loss"])),
     (N_ROWS, dict(loss="softmax", multi_strategy="multi_output_tree", hessian="floor", hessian_floor=0.05)),
-    (90_000, dict(loss="squared_error", max_depth=6)),  # rows sharded over two devices
+    (90_000, dict(loss="squared_error", max_depth=6, sharded=True)),  # rows sharded over two devices
 ])
 def test_a_round_of_several_programs_grows_the_model_of_one(n_rows, settings, monkeypatch):
     """A round without a leaf refit runs as two programs (the loss's derivatives, the trees with
     the eval sets' predictions and metrics), or three where a metric is the loss itself: it grows
     the model, and the eval histories, of the same round compiled as one program."""
+    settings = dict(settings)
+    if settings.pop("sharded", False):
+        shard_training_rows(monkeypatch, rows_per_device=None)
     X, y = _binary_data(seed=4, n=n_rows)
     if settings["loss"] == "softmax":
         y = np.digitize(X[:, 0] + X[:, 1], [-0.5, 0.5]).astype(np.float32)
@@ -622,7 +630,7 @@ def test_a_new_refit_loss_compiles_its_derivatives_and_refit_but_not_the_trees(m
     (dict(loss="gaussian_nll", hessian="constant", multi_strategy="multi_output_tree", leaf_refit=True,
           eval_metric="loss"), 1),
 ])
-def test_a_refit_round_is_compiled_ahead_and_once(settings, trees_programs):
+def test_a_refit_round_is_compiled_ahead_and_once(settings, trees_programs, monkeypatch):
     """A refit round's programs are compiled before its first call, the refit beside the trees
     (in the compiling thread), for the shapes the trees' program gives it (a sharding or dtype
     off would compile it again in the call): a custom loss whose zero Hessians at the start
@@ -630,6 +638,7 @@ def test_a_refit_round_is_compiled_ahead_and_once(settings, trees_programs):
     round), one whose trace foretells it, and vector leaves refit on a built-in."""
     import threading
 
+    shard_training_rows(monkeypatch, rows_per_device=None)
     X, y = _regression_data(seed=9, n=50_000)  # rows sharded over two devices
     compiles = []
 
@@ -1044,9 +1053,10 @@ def test_rounds_donate_raw_predictions_and_read_row_indices_only_when_sampling(m
 @pytest.mark.parametrize("n_rows, settings", [
     (N_ROWS, dict(loss="softmax", max_depth=7)),  # three trees a round share the buffer
     (N_ROWS, dict(loss="softmax", max_depth=7, multi_strategy="multi_output_tree")),
-    (90_000, dict(loss="squared_error", max_depth=8)),  # rows (and the buffer) sharded over two devices
+    (90_000, dict(loss="squared_error", max_depth=8, sharded=True)),  # rows (and the buffer) sharded over two devices
+    (90_000, dict(loss="squared_error", max_depth=6)),  # one device, its rows summed in ranges
     (N_ROWS, dict(loss="softmax", max_depth=4)),  # the shallow loop's buffer
-    (90_000, dict(loss="squared_error", max_depth=6, multi_strategy="multi_output_tree")),
+    (90_000, dict(loss="squared_error", max_depth=6, multi_strategy="multi_output_tree", sharded=True)),
 ])
 @needs_repeatable_sums  # on an H100 two zeroed fits of softmax at depth 7 differed in a split
 def test_trees_never_read_what_their_histogram_buffer_held(n_rows, settings, monkeypatch):
@@ -1058,6 +1068,9 @@ def test_trees_never_read_what_their_histogram_buffer_held(n_rows, settings, mon
     zeroed buffer, bit for bit."""
     from jaxboost import boosting, training
 
+    settings = dict(settings)
+    if settings.pop("sharded", False):
+        shard_training_rows(monkeypatch, rows_per_device=None)
     X, y = _regression_data(seed=8, n=n_rows)
     if settings["loss"] == "softmax":
         y = np.digitize(y, [-1.0, 1.0]).astype(np.float32)
@@ -1301,7 +1314,7 @@ def test_rows_sharded_over_devices_match_one_device(monkeypatch):
     for loss, features, extra in [("squared_error", X, {}), ("absolute_error", X, {}), ("squared_error", X_even, {}),
                                   ("squared_error", X, dict(subsample=0.8, num_rounds=3))]:
         single = jb.train(features, y, loss=loss, **settings | extra)
-        monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+        shard_training_rows(monkeypatch)
         sharded = jb.train(features, y, loss=loss, **settings | extra)
         sharded_prediction = sharded.predict(features)
         monkeypatch.undo()
@@ -1324,7 +1337,7 @@ def test_eval_metrics_of_rows_sharded_over_devices_match_the_model(monkeypatch):
     the model's own predictions after that round, in ``train`` and in ``train_many``."""
     if len(jax.devices()) < 2:
         pytest.skip("needs two CPU devices")
-    monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+    shard_training_rows(monkeypatch)
     X, y = _binary_data()
     X_eval, y_eval = _binary_data(seed=3, n=301)
     settings = dict(loss="logistic", num_rounds=6, max_depth=DEPTH, learning_rate=0.3,
@@ -1386,7 +1399,7 @@ def test_wide_data_trains_on_one_device_with_kernel_threads(monkeypatch):
     X, y = _regression_data()
     n_rows, n_features = X.shape
     settings = dict(COMMON, max_bin=64)
-    monkeypatch.setattr(jb.devices, "MIN_ROWS_PER_DEVICE", 100)
+    shard_training_rows(monkeypatch)
     sharded = jb.train(X, y, **settings)
     sharded_mesh = row_mesh(n_rows, n_features, 64)
     assert kernel_threads(sharded_mesh, n_features, 64) == 1
@@ -1612,6 +1625,38 @@ def test_rows_are_padded_by_device_and_placed_in_place(n_devices, monkeypatch):
 
 
 @cpu_devices_only
+def test_rows_below_the_sharding_threshold_train_on_one_device_in_ranges_of_rows(monkeypatch):
+    """Below ``MIN_ROWS_SHARDED`` rows a fit stays on one device, and its kernels sum the rows in
+    ranges, one a core (vector leaves, whose channels are summed in one pass, in one range). The
+    sums depend on the number of ranges alone, not on the threads that ran them: a second fit
+    grows the model bit for bit, and so does ``train_many`` (its models split over the cores,
+    each running its ranges on whatever thread is free), as it does for sharded rows."""
+    from jaxboost import devices
+
+    cores = min(len(jax.local_devices()), jb.available_cpu_cores())
+    if cores < 2:
+        pytest.skip("needs two CPU devices and two cores")
+    rng = np.random.default_rng(13)
+    n_rows = 40_000
+    assert n_rows < devices.MIN_ROWS_SHARDED
+    X = rng.normal(size=(n_rows, 5)).astype(np.float32)
+    y = (X[:, 0] - X[:, 2] + rng.normal(size=n_rows) > 0).astype(np.float32)
+    settings = dict(loss="logistic", max_depth=4)
+    with monkeypatch.context() as stop:
+        shape, _ = round_shape_and_arguments(stop, X, y, **settings)
+    settings["num_rounds"] = 5
+    assert shape.mesh.devices.size == 1 and shape.kernel_row_ranges == cores
+    with monkeypatch.context() as stop:
+        shape, _ = round_shape_and_arguments(stop, X, np.digitize(X[:, 1], [0.0]).astype(np.float32),
+                                             loss="softmax", num_outputs=2, multi_strategy="multi_output_tree")
+    assert shape.kernel_row_ranges == 1
+    first = jb.train(X, y, learning_rate=0.3, **settings).predict_raw(X)
+    assert_same_training(jb.train(X, y, learning_rate=0.3, **settings).predict_raw(X), first)
+    many = jb.train_many(X, y, batch={"learning_rate": [0.3, 0.1]}, **settings)
+    assert_same_training(many[0].predict_raw(X), first)
+
+
+@cpu_devices_only
 @pytest.mark.skipif(jb.native.native_target(jb.histogram.HISTOGRAM_TARGET) is None,
                     reason="the shared code table is read by the native kernels only")
 def test_cpu_devices_share_the_datasets_code_table_and_grow_the_same_trees(monkeypatch):
@@ -1643,6 +1688,7 @@ def test_cpu_devices_share_the_datasets_code_table_and_grow_the_same_trees(monke
     np.testing.assert_array_equal(np.asarray(rows.row_offsets_device), starts)
 
     settings = dict(loss="logistic", num_rounds=4, max_depth=4, subsample=0.8, seed=3)
+    shard_training_rows(monkeypatch, rows_per_device=None)
     shared = jb.train(dataset, **settings)
     monkeypatch.setattr(training, "native_target", lambda name: None)  # the layout choice only
     copied_rows = training._DeviceRows(dataset, resolved, mesh, margin=None, base_score=None)
