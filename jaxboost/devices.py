@@ -383,10 +383,13 @@ def is_wide(n_features: int, max_bin: int) -> bool:
     return n_features * max_bin * 2 * 4 > WIDE_NODE_BYTES
 
 
-def training_row_mesh(n_rows: int, n_features: int, max_bin: int) -> Mesh:
+def training_row_mesh(n_rows: int, n_features: int, max_bin: int, rows_in_ranges: bool = True) -> Mesh:
     """``row_mesh`` for training, which warns once a process when the rows, enough for two
     devices, train on the only device of a multi-core CPU (JAX started before jaxboost could
-    give it one device per core)."""
+    give it one device per core). On CPU, fewer than ``MIN_ROWS_SHARDED`` rows train on one
+    device, whose kernels sum them in ranges, unless ``rows_in_ranges`` is False (vector leaves,
+    whose channels are summed in one pass: they are sharded from ``MIN_ROWS_PER_DEVICE`` rows a
+    device)."""
     global _warned_single_device
     devices = jax.local_devices()
     # The cores are counted last (a system call, and the cgroup files once).
@@ -396,7 +399,7 @@ def training_row_mesh(n_rows: int, n_features: int, max_bin: int) -> Mesh:
         warn_caller("jaxboost is training on one CPU device of a multi-core machine, so the histogram "
                     "kernel uses one core; call jaxboost.use_cpu_cores() before JAX starts (or import "
                     "jaxboost first) to use them all", RuntimeWarning)
-    if devices[0].platform == "cpu" and n_rows < MIN_ROWS_SHARDED:
+    if devices[0].platform == "cpu" and rows_in_ranges and n_rows < MIN_ROWS_SHARDED:
         return _row_mesh_of(tuple(devices[:1]))
     return row_mesh(n_rows, n_features, max_bin)
 
@@ -493,19 +496,22 @@ def float32_jax(function):
     return in_32_bits
 
 
-def many_models_meshes(n_rows: int, n_features: int, max_bin: int, models: int) -> tuple[Mesh, Mesh | None]:
-    """``train_many``'s meshes: ``(rows, models)``. The rows' is ``row_mesh``'s, and the models
-    run one after another on it (``models`` None), except on a CPU of several cores where the
-    rows train on one device (few rows) with kernels of one thread (not wide data): there the
+def many_models_meshes(n_rows: int, n_features: int, max_bin: int, models: int,
+                       rows_in_ranges: bool = True) -> tuple[Mesh, Mesh | None]:
+    """``train_many``'s meshes: ``(rows, models)``. The rows' is ``training_row_mesh``'s
+    (``rows_in_ranges`` as there), and the models run one after another on it (``models``
+    None), except on a CPU of several cores where the rows train on one device (fewer than
+    ``MIN_ROWS_SHARDED``) and the histogram kernel takes no threads (not wide data): there the
     models are split over a mesh of one device per core, each looping over its share (axes
-    ``(MODEL_AXIS, ROW_AXIS)``, the rows' of size 1), instead of leaving the other cores idle
-    (16 models of 4k x 20 rows on 2 cores: 1.7-1.9 -> 1.0-1.1 s).
+    ``(MODEL_AXIS, ROW_AXIS)``, the rows' of size 1), rather than each model sharing the cores
+    by its kernels' ranges of rows (16 models of 4k x 20 rows on 2 cores: 1.7-1.9 -> 1.0-1.1 s
+    against one loop). A model's kernels still sum the ranges ``jb.train``'s do (each on the
+    thread that runs it, when the others are busy), so it equals ``jb.train``'s model bit for
+    bit.
 
-    Rows that ``row_mesh`` shards stay sharded: each model then sums its rows as ``jb.train``
-    does, and equals its model bit for bit. (Keeping each model's rows on one device and
-    splitting the models would have been faster, 16 models of 80k rows 5.2 -> 3.6 s, but sums
-    in another order, so near ties could split another way than ``jb.train``'s.)"""
-    rows_mesh = training_row_mesh(n_rows, n_features, max_bin)
+    Rows that ``training_row_mesh`` shards stay sharded: each model then sums its rows as
+    ``jb.train`` does, and equals its model bit for bit too."""
+    rows_mesh = training_row_mesh(n_rows, n_features, max_bin, rows_in_ranges)
     if (models < 2 or rows_mesh.devices.size != 1 or mesh_platform(rows_mesh) != "cpu"
             or kernel_threads(rows_mesh, n_features, max_bin) > 1):
         return rows_mesh, None

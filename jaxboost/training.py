@@ -647,7 +647,7 @@ def train(data, y=None, *, loss="squared_error", loss_params: dict | None = None
     if init_model is not None and init_model.params.get("multi_strategy", "one_output_per_tree") != multi_strategy:
         raise ValueError(f"init_model was trained with multi_strategy="
                          f"{init_model.params.get('multi_strategy', 'one_output_per_tree')!r}; continue it with the same")
-    mesh = training_row_mesh(dataset.n_rows, dataset.n_features, dataset.max_bin)
+    mesh = training_row_mesh(dataset.n_rows, dataset.n_features, dataset.max_bin, rows_in_ranges=leaves is None)
     if leaves is not None:
         leaves = dataclasses.replace(leaves, solve_threads=solve_threads(mesh))
     margin = check_base_margin(dataset.base_margin, dataset.n_rows, K)

@@ -96,11 +96,6 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     dataset = _as_dataset(data, y, None, max_bin, None)
     if dataset.y is None:
         raise ValueError("training needs labels: pass y, or a Dataset built with y")
-    mesh, split = many_models_meshes(dataset.n_rows, dataset.n_features, dataset.max_bin, M)
-    # Split over cores, the models run in equal shares: the last is filled up with copies of the
-    # first model, whose results are dropped.
-    M_run = M if split is None else -(-M // split.devices.shape[0]) * split.devices.shape[0]
-
     loss_names = [name for name in batch if name not in BATCHABLE]
     per_model = []
     for k in range(M):
@@ -113,11 +108,16 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
         per_model.append(values)
     model_loss_params = [{**(loss_params or {}), **{name: float(np.atleast_1d(batch[name])[k]) for name in loss_names}}
                          for k in range(M)]
-    per_model += [per_model[0]] * (M_run - M)
-    model_loss_params += [model_loss_params[0]] * (M_run - M)
     resolved = resolve_loss(loss, dataset.y, num_outputs, link, model_loss_params[0])
     objective = resolved.objective
     K = objective.num_outputs
+    mesh, split = many_models_meshes(dataset.n_rows, dataset.n_features, dataset.max_bin, M,
+                                     rows_in_ranges=multi_strategy == "one_output_per_tree" or K == 1)
+    # Split over cores, the models run in equal shares: the last is filled up with copies of the
+    # first model, whose results are dropped.
+    M_run = M if split is None else -(-M // split.devices.shape[0]) * split.devices.shape[0]
+    per_model += [per_model[0]] * (M_run - M)
+    model_loss_params += [model_loss_params[0]] * (M_run - M)
     for values in model_loss_params[1:]:
         _check_loss_parameters(objective.loss, values, objective.vector_output, K, dataset.y[:1].astype(resolved.label_dtype)[0])
     stacked_loss_params = {name: jnp.asarray([values[name] for values in model_loss_params], jnp.float32)

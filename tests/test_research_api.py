@@ -560,8 +560,8 @@ def test_train_many_on_few_rows_splits_the_models_over_the_cores(monkeypatch, re
     splits = []
     original = vmapped_training.many_models_meshes
 
-    def recorded(*args):
-        meshes = original(*args)
+    def recorded(*args, **kwargs):
+        meshes = original(*args, **kwargs)
         splits.append(meshes[1])
         return meshes
 
@@ -572,8 +572,8 @@ def test_train_many_on_few_rows_splits_the_models_over_the_cores(monkeypatch, re
         monkeypatch.setattr(vmapped_training, "many_models_meshes", recorded)
         split = jb.train_many(X, y, **common)
         monkeypatch.setattr(vmapped_training, "many_models_meshes",
-                            lambda n_rows, n_features, max_bin, models: (devices.row_mesh(n_rows, n_features, max_bin),
-                                                                        None))
+                            lambda n_rows, n_features, max_bin, models, rows_in_ranges: (
+                                devices.row_mesh(n_rows, n_features, max_bin), None))
         looped = jb.train_many(X, y, **common)
     finally:
         boosting.compiled_many_rounds.cache_clear()

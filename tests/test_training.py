@@ -1627,17 +1627,18 @@ def test_rows_are_padded_by_device_and_placed_in_place(n_devices, monkeypatch):
 @cpu_devices_only
 def test_rows_below_the_sharding_threshold_train_on_one_device_in_ranges_of_rows(monkeypatch):
     """Below ``MIN_ROWS_SHARDED`` rows a fit stays on one device, and its kernels sum the rows in
-    ranges, one a core (vector leaves, whose channels are summed in one pass, in one range). The
-    sums depend on the number of ranges alone, not on the threads that ran them: a second fit
-    grows the model bit for bit, and so does ``train_many`` (its models split over the cores,
-    each running its ranges on whatever thread is free), as it does for sharded rows."""
+    ranges, one a core; vector leaves, whose channels are summed in one pass, are sharded from
+    ``MIN_ROWS_PER_DEVICE`` rows a device instead, in one range. The sums depend on the number
+    of ranges alone, not on the threads that ran them: a second fit grows the model bit for
+    bit, and so does ``train_many`` (its models split over the cores, each running its ranges on
+    whatever thread is free), as it does for sharded rows."""
     from jaxboost import devices
 
     cores = min(len(jax.local_devices()), jb.available_cpu_cores())
     if cores < 2:
         pytest.skip("needs two CPU devices and two cores")
     rng = np.random.default_rng(13)
-    n_rows = 40_000
+    n_rows = 2 * devices.MIN_ROWS_PER_DEVICE + 1000
     assert n_rows < devices.MIN_ROWS_SHARDED
     X = rng.normal(size=(n_rows, 5)).astype(np.float32)
     y = (X[:, 0] - X[:, 2] + rng.normal(size=n_rows) > 0).astype(np.float32)
@@ -1649,7 +1650,7 @@ def test_rows_below_the_sharding_threshold_train_on_one_device_in_ranges_of_rows
     with monkeypatch.context() as stop:
         shape, _ = round_shape_and_arguments(stop, X, np.digitize(X[:, 1], [0.0]).astype(np.float32),
                                              loss="softmax", num_outputs=2, multi_strategy="multi_output_tree")
-    assert shape.kernel_row_ranges == 1
+    assert shape.mesh.devices.size == 2 and shape.kernel_row_ranges == 1
     first = jb.train(X, y, learning_rate=0.3, **settings).predict_raw(X)
     assert_same_training(jb.train(X, y, learning_rate=0.3, **settings).predict_raw(X), first)
     many = jb.train_many(X, y, batch={"learning_rate": [0.3, 0.1]}, **settings)
