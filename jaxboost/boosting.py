@@ -618,8 +618,8 @@ def _grow_scalar_trees(shape: RoundShape, growth: GrowthParams, X_binned_T, row_
             derived_keys(tree_key, output, 1)[0], growth, shape.max_depth, shape.max_bin, ROW_AXIS,
             shape.sample_level_columns, missing_values=shape.missing_values, row_offset=row_offset,
             histogram_buffer=histogram_buffer, kernel_threads=shape.kernel_threads,
-            kernel_row_ranges=shape.kernel_row_ranges, feature_slots=shape.feature_slots, deterministic_histogram=shape.deterministic_histogram,
-            prune_splits=shape.prune_splits)
+            kernel_row_ranges=shape.kernel_row_ranges, feature_slots=shape.feature_slots,
+            deterministic_histogram=shape.deterministic_histogram, prune_splits=shape.prune_splits)
         return histogram_buffer, GrownTrees(tree, row_leaves, bounds)
 
     # The K trees one after the other, each growing in the buffer the last one left.

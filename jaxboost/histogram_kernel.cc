@@ -1057,8 +1057,9 @@ int64_t RangesOfRows(int64_t n_rows, int64_t written_nodes, int64_t row_ranges) 
   return std::max<int64_t>(1, std::min(row_ranges, n_rows / per_range));
 }
 
-// Row `r`'s range of `ranges` starts here: a multiple of 64 rows, so that a range's codes start
-// as aligned as the table's (the gathers read the aligned word that holds a code).
+// The first row of range `r` of `ranges` (`n_rows` for r == ranges): a multiple of 64, so that
+// a range's codes start as aligned as the table's (the gathers read the aligned word that
+// holds a code).
 int64_t RangeStart(int64_t n_rows, int64_t ranges, int64_t r) {
   return r == ranges ? n_rows : std::min(n_rows, n_rows * r / ranges / 64 * 64);
 }
@@ -1114,7 +1115,8 @@ void RunRanges(ffi::ThreadPool* pool, int64_t ranges, const std::function<void(i
 // own rows: it reads a row's node before it writes the row's child, as one thread does.
 void AccumulateRowRanges(const HistogramProblem& problem, int64_t ranges, ffi::ThreadPool* pool,
                          const std::vector<int64_t>& written) {
-  const size_t cells = static_cast<size_t>(problem.num_nodes * problem.out_features * kCodeSlots * problem.cells.width);
+  const size_t cells =
+      static_cast<size_t>(problem.num_nodes * problem.out_features * kCodeSlots * problem.cells.width);
   std::vector<HistogramProblem> parts(ranges, problem);
   std::vector<std::unique_ptr<float[]>> own_cells(ranges);
   for (int64_t r = 0; r < ranges; ++r) {

@@ -1486,7 +1486,8 @@ def test_kernels_that_sum_rows_in_ranges_match_numpy(max_bin, offset, ranges):
     rng = np.random.default_rng(32)
     X_binned[::7, 2] = max_bin - 1  # missing codes follow the default direction
     empty = rng.uniform(size=n_rows) < 0.1
-    gradients, hessians = np.where(empty, 0.0, gradients).astype(np.float32), np.where(empty, 0.0, hessians).astype(np.float32)
+    gradients = np.where(empty, 0.0, gradients).astype(np.float32)
+    hessians = np.where(empty, 0.0, hessians).astype(np.float32)
     level["splits"][:] = True
     row_mask = rng.uniform(size=n_rows) < 0.6
     table = rng.integers(0, max_bin, size=(n_features, offset + n_rows + 5)).astype(np.uint8)
