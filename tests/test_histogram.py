@@ -1244,14 +1244,16 @@ def test_native_kernels_sum_only_the_features_used(max_bin, threads, feature_maj
         np.testing.assert_array_equal(result[:, :n_features][:, ~used], 0.0)
 
 
-@pytest.mark.parametrize("kernel,max_bin,threads,feature_major", [
-    ("native", 256, 1, False), ("native", 256, 2, True), ("native", 64, 2, False),  # 64 bins: the scratch copy
-    ("xla", 256, 1, False)])
-def test_compact_histograms_hold_the_features_used_in_feature_order(kernel, max_bin, threads, feature_major):
+@pytest.mark.parametrize("kernel,max_bin,threads,feature_major,row_ranges", [
+    ("native", 256, 1, False, 1), ("native", 256, 2, True, 1), ("native", 64, 2, False, 1),  # 64 bins: the scratch copy
+    ("native", 256, 1, False, 2), ("native", 64, 1, False, 2), ("xla", 256, 1, False, 1)])
+def test_compact_histograms_hold_the_features_used_in_feature_order(kernel, max_bin, threads, feature_major,
+                                                                    row_ranges):
     """With fewer feature slots (``result_features``) than features, the kernels write the
     features of ``features_used`` into the first slots, in feature order, and zeros past them
     (a tree's column sample): the root's pass, a masked build, a routed level's smaller
-    children and the channel kernel's cells, against NumPy sums of every feature."""
+    children and the channel kernel's cells, against NumPy sums of every feature; with the
+    rows summed in ranges too (the channel kernel takes none)."""
     from jaxboost.histogram import build_channels_histogram, statistic_pairs
     if kernel == "native" and not (NATIVE_AVAILABLE and jax.default_backend() == "cpu"):
         pytest.skip("native kernel not built here, or JAX's default backend is not the CPU")
@@ -1268,10 +1270,12 @@ def test_compact_histograms_hold_the_features_used_in_feature_order(kernel, max_
     split_level = [jnp.asarray(level[k]) for k in ("split_feature", "split_threshold_bin", "split_default_left",
                                                    "splits", "left_is_smaller")]
     g, h = jnp.asarray(gradients), jnp.asarray(hessians)
-    root = jax.jit(lambda: build_histogram(X_T, jnp.zeros_like(nodes), g, h, 1, max_bin, **options))()
+    root = jax.jit(lambda: build_histogram(X_T, jnp.zeros_like(nodes), g, h, 1, max_bin, row_ranges=row_ranges,
+                                           **options))()
     masked = jax.jit(lambda: build_histogram(X_T, nodes, g, h, num_nodes, max_bin, jnp.asarray(row_mask),
-                                             **options))()
-    _, smaller = jax.jit(lambda: route_and_build_histogram(X_T, nodes, g, h, *split_level, max_bin, **options))()
+                                             row_ranges=row_ranges, **options))()
+    _, smaller = jax.jit(lambda: route_and_build_histogram(X_T, nodes, g, h, *split_level, max_bin,
+                                                           row_ranges=row_ranges, **options))()
     channels = jax.jit(lambda: build_channels_histogram(X_T, nodes, statistic_pairs(jnp.asarray(statistics)),
                                                         num_nodes, max_bin, jnp.asarray(row_mask), **options))()
 
