@@ -1064,6 +1064,20 @@ int64_t RangeStart(int64_t n_rows, int64_t ranges, int64_t r) {
   return r == ranges ? n_rows : std::min(n_rows, n_rows * r / ranges / 64 * 64);
 }
 
+// Range `r` of `ranges` of the rows of `problem`: its row arrays from the range's first row on.
+HistogramProblem RowRange(const HistogramProblem& problem, int64_t ranges, int64_t r) {
+  const int64_t begin = RangeStart(problem.n_rows, ranges, r);
+  HistogramProblem part = problem;
+  part.codes += begin;
+  part.node_of_row += begin;
+  part.gradients += begin;
+  part.hessians += begin;
+  if (problem.row_mask != nullptr) part.row_mask += begin;
+  if (problem.child_of_row != nullptr) part.child_of_row += begin;
+  part.n_rows = RangeStart(problem.n_rows, ranges, r + 1) - begin;
+  return part;
+}
+
 // Runs task(r) for every r in [0, ranges): on the calling thread, and on as many of XLA's CPU
 // threads (its intra-op pool, where the other ops of a program run) as are free to help. The
 // tasks are claimed one at a time, so a helper that starts late takes what is left, and one that
@@ -1117,18 +1131,10 @@ void AccumulateRowRanges(const HistogramProblem& problem, int64_t ranges, ffi::T
                          const std::vector<int64_t>& written) {
   const size_t cells =
       static_cast<size_t>(problem.num_nodes * problem.out_features * kCodeSlots * problem.cells.width);
-  std::vector<HistogramProblem> parts(ranges, problem);
+  std::vector<HistogramProblem> parts;
   std::vector<std::unique_ptr<float[]>> own_cells(ranges);
   for (int64_t r = 0; r < ranges; ++r) {
-    const int64_t begin = RangeStart(problem.n_rows, ranges, r);
-    HistogramProblem& part = parts[r];
-    part.codes = problem.codes + begin;
-    part.node_of_row = problem.node_of_row + begin;
-    part.gradients = problem.gradients + begin;
-    part.hessians = problem.hessians + begin;
-    if (problem.row_mask != nullptr) part.row_mask = problem.row_mask + begin;
-    if (problem.child_of_row != nullptr) part.child_of_row = problem.child_of_row + begin;
-    part.n_rows = RangeStart(problem.n_rows, ranges, r + 1) - begin;
+    HistogramProblem& part = parts.emplace_back(RowRange(problem, ranges, r));
     if (r > 0) {
       own_cells[r].reset(new float[cells]);  // the passes zero the written cells first
       part.hist = own_cells[r].get();
@@ -1415,12 +1421,7 @@ ffi::Error RouteHistogramImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, 
     // cell is written (`WritesNode`); in ranges of rows, each its own.
     const int64_t ranges = RangesOfRows(n_rows, 0, row_ranges);
     RunRanges(&pool, ranges, [&](int64_t r) {
-      const int64_t begin = RangeStart(n_rows, ranges, r);
-      HistogramProblem part = problem;
-      part.codes += begin;
-      part.node_of_row += begin;
-      part.child_of_row += begin;
-      part.n_rows = RangeStart(n_rows, ranges, r + 1) - begin;
+      const HistogramProblem part = RowRange(problem, ranges, r);
       int64_t first = 0;
 #ifdef JAXBOOST_X86_DISPATCH
       if (level.packed != nullptr) {

@@ -438,6 +438,12 @@ MULTI_STRATEGIES = ("one_output_per_tree", "multi_output_tree")
 MULTI_OUTPUT_HESSIANS = ("full", "diagonal")
 
 
+def grows_vector_leaves(multi_strategy: str, num_outputs: int) -> bool:
+    """Whether ``multi_strategy`` grows one tree of vector leaves for ``num_outputs`` outputs (one
+    output: a vector leaf is a scalar leaf)."""
+    return multi_strategy != "one_output_per_tree" and num_outputs > 1
+
+
 def vector_leaves(multi_strategy: str, multi_output_hessian: str, num_outputs: int, regularizer: Regularization,
                   monotone) -> VectorLeaves | None:
     """The vector-leaf layout for ``multi_strategy`` (None: one tree per output), checked."""
@@ -445,8 +451,8 @@ def vector_leaves(multi_strategy: str, multi_output_hessian: str, num_outputs: i
         raise ValueError(f"multi_strategy must be one of {MULTI_STRATEGIES}; got {multi_strategy!r}")
     if multi_output_hessian not in MULTI_OUTPUT_HESSIANS:
         raise ValueError(f"multi_output_hessian must be one of {MULTI_OUTPUT_HESSIANS}; got {multi_output_hessian!r}")
-    if multi_strategy == "one_output_per_tree" or num_outputs == 1:
-        return None  # one output: a vector leaf is a scalar leaf
+    if not grows_vector_leaves(multi_strategy, num_outputs):
+        return None
     if monotone is not None:
         raise ValueError("monotone_constraints are not supported with multi_strategy='multi_output_tree' (a "
                          "vector leaf has no single direction to constrain); use 'one_output_per_tree'")

@@ -34,8 +34,8 @@ from .program_store import ready
 from .regularizer import Regularization, check_regularization
 from .training import (RoundTrees, _as_dataset, _check_params, _DeviceRows, _leaf_refit_needed, _raise_if_unhealthy,
                        _without_curvature, check_flag, closed_form_starting_value, distinct_labels,
-                       found_while_compiling, interaction_groups, monotone_array, positives_weighted,
-                       release_memory_now_and_then, vector_leaves)
+                       found_while_compiling, grows_vector_leaves, interaction_groups, monotone_array,
+                       positives_weighted, release_memory_now_and_then, vector_leaves)
 
 # Hyperparameters that may differ between the models, with jb.train's defaults.
 BATCHABLE = dict(learning_rate=0.1, reg_lambda=1.0, reg_alpha=0.0, gamma=0.0, min_child_weight=1.0, subsample=1.0,
@@ -112,7 +112,7 @@ def train_many(data, y=None, *, batch: dict | None = None, seeds=None, sample_we
     objective = resolved.objective
     K = objective.num_outputs
     mesh, split = many_models_meshes(dataset.n_rows, dataset.n_features, dataset.max_bin, M,
-                                     rows_in_ranges=multi_strategy == "one_output_per_tree" or K == 1)
+                                     rows_in_ranges=not grows_vector_leaves(multi_strategy, K))
     # Split over cores, the models run in equal shares: the last is filled up with copies of the
     # first model, whose results are dropped.
     M_run = M if split is None else -(-M // split.devices.shape[0]) * split.devices.shape[0]
